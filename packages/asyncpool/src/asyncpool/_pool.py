@@ -1,0 +1,293 @@
+"""GroupPool: keeps prompt groups in flight and hands a trainer whole groups in the order they complete.
+
+What it is for: an asynchronous RL trainer asks for `n` groups (a group is every sample of one prompt, the
+unit that group-baseline estimators need); the pool keeps `depth` groups running or waiting so the engines
+never drain while the trainer trains, drops groups that are too stale for the policy, backfills groups the
+trainer's filter rejects, and retries rollouts that raise.
+
+What it refuses to do: it knows nothing of engines, tokens or rewards (a sample is opaque apart from its
+`min_version`/`max_version`); it never cancels in-flight work on a version bump (partial rollout, paper
+sec. 3.1: the loss corrects mixed-version tokens); it never returns part of a group; it never lets a user
+error (a rollout or `keep` that raises) escape into the trainer; it serves one `take` caller at a time.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, fields, replace
+from typing import Any, Self
+
+logger = logging.getLogger("asyncpool")
+
+
+class PoolExhausted(Exception):
+    """Raised by `take` when the prompt source is used up and every whole group has been returned.
+
+    The `take` before it may return fewer than `n` groups (the last ones). If the prompt iterator itself
+    raised, that error is the `__cause__`.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Group[P, S]:
+    """All `group_size` samples of one prompt, in index order.
+
+    `prompt_index` is the prompt's 0-based position in the `prompts` iterable; it survives requeueing, so a
+    trainer that records the indices it trained on can resume by skipping them.
+    """
+
+    prompt: P
+    prompt_index: int
+    samples: list[S]
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version among the group's tokens (what staleness is measured on)."""
+        return min(sample.min_version for sample in self.samples)
+
+    @property
+    def max_version(self) -> int:
+        """The newest policy version among the group's tokens."""
+        return max(sample.max_version for sample in self.samples)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """Counts of groups (and rollouts for `retried`) since the pool was entered.
+
+    While the pool is open every started group is in exactly one place:
+    `started == in_flight + ready + returned + dropped_stale + filtered + failed`.
+    """
+
+    in_flight: int = 0  # groups with rollouts still running
+    ready: int = 0  # groups complete and accepted, waiting for `take`
+    started: int = 0
+    returned: int = 0  # groups handed to the trainer by `take`
+    dropped_stale: int = 0  # more than `max_lag` versions old; their prompts were requeued
+    filtered: int = 0  # rejected by `keep`
+    failed: int = 0  # a rollout raised `retries + 1` times, or `keep` raised
+    retried: int = 0  # single rollouts run again after raising
+    take_wait_s: float = 0.0  # event-loop time the trainer spent inside `take`
+
+    def metrics(self, prefix: str = "pool/") -> dict[str, float]:
+        """The counters as flat metrics, e.g. `{"pool/dropped_stale": 3, ...}`."""
+        return {prefix + field.name: getattr(self, field.name) for field in fields(self)}
+
+
+class GroupPool[P, S]:
+    """A pool of prompt groups in flight; see the package README for the full semantics.
+
+    `depth` bounds the groups the pool holds at once, running or complete-and-waiting for `take`; while
+    prompts last and nothing holds it, it holds exactly `depth`. `max_lag=0` also holds new starts from
+    the end of each `take` until the version changes (or the next `take` begins): anything started in
+    between would be stale on arrival. With `depth == n` that is strict on-policy training.
+    """
+
+    def __init__(
+        self,
+        rollout: Callable[[P, int], Awaitable[S]],
+        prompts: Iterable[P],
+        *,
+        group_size: int,
+        depth: int,
+        max_lag: int = 1,
+        keep: Callable[[Group[P, S]], bool] | None = None,
+        retries: int = 2,
+    ) -> None:
+        for name, value, low in (("group_size", group_size, 1), ("depth", depth, 1)):
+            if value < low:
+                raise ValueError(f"GroupPool needs {name} >= {low}, got {value}")
+        for name, value in (("max_lag", max_lag), ("retries", retries)):
+            if value < 0:
+                raise ValueError(f"GroupPool needs {name} >= 0, got {value}")
+        self.group_size, self.depth, self.max_lag, self.retries = group_size, depth, max_lag, retries
+        self._rollout, self._keep = rollout, keep
+        self._source: Iterator[tuple[int, P]] = enumerate(prompts)
+        self._source_done = False
+        self._source_error: Exception | None = None
+        self._requeued: deque[tuple[int, P]] = deque()  # stale groups' prompts, run before fresh ones
+        self._running: dict[asyncio.Task[Group[P, S]], int] = {}  # task -> prompt index
+        self._ready: list[Group[P, S]] = []  # completion order
+        self._version = 0
+        self._pauses = 0
+        self._wait_for_version = False  # the max_lag=0 hold between a take and the next refit
+        self._state = "new"  # -> "open" -> "closed"
+        self._changed = asyncio.Event()
+        self._stats = PoolStats()
+
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise RuntimeError("a GroupPool can be entered only once; make a new one")
+        self._state = "open"
+        self._fill()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._state = "closed"
+        tasks = list(self._running)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._changed.set()
+
+    @property
+    def version(self) -> int:
+        """The trainer's current policy version; set it after each refit (it may only grow)."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        if value < self._version:
+            raise ValueError(f"pool.version only grows: it is {self._version}, got {value}")
+        if value > self._version:
+            self._wait_for_version = False
+        self._version = value
+        for group in [group for group in self._ready if self._is_stale(group)]:
+            self._ready.remove(group)
+            self._drop_stale(group)
+        self._fill()
+        self._changed.set()
+
+    @property
+    def stats(self) -> PoolStats:
+        """A snapshot of the counters (a copy: safe to keep and log)."""
+        return replace(self._stats, in_flight=len(self._running), ready=len(self._ready))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Start no new group inside this block (e.g. around a refit); running rollouts carry on.
+
+        Blocks nest. A `take` that needs a new group to start waits for the block to end.
+        """
+        self._pauses += 1
+        try:
+            yield
+        finally:
+            self._pauses -= 1
+            self._fill()
+            self._changed.set()
+
+    async def take(self, n: int) -> list[Group[P, S]]:
+        """The first `n` groups to complete (and be neither stale nor filtered), in completion order.
+
+        Returns fewer than `n` only when the prompt source is used up; after the last group, raises
+        `PoolExhausted`.
+        """
+        if not 1 <= n <= self.depth:
+            raise ValueError(f"take(n) needs 1 <= n <= depth ({self.depth}), got {n}")
+        if self._state != "open":
+            raise RuntimeError("take() needs an open pool: use it inside `async with pool:`")
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        self._wait_for_version = False  # a caller asking again wants data at the current version
+        self._fill()
+        try:
+            while len(self._ready) < n and not self._drained():
+                self._changed.clear()
+                await self._changed.wait()
+                if self._state != "open":
+                    raise RuntimeError("the pool was closed while take() waited")
+        finally:
+            self._stats.take_wait_s += loop.time() - began
+        groups, self._ready = self._ready[:n], self._ready[n:]
+        if not groups:
+            raise PoolExhausted("the prompt source is used up and every group was returned") from (
+                self._source_error
+            )
+        self._stats.returned += len(groups)
+        self._wait_for_version = self.max_lag == 0
+        self._fill()
+        return groups
+
+    def _drained(self) -> bool:
+        return self._source_done and not self._requeued and not self._running
+
+    def _is_stale(self, group: Group[P, S]) -> bool:
+        return self._version - group.min_version > self.max_lag
+
+    def _drop_stale(self, group: Group[P, S]) -> None:
+        self._stats.dropped_stale += 1
+        self._requeued.append((group.prompt_index, group.prompt))
+
+    def _fill(self) -> None:
+        while (
+            self._state == "open"
+            and not self._pauses
+            and not self._wait_for_version
+            and len(self._running) < self.depth
+        ):
+            item = self._next_prompt()
+            if item is None:
+                return
+            index, prompt = item
+            task = asyncio.create_task(self._run_group(index, prompt), name=f"asyncpool-group-{index}")
+            self._running[task] = index
+            task.add_done_callback(self._on_done)
+            self._stats.started += 1
+
+    def _next_prompt(self) -> tuple[int, P] | None:
+        if self._requeued:
+            return self._requeued.popleft()
+        if self._source_done:
+            return None
+        try:
+            return next(self._source)
+        except StopIteration:
+            self._source_done = True
+        except Exception as err:  # a broken source ends the pool; take() names it as PoolExhausted's cause
+            logger.exception("the prompt source raised; no new prompts will be started")
+            self._source_done, self._source_error = True, err
+        return None
+
+    async def _run_group(self, index: int, prompt: P) -> Group[P, S]:
+        # A TaskGroup cancels (and awaits) the siblings of a sample that finally fails, and every
+        # sample when the pool closes, so nothing outlives the group.
+        async with asyncio.TaskGroup() as samples:
+            tasks = [samples.create_task(self._sample(index, prompt, i)) for i in range(self.group_size)]
+        return Group(prompt, index, [task.result() for task in tasks])
+
+    async def _sample(self, prompt_index: int, prompt: P, index: int) -> S:
+        for attempt in range(1, self.retries + 1):
+            try:
+                return _checked(await self._rollout(prompt, index))
+            except Exception as err:
+                self._stats.retried += 1
+                logger.warning("rollout %d of prompt %d raised on attempt %d: %r", index, prompt_index, attempt, err)
+        return _checked(await self._rollout(prompt, index))  # the last attempt: its error fails the group
+
+    def _on_done(self, task: asyncio.Task[Group[P, S]]) -> None:
+        index = self._running.pop(task)
+        if task.cancelled() or self._state != "open":  # closing: cancelled work is no outcome
+            return
+        if (err := task.exception()) is not None:
+            self._stats.failed += 1
+            logger.error("group of prompt %d dropped: a rollout failed every attempt", index, exc_info=err)
+        else:
+            self._settle(task.result())
+        self._fill()
+        self._changed.set()
+
+    def _settle(self, group: Group[P, S]) -> None:
+        # Staleness is judged before `keep`: a stale prompt is run again, never filtered away.
+        if self._is_stale(group):
+            self._drop_stale(group)
+            return
+        try:
+            kept = self._keep is None or self._keep(group)
+        except Exception:  # a filter that raises drops its group, like a failed rollout
+            self._stats.failed += 1
+            logger.exception("keep() raised for the group of prompt %d; group dropped", group.prompt_index)
+            return
+        if kept:
+            self._ready.append(group)
+        else:
+            self._stats.filtered += 1
+
+
+def _checked(sample: Any) -> Any:
+    versions = (getattr(sample, "min_version", None), getattr(sample, "max_version", None))
+    if not all(isinstance(version, int) for version in versions):
+        raise TypeError(f"rollout must return a sample with int min_version and max_version, got {sample!r}")
+    return sample

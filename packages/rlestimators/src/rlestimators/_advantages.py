@@ -1,0 +1,163 @@
+"""Advantage estimators: outcome estimators over prompt groups, and the token-level GAE and OPD.
+
+Outcome estimators map `rewards[B]` and `group_ids[B]` to `advantages[B]`; a group is every sample of one
+prompt. Group ids are arbitrary integers in any order (not necessarily contiguous or sorted); statistics are
+gathered with `torch.unique(return_inverse=True)` and `index_add_`, never a Python loop over groups. A group
+of size 1 has no baseline but itself, so its advantage is 0. Outputs carry no gradient.
+
+This module refuses to normalise over tokens: the loss side divides by one global token count (DESIGN §6).
+
+Legend: B sequences, T tokens, G distinct groups in the batch.
+"""
+
+from typing import Literal
+
+import torch
+
+from rlestimators._checks import check_bt, check_floating, check_groups
+
+EstimatorName = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp"]
+"""The names in `ESTIMATORS`; a config field of this type selects one (a test checks the two agree)."""
+
+_STD_EPS = 1e-6
+
+
+def group_index(group_ids_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense group index per sample (`inverse_B`, values in [0, G)) and the size of each group (`count_G`)."""
+    _, inverse_B = torch.unique(group_ids_B, return_inverse=True)
+    count_G = torch.bincount(inverse_B)
+    return inverse_B, count_G
+
+
+def _group_sum(values_B: torch.Tensor, inverse_B: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return values_B.new_zeros(num_groups).index_add_(0, inverse_B, values_B)
+
+
+def _centered(rewards_B: torch.Tensor, group_ids_B: torch.Tensor):
+    """r - mean_g(r), with the group index and sizes for estimators that need more statistics."""
+    check_groups(rewards_B, group_ids_B)
+    rewards_B = rewards_B.detach()
+    inverse_B, count_G = group_index(group_ids_B)
+    mean_G = _group_sum(rewards_B, inverse_B, count_G.numel()) / count_G
+    return rewards_B - mean_G[inverse_B], inverse_B, count_G
+
+
+def reinforce(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE (Williams 1992) with the group-mean baseline: A_i = r_i - mean_g(r).
+
+    A group of size 1 is its own baseline, so its advantage is 0.
+    """
+    centered_B, _, _ = _centered(rewards, group_ids)
+    return centered_B
+
+
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics", §3.3 RLOO):
+    A_i = r_i - mean_{j != i in g}(r_j), which equals n/(n-1) * (r_i - mean_g(r)) for a group of size n.
+
+    A group of size 1 has no other member, so its advantage is 0.
+    """
+    centered_B, inverse_B, count_G = _centered(rewards, group_ids)
+    # n/(n-1); the clamp only guards n == 1, where centered_B is already exactly 0.
+    scale_G = count_G / (count_G - 1).clamp(min=1)
+    return centered_B * scale_G[inverse_B].to(centered_B.dtype)
+
+
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath §4.1.2):
+    A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6), std with Bessel's correction (torch's default).
+
+    A group of size 1 has an undefined std; its advantage is 0. A group whose rewards are all equal gets 0.
+    """
+    centered_B, inverse_B, count_G = _centered(rewards, group_ids)
+    sq_sum_G = _group_sum(centered_B.square(), inverse_B, count_G.numel())
+    # Bessel: divide by n - 1; the clamp only guards n == 1, where the numerator is 0 (so adv = 0 / 1e-6 = 0).
+    std_G = (sq_sum_G / (count_G - 1).clamp(min=1)).sqrt()
+    return centered_B / (std_G[inverse_B] + _STD_EPS)
+
+
+def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.2): A_i = r_i - mean_g(r).
+
+    It drops GRPO's std division; its other half, no per-sequence length normalisation, lives on the loss
+    side: every loss here returns a token sum that the trainer divides by one global token count.
+    """
+    centered_B, _, _ = _centered(rewards, group_ids)
+    return centered_B
+
+
+def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++", §3): subtract the group mean, then divide by the
+    std over the whole batch of those group-centred values (Bessel-corrected) plus 1e-6.
+
+    The batch mean of group-centred values is exactly 0, so the global normalisation only divides. With
+    B == 1 (or only singleton groups) every centred value is 0, the std is taken as 0, and advantages are 0.
+    """
+    centered_B, _, _ = _centered(rewards, group_ids)
+    num_samples = centered_B.numel()
+    # Written out rather than `.std()`, which warns and returns NaN when B == 1.
+    std = (centered_B.square().sum() / max(num_samples - 1, 1)).sqrt()
+    return centered_B / (std + _STD_EPS)
+
+
+ESTIMATORS = {
+    "reinforce": reinforce,
+    "rloo": rloo,
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "reinforce_pp": reinforce_pp,
+}
+
+
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (Schulman et al. 2016, Eq. 16), over trainable tokens only.
+
+    The recursion A_t = delta_t + gamma * lam * A_next, delta_t = r_t + gamma * V_next - V_t steps from one
+    trainable token to the next trainable token, passing over non-trainable ones (tool output, prompt): they
+    are the environment's transition, not actions. A reward placed on a non-trainable token is added to the
+    closest trainable token before it (the action that led to it); one before any trainable token is dropped.
+    The value after the last trainable token is 0 (terminal). Returns `(advantages, returns)`, both [B, T],
+    0 on non-trainable tokens, without gradient.
+    """
+    check_bt("mask", mask, token_rewards=token_rewards, values=values)
+    check_floating(token_rewards=token_rewards, values=values)
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
+    dtype = torch.promote_types(torch.promote_types(token_rewards.dtype, values.dtype), torch.float32)
+    rewards_BT = token_rewards.detach().to(dtype)
+    values_BT = values.detach().to(dtype)
+    trainable_BT = mask != 0
+
+    num_seqs, num_tokens = mask.shape
+    adv_BT = torch.zeros_like(values_BT)
+    next_value_B = values_BT.new_zeros(num_seqs)
+    next_adv_B = values_BT.new_zeros(num_seqs)
+    carried_reward_B = values_BT.new_zeros(num_seqs)
+    for t in reversed(range(num_tokens)):
+        is_action_B = trainable_BT[:, t]
+        reward_B = rewards_BT[:, t] + carried_reward_B
+        delta_B = reward_B + gamma * next_value_B - values_BT[:, t]
+        adv_t_B = delta_B + gamma * lam * next_adv_B
+        adv_BT[:, t] = torch.where(is_action_B, adv_t_B, 0.0)
+        next_adv_B = torch.where(is_action_B, adv_t_B, next_adv_B)
+        next_value_B = torch.where(is_action_B, values_BT[:, t], next_value_B)
+        carried_reward_B = torch.where(is_action_B, 0.0, reward_B)
+    returns_BT = torch.where(trainable_BT, adv_BT + values_BT, 0.0)
+    return adv_BT, returns_BT
+
+
+def opd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation advantage (Agarwal et al. 2024, GKD; Thinking Machines 2025, "On-Policy
+    Distillation"): A_t = log pi_teacher(y_t) - log pi_student(y_t) on the student's own samples, the negative
+    per-token reverse KL. 0 on non-trainable tokens, without gradient. [B, T].
+    """
+    check_bt("mask", mask, student_logp=student_logp, teacher_logp=teacher_logp)
+    check_floating(student_logp=student_logp, teacher_logp=teacher_logp)
+    return torch.where(mask != 0, teacher_logp.detach() - student_logp.detach(), 0.0)

@@ -1,0 +1,39 @@
+"""Shared, expensive fixtures: one tiny model and one vLLM CPU server per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The seeded tiny Qwen3 model and its ChatML tokenizer, built once per session."""
+    from molt.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir, tmp_path_factory):
+    """One real vLLM (CPU build) server for the whole session, serving the tiny model."""
+    from molt.vllm_server import VLLMServer
+
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with VLLMServer(tiny_model_dir, log_path=log) as server:
+        yield server
