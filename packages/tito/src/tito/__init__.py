@@ -1,1 +1,17 @@
-"""tito."""
+"""tito: token-in/token-out capture of OpenAI and Anthropic chat traffic over vLLM engines."""
+
+from ._engines import EngineUnavailable, Generation
+from ._server import create_app
+from ._service import Session, Tito
+from ._trajectory import Capture, Segment, Trajectory
+
+__all__ = [
+    "Capture",
+    "EngineUnavailable",
+    "Generation",
+    "Segment",
+    "Session",
+    "Tito",
+    "Trajectory",
+    "create_app",
+]

@@ -1,0 +1,187 @@
+"""Anthropic messages: the request schema, its translation to messages, replies and the SSE events.
+
+Supported: `system` (a string or text blocks), text / tool_use / tool_result blocks, `tools`,
+`tool_choice`, `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `stream`. Refused with a 400:
+image blocks on this text-only path (never dropped silently), a conversation that does not start with
+a user turn, does not alternate, or ends with an assistant turn (prefill is not supported).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ._chat import ParsedReply, message_text
+from ._protocol import check_json_schema, check_tool_name
+
+__all__ = ["MessagesRequest", "message_reply", "sse", "to_messages"]
+
+STOP = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Tool(_Loose):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        return check_tool_name(name)
+
+    @field_validator("input_schema")
+    @classmethod
+    def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        return check_json_schema(schema)
+
+
+class Message(_Loose):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+    @field_validator("content")
+    @classmethod
+    def _known_blocks(cls, content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        for block in content if isinstance(content, list) else []:
+            kind = block.get("type")
+            if kind == "image":
+                raise ValueError("image blocks need a vision-language model; this model reads text only")
+            if kind not in ("text", "tool_use", "tool_result"):
+                raise ValueError(f"unsupported content block type {kind!r}")
+        return content
+
+
+class MessagesRequest(_Loose):
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stream: bool = False
+
+    @model_validator(mode="after")
+    def _alternating(self) -> MessagesRequest:
+        roles = [m.role for m in self.messages]
+        if roles[0] != "user" or roles[-1] != "user":
+            raise ValueError("messages must start and end with a user turn")
+        for position in range(1, len(roles)):
+            if roles[position] == roles[position - 1]:
+                raise ValueError(f"messages[{position}]: user and assistant turns must alternate")
+        return self
+
+    def sampling(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_tokens,
+            "stop": self.stop_sequences,
+        }
+
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and (self.tool_choice or {}).get("type") != "none"
+
+
+def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None]:
+    """Internal (OpenAI-shaped) messages and tools for the chat template."""
+    messages: list[dict] = []
+    if request.system:
+        messages.append({"role": "system", "content": message_text(request.system)})
+    for message in request.messages:
+        blocks = (
+            [{"type": "text", "text": message.content}]
+            if isinstance(message.content, str)
+            else message.content
+        )
+        if message.role == "assistant":
+            calls = [
+                {
+                    "type": "function",
+                    "id": b.get("id"),
+                    "function": {"name": b["name"], "arguments": b["input"]},
+                }
+                for b in blocks
+                if b["type"] == "tool_use"
+            ]
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": message_text(blocks),
+                    **({"tool_calls": calls} if calls else {}),
+                }
+            )
+            continue
+        for block in blocks:
+            if block["type"] == "tool_result":
+                content = block.get("content")
+                messages.append(
+                    {"role": "tool", "content": message_text(content), "tool_call_id": block["tool_use_id"]}
+                )
+        texts = [b for b in blocks if b["type"] == "text"]
+        if texts or not any(b["type"] == "tool_result" for b in blocks):
+            messages.append({"role": "user", "content": message_text(texts)})
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
+        }
+        for t in request.tools or []
+    ]
+    return messages, tools or None
+
+
+def stop_reason(
+    engine_reason: str | None, stop: int | str | None, parsed: ParsedReply
+) -> tuple[str, str | None]:
+    if isinstance(stop, str):
+        return "stop_sequence", stop
+    if parsed.tool_calls and engine_reason != "length":
+        return "tool_use", None
+    return STOP.get(engine_reason or "stop", "end_turn"), None
+
+
+def content_blocks(parsed: ParsedReply) -> list[dict]:
+    blocks: list[dict] = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    blocks += [
+        {"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
+        for c in parsed.tool_calls
+    ]
+    return blocks
+
+
+def reply_message(parsed: ParsedReply) -> dict:
+    """The assistant turn as tito remembers it, in the internal form."""
+    calls = [
+        {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in parsed.tool_calls
+    ]
+    return {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
+
+
+def message_reply(
+    model: str, parsed: ParsedReply, reason: tuple[str, str | None], counts: tuple[int, int]
+) -> dict:
+    return {
+        "id": "msg_" + secrets.token_hex(12),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(parsed),
+        "stop_reason": reason[0],
+        "stop_sequence": reason[1],
+        "usage": {"input_tokens": counts[0], "output_tokens": counts[1]},
+    }
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"

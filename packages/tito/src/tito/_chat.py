@@ -1,0 +1,173 @@
+"""From chat messages to the prompt token ids of a turn, and from sampled text back to a message.
+
+Messages arrive in one internal form (OpenAI-shaped dicts; the Anthropic route converts to it). The
+chat template is rendered here, once per request, server side. For a request that continues the
+session, only the new messages' text is tokenized, and it is appended to the session's own token
+trace, which holds the assistant turns exactly as the engine sampled them: an assistant turn is never
+re-tokenized. Whether a request continues the session is decided on messages, not on text, so an
+assistant turn whose sampled text differs from the template's rendering of it (tool-call JSON spacing,
+say) still counts as the same turn.
+
+This module refuses to guess: if the template's rendering of the known conversation is not a text
+prefix of the new rendering (a template that drops earlier reasoning, a compacted context), the request
+starts a new segment from a full render.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ChatRenderer", "ChatState", "ParsedReply", "message_text", "parse_reply"]
+
+_PROBE = "\x00tito-probe\x00"
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def message_text(content: Any) -> str:
+    """The text of a message's content: a string, a list of text parts, or None."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def _message_key(message: dict) -> tuple:
+    """What identifies a message for continuation: what the template renders, nothing else."""
+    calls = tuple(
+        (
+            call["function"]["name"],
+            json.dumps(parse_arguments(call["function"].get("arguments")), sort_keys=True),
+        )
+        for call in message.get("tool_calls") or ()
+    )
+    return message["role"], message_text(message.get("content")), calls
+
+
+def parse_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as an object where they parse (SDKs send a JSON string, we return an object)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+class ChatRenderer:
+    """The model's chat template and tokenizer, applied the one way every request uses."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+        rendered = self.render(probe, None, add_generation_prompt=False)
+        # The text the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
+        self.turn_end = rendered[rendered.index(_PROBE) + len(_PROBE) :]
+
+    def render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def closing_ids(self, sampled_ids: list[int]) -> list[int]:
+        """Tokens that end an assistant turn after what the engine sampled (e.g. "\\n" after an EOS)."""
+        tail = self.tokenizer.decode(sampled_ids[-1:], skip_special_tokens=False) if sampled_ids else ""
+        rest = self.turn_end[len(tail) :] if tail and self.turn_end.startswith(tail) else self.turn_end
+        return self.encode(rest) if rest else []
+
+
+@dataclass
+class ChatState:
+    """What a session's chat turns have covered so far, to recognise a continuation or a retry."""
+
+    messages: list[dict] = field(default_factory=list)  # last prompt messages + the reply we returned
+    tools_key: str = ""
+    closing: list[int] = field(default_factory=list)
+    last_prompt_keys: list[tuple] | None = None
+    last_prompt_ids: list[int] = field(default_factory=list)
+
+    def prompt_ids(
+        self, renderer: ChatRenderer, trace: list[int], messages: list[dict], tools: list[dict] | None
+    ) -> list[int]:
+        """The full prompt of this turn: the trace plus new tokens, or a fresh render on a rewrite."""
+        keys = [_message_key(m) for m in messages]
+        tools_key = json.dumps(tools or [], sort_keys=True)
+        if tools_key == self.tools_key and keys == self.last_prompt_keys:
+            return self.last_prompt_ids  # an identical retry: Capture drops the previous reply
+        known = [_message_key(m) for m in self.messages]
+        if tools_key == self.tools_key and known and len(keys) > len(known) and keys[: len(known)] == known:
+            old = renderer.render(self.messages, tools, add_generation_prompt=False)
+            new = renderer.render(messages, tools, add_generation_prompt=True)
+            if new.startswith(old):
+                return trace + self.closing + renderer.encode(new[len(old) :])
+        return renderer.encode(renderer.render(messages, tools, add_generation_prompt=True))
+
+    def record(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        prompt_ids: list[int],
+        reply: dict,
+        closing: list[int],
+    ) -> None:
+        """Remember the turn just served: its prompt, and the assistant message the client received."""
+        self.messages = [*messages, reply]
+        self.tools_key = json.dumps(tools or [], sort_keys=True)
+        self.closing = closing
+        self.last_prompt_keys = [_message_key(m) for m in messages]
+        self.last_prompt_ids = list(prompt_ids)
+
+
+@dataclass
+class ParsedReply:
+    """Sampled text split into plain content and tool calls ({"id", "name", "arguments": dict})."""
+
+    content: str
+    tool_calls: list[dict]
+
+
+def parse_reply(text: str, *, parse_tools: bool = True, id_prefix: str = "call_") -> ParsedReply:
+    """Split Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of `text`.
+
+    A block whose JSON does not parse, or lacks a string name or object arguments, stays in the content
+    as text: a malformed tool call is the model's output, not a server error.
+    """
+    if not parse_tools:
+        return ParsedReply(text, [])
+    calls: list[dict] = []
+    kept: list[str] = []
+    position = 0
+    for match in _TOOL_CALL.finditer(text):
+        call = _parse_call(match.group(1))
+        if call is None:
+            continue
+        kept.append(text[position : match.start()])
+        position = match.end()
+        calls.append({"id": id_prefix + secrets.token_hex(12), **call})
+    kept.append(text[position:])
+    return ParsedReply("".join(kept), calls)
+
+
+def _parse_call(body: str) -> dict | None:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"name": call["name"], "arguments": arguments}

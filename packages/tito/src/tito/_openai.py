@@ -1,0 +1,202 @@
+"""OpenAI chat completions: the request schema, its translation to messages, replies and SSE chunks.
+
+Supported: system/developer, user, assistant (with tool_calls) and tool messages; `tools` and
+`tool_choice`; `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`; `stream`
+with `stream_options.include_usage`. Refused with a 400: `n` other than 1, a role order the template
+cannot render (a tool message without a tool call before it, an assistant turn last). Unknown fields
+are ignored, as stock SDKs send many.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ._chat import ParsedReply, parse_arguments
+from ._protocol import ToolFunction, check_role_order
+
+__all__ = ["ChatRequest", "chat_chunk", "chat_completion", "to_messages"]
+
+FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+
+
+class _Loose(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Loose):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Loose):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class Tool(_Loose):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class StreamOptions(_Loose):
+    include_usage: bool = False
+
+
+class ChatRequest(_Loose):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported: a session is one trajectory; open more sessions")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
+        return [stop] if isinstance(stop, str) else stop
+
+    @model_validator(mode="after")
+    def _roles(self) -> ChatRequest:
+        check_role_order([m.role for m in self.messages], [bool(m.tool_calls) for m in self.messages])
+        return self
+
+    def sampling(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_completion_tokens or self.max_tokens,
+            "stop": self.stop,
+            "seed": self.seed,
+        }
+
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def to_messages(request: ChatRequest) -> tuple[list[dict], list[dict] | None]:
+    """Internal messages and tools for the chat template (tool-call arguments as objects)."""
+    messages = []
+    for message in request.messages:
+        entry: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": message.content,
+        }
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                {"type": "function", "id": call.id, "function": _function(call.function)}
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        messages.append(entry)
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    return messages, tools
+
+
+def _function(call: FunctionCall) -> dict:
+    return {"name": call.name, "arguments": parse_arguments(call.arguments)}
+
+
+def reply_message(parsed: ParsedReply) -> dict:
+    """The assistant message as the client receives it (and as tito remembers it)."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call["id"],
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            }
+            for call in parsed.tool_calls
+        ]
+    return message
+
+
+def finish_reason(engine_reason: str | None, parsed: ParsedReply) -> str:
+    if parsed.tool_calls and engine_reason != "length":
+        return "tool_calls"
+    return FINISH.get(engine_reason or "stop", "stop")
+
+
+def usage(num_prompt: int, num_completion: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
+
+
+def chat_completion(
+    request_id: str, model: str, parsed: ParsedReply, engine_reason: str | None, counts: tuple[int, int]
+) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": reply_message(parsed),
+                "finish_reason": finish_reason(engine_reason, parsed),
+                "logprobs": None,
+            }
+        ],
+        "usage": usage(*counts),
+    }
+
+
+def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None = None, **extra) -> str:
+    """One SSE event of a streamed completion (choices empty when only usage is sent)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    body = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def stream_tool_deltas(parsed: ParsedReply) -> list[dict]:
+    return [
+        {
+            "tool_calls": [
+                {
+                    "index": index,
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                }
+            ]
+        }
+        for index, call in enumerate(parsed.tool_calls)
+    ]

@@ -1,0 +1,116 @@
+"""What the OpenAI and Anthropic routes share: tool schema checks, role order, errors, streamed text.
+
+`TextStream` turns sampled token ids into text deltas for SSE. Text from the first `<tool_call>` on is
+held back until the turn ends, when the whole reply is parsed once; what was streamed is always a
+prefix of the final content, so a streamed and a non-streamed reply carry the same message.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+__all__ = ["ProtocolError", "TextStream", "ToolFunction", "check_role_order", "check_json_schema"]
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_TOOL_OPEN = "<tool_call>"
+
+
+class ProtocolError(Exception):
+    """A client mistake, answered in the calling protocol's error format."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+def check_tool_name(name: str) -> str:
+    if not _TOOL_NAME.match(name):
+        raise ValueError(f"tool name {name!r} must be 1-64 letters, digits, '_', '.' or '-'")
+    return name
+
+
+def check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    if schema is not None and schema.get("type", "object") != "object":
+        raise ValueError(f"a tool's parameter schema must be a JSON schema of type 'object', got {schema!r}")
+    return schema
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        return check_tool_name(name)
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_json_schema(schema)
+
+
+def check_role_order(roles: list[str], has_tool_calls: list[bool]) -> None:
+    """Refuse conversations a chat template cannot render faithfully."""
+    for position, role in enumerate(roles):
+        if role in ("system", "developer") and position != 0:
+            raise ValueError(f"messages[{position}]: a {role} message may only come first")
+        if role == "tool":
+            previous = roles[position - 1] if position else None
+            if not (previous == "tool" or (previous == "assistant" and has_tool_calls[position - 1])):
+                raise ValueError(
+                    f"messages[{position}]: a tool message must follow an assistant message with tool_calls"
+                )
+    if roles[-1] not in ("user", "tool"):
+        raise ValueError(f"the last message must be from the user or a tool, not {roles[-1]!r}")
+
+
+class TextStream:
+    """Incremental detokenization of one reply.
+
+    Text that could still turn out to be part of a stop string, or that follows the first tool-call
+    marker, is held back: stop strings never reach the client, and tool calls are parsed once at the end.
+    """
+
+    def __init__(self, tokenizer, *, stops: list[str] | None, hold_tool_calls: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tokenizer = tokenizer._tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._stops = list(stops or [])
+        self._markers = self._stops + ([_TOOL_OPEN] if hold_tool_calls else [])
+        self.text = ""
+        self.sent = 0
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add sampled tokens; return the text that may be sent now."""
+        for token_id in token_ids:
+            self.text += self._decoder.step(self._tokenizer, token_id) or ""
+        end = min([self._safe_end(marker) for marker in self._markers], default=len(self.text))
+        delta = self.text[self.sent : end] if end > self.sent else ""
+        self.sent += len(delta)
+        return delta
+
+    def finish(self, stop_reason: int | str | None) -> str:
+        """The whole reply text; vLLM counts a stop string's tokens as sampled but the text ends before it."""
+        if isinstance(stop_reason, str) and stop_reason in self._stops:
+            cut = self.text.find(stop_reason)
+            self.text = self.text[:cut] if cut >= 0 else self.text
+        return self.text
+
+    def _safe_end(self, marker: str) -> int:
+        """Where text stops being safe to send: at the marker, or before a tail that may begin it."""
+        found = self.text.find(marker, max(0, self.sent - len(marker)))
+        if found >= 0:
+            return found
+        for size in range(min(len(marker) - 1, len(self.text)), 0, -1):
+            if marker.startswith(self.text[-size:]):
+                return len(self.text) - size
+        return len(self.text)

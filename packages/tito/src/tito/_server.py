@@ -1,0 +1,232 @@
+"""The HTTP face of tito: sessions, OpenAI chat completions, Anthropic messages, trajectories.
+
+A client mistake gets a 4xx in the calling protocol's error format (Anthropic's under `/v1/messages`,
+OpenAI's elsewhere); an engine that does not answer gets a 503 for that request only. Nothing a client
+sends can end another session or lose its capture. With an API key every route but `/health` needs it
+(`Authorization: Bearer KEY` or `x-api-key: KEY`); without one, a session id (128-bit random) is the
+capability to use that session.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import _anthropic as anthropic
+from . import _openai as openai
+from ._engines import EngineUnavailable
+from ._protocol import ProtocolError
+from ._service import Session, Tito
+from ._turn import ChatTurn
+
+__all__ = ["create_app"]
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "request_too_large", 503: "api_error"}  # fmt: skip
+
+
+def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    if request.url.path.endswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message}}
+    else:
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+    return "invalid request: " + "; ".join(parts)
+
+
+def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `tito`'s sessions."""
+    app = FastAPI(title="tito", summary="Token-exact OpenAI and Anthropic capture over vLLM")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key is not None and request.url.path != "/health":
+            given = request.headers.get("x-api-key") or request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.removeprefix("Bearer "), api_key):
+                return _error(request, 401, "missing or wrong API key", "authentication_error")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return _error(request, 413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return _error(request, 400, _validation_message(error))
+
+    @app.exception_handler(ProtocolError)
+    async def refused(request: Request, error: ProtocolError) -> JSONResponse:
+        return _error(request, error.status, error.message, error.kind)
+
+    @app.exception_handler(EngineUnavailable)
+    async def unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:
+        return _error(request, 503, f"{error}; this session cannot continue", "engine_unavailable")
+
+    def session_of(session_id: str) -> Session:
+        if session_id not in tito.sessions:
+            raise ProtocolError(
+                404, f"no session {session_id!r}: create one with POST /sessions", "not_found"
+            )
+        return tito.sessions[session_id]
+
+    def check_model(model: str) -> None:
+        if model != tito.model_name:
+            raise ProtocolError(
+                404, f"model {model!r} is not served here; use {tito.model_name!r}", "not_found"
+            )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await tito.max_model_len()
+        except Exception as error:  # noqa: BLE001 - any failure to reach an engine means "not ready"
+            return JSONResponse({"status": "starting", "detail": str(error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.post("/sessions")
+    async def create_session(request: Request) -> dict:
+        session = tito.new_session()
+        root = str(request.base_url).rstrip("/")
+        return {
+            "id": session.id,
+            "base_url": f"{root}/s/{session.id}/v1",
+            "session_url": f"{root}/s/{session.id}",
+        }
+
+    @app.get("/sessions/{session_id}/trajectory")
+    async def trajectory(session_id: str) -> Response:
+        body = msgspec.json.encode(session_of(session_id).capture.trajectory())
+        return Response(body, media_type="application/json")
+
+    @app.delete("/sessions/{session_id}")
+    async def end_session(session_id: str) -> Response:
+        session = session_of(session_id)
+        async with session.lock:
+            trajectory = tito.end_session(session_id)
+        return Response(msgspec.json.encode(trajectory), media_type="application/json")
+
+    @app.get("/s/{session_id}/v1/models")
+    async def models(session_id: str) -> dict:
+        session_of(session_id)
+        return {"object": "list", "data": [{"id": tito.model_name, "object": "model", "owned_by": "tito"}]}
+
+    @app.post("/s/{session_id}/v1/chat/completions")
+    async def chat_completions(session_id: str, body: openai.ChatRequest):
+        session = session_of(session_id)
+        check_model(body.model)
+        messages, tools = openai.to_messages(body)
+        turn = ChatTurn(tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(),
+                        id_prefix="call_")  # fmt: skip
+        request_id = "chatcmpl-" + secrets.token_hex(12)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await _stream(
+                session, turn, body.sampling(), _openai_events(turn, request_id, tito, usage)
+            )
+        async with session.lock:
+            await turn.start(body.sampling(), stream=False)
+            parsed = await turn.run()
+            turn.remember(openai.reply_message(parsed))
+        return openai.chat_completion(request_id, tito.model_name, parsed, turn.generation.finish_reason,
+                                      turn.counts)  # fmt: skip
+
+    @app.post("/s/{session_id}/v1/messages")
+    async def messages(session_id: str, body: anthropic.MessagesRequest):
+        session = session_of(session_id)
+        check_model(body.model)
+        messages, tools = anthropic.to_messages(body)
+        turn = ChatTurn(tito, session, messages, tools, stops=body.stop_sequences,
+                        parse_tools=body.parse_tools(), id_prefix="toolu_")  # fmt: skip
+        if body.stream:
+            return await _stream(session, turn, body.sampling(), _anthropic_events(turn, tito))
+        async with session.lock:
+            await turn.start(body.sampling(), stream=False)
+            parsed = await turn.run()
+            turn.remember(anthropic.reply_message(parsed))
+        reason = anthropic.stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
+        return anthropic.message_reply(tito.model_name, parsed, reason, turn.counts)
+
+    return app
+
+
+async def _stream(session: Session, turn: ChatTurn, sampling: dict, events: AsyncIterator[str]):
+    """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503."""
+    await session.lock.acquire()
+    try:
+        await turn.start(sampling, stream=True)
+    except BaseException:
+        session.lock.release()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        finally:
+            session.lock.release()
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _openai_events(
+    turn: ChatTurn, request_id: str, tito: Tito, include_usage: bool
+) -> AsyncIterator[str]:
+    model = tito.model_name
+    yield openai.chat_chunk(request_id, model, {"role": "assistant", "content": ""})
+    async for delta in turn.deltas():
+        yield openai.chat_chunk(request_id, model, {"content": delta})
+    for delta in openai.stream_tool_deltas(turn.parsed):
+        yield openai.chat_chunk(request_id, model, delta)
+    turn.remember(openai.reply_message(turn.parsed))
+    yield openai.chat_chunk(
+        request_id, model, {}, openai.finish_reason(turn.generation.finish_reason, turn.parsed)
+    )
+    if include_usage:
+        yield openai.chat_chunk(request_id, model, None, usage=openai.usage(*turn.counts))
+    yield "data: [DONE]\n\n"
+
+
+async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
+    num_prompt = turn.counts[0]
+    message = anthropic.message_reply(tito.model_name, turn.parsed, ("end_turn", None), (num_prompt, 0))
+    yield anthropic.sse("message_start", {"message": {**message, "content": [], "stop_reason": None}})
+    index = 0  # the text block, if any, is block 0; tool_use blocks follow
+    async for delta in turn.deltas():
+        if index == 0:
+            yield anthropic.sse(
+                "content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}
+            )
+            index = 1
+        yield anthropic.sse(
+            "content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}}
+        )
+    if index == 1:
+        yield anthropic.sse("content_block_stop", {"index": 0})
+    for block in anthropic.content_blocks(turn.parsed):
+        if block["type"] != "tool_use":
+            continue
+        start = {**block, "input": {}}
+        yield anthropic.sse("content_block_start", {"index": index, "content_block": start})
+        partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield anthropic.sse("content_block_delta", {"index": index, "delta": partial})
+        yield anthropic.sse("content_block_stop", {"index": index})
+        index += 1
+    turn.remember(anthropic.reply_message(turn.parsed))
+    reason, sequence = anthropic.stop_reason(
+        turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed
+    )
+    yield anthropic.sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                          "usage": {"output_tokens": turn.counts[1]}})  # fmt: skip
+    yield anthropic.sse("message_stop", {})

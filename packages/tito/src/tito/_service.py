@@ -1,0 +1,126 @@
+"""Sessions and the one turn path that both agent forms share.
+
+`Tito` owns the engines, the tokenizer and the sessions. A turn is: put the prompt into the session's
+capture, sample on the session's engine, append what the engine sampled. The Env form calls
+`Tito.generate(session, prompt_ids, ...)` directly with token ids; the HTTP routes first turn messages
+into prompt ids and then call the same `stream_turn`. Requests of one session run one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from ._chat import ChatRenderer, ChatState
+from ._engines import Engine, Generation, Router
+from ._trajectory import Capture, Trajectory
+
+__all__ = ["Session", "Tito"]
+
+
+@dataclass
+class Session:
+    id: str
+    engine: Engine
+    capture: Capture
+    chat: ChatState = field(default_factory=ChatState)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Tito:
+    """Token-exact capture in front of vLLM engines.
+
+    `engines`: engine base URLs. `model`: the model directory (its tokenizer and chat template are used
+    here; engines must serve the same model). `dump`: a JSONL file that receives each ended session's
+    trajectory.
+    """
+
+    def __init__(
+        self,
+        engines: list[str],
+        model: str | Path,
+        *,
+        served_model_name: str | None = None,
+        dump: str | Path | None = None,
+        request_timeout: float = 600.0,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.model_name = served_model_name or str(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.router = Router(list(engines), timeout=request_timeout)
+        self.sessions: dict[str, Session] = {}
+        self.dump_path = Path(dump) if dump else None
+        self._max_model_len: int | None = None
+
+    def new_session(self) -> Session:
+        """A session bound to the least-loaded live engine. Ids are 128-bit random."""
+        session_id = secrets.token_hex(16)
+        session = Session(session_id, self.router.assign(), Capture(session_id))
+        self.sessions[session_id] = session
+        return session
+
+    def end_session(self, session_id: str) -> Trajectory:
+        """Forget a session, returning (and dumping, with `dump`) its trajectory."""
+        session = self.sessions.pop(session_id)
+        self.router.release(session.engine)
+        trajectory = session.capture.trajectory()
+        if self.dump_path is not None:
+            with self.dump_path.open("ab") as dump:
+                dump.write(msgspec.json.encode(trajectory) + b"\n")
+        return trajectory
+
+    async def max_model_len(self) -> int:
+        if self._max_model_len is None:
+            lengths = await asyncio.gather(*(engine.max_model_len() for engine in self.router.engines))
+            self._max_model_len = min(lengths)
+        return self._max_model_len
+
+    async def sampling(self, num_prompt_tokens: int, **params) -> dict:
+        """vLLM sampling parameters for one turn; `max_tokens` defaults to the room left in the context."""
+        room = await self.max_model_len() - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"the conversation is {num_prompt_tokens} tokens, which leaves no room in the model's "
+                f"context of {room + num_prompt_tokens} tokens; shorten it"
+            )
+        max_tokens = params.pop("max_tokens", None)
+        params = {key: value for key, value in params.items() if value is not None}
+        return {**params, "max_tokens": min(max_tokens or room, room)}
+
+    async def stream_turn(
+        self, session: Session, prompt_ids: list[int], sampling: dict, *, stream: bool = True
+    ) -> AsyncIterator[Generation]:
+        """Sample one turn on the session's engine and capture it. The caller holds the session's lock.
+
+        The sampled tokens enter the capture when the turn completes, with their weight versions (a
+        stream reports those only at its end); a turn cut short leaves only its prompt captured.
+        """
+        session.capture.begin_turn(prompt_ids)
+        whole = Generation()
+        if stream:
+            async for chunk in await session.engine.generate(prompt_ids, sampling, stream=True):
+                whole.extend(chunk)
+                yield chunk
+        else:
+            whole = await session.engine.generate(prompt_ids, sampling)
+            yield whole
+        session.capture.add_sampled(whole.token_ids, whole.logprobs, whole.versions)
+
+    async def generate(self, session: Session, prompt_ids: list[int], **sampling) -> Generation:
+        """The Env form: token ids in, sampled token ids (with logprobs and versions) out."""
+        async with session.lock:
+            params = await self.sampling(len(prompt_ids), **sampling)
+            result = Generation()
+            async for chunk in self.stream_turn(session, list(prompt_ids), params, stream=False):
+                result = chunk
+            return result
+
+    async def aclose(self) -> None:
+        await self.router.aclose()

@@ -1,0 +1,91 @@
+"""The token trace of one session, and the one place where tokens enter it.
+
+Both agent forms go through `Capture`: the Env form hands it prompt token ids directly, the chat form
+first turns messages into prompt token ids (`_chat.py`). A turn's prompt that extends the current
+segment appends only its new tokens; a prompt that rewrites the prefix (context compaction, a template
+that drops earlier reasoning) seals the segment and opens a new one. Sampled tokens are appended as the
+engine returned them, with their logprob and weight version, and are the only tokens with loss mask 1.
+Nothing here tokenizes or detokenizes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import msgspec
+
+__all__ = ["Capture", "Segment", "Trajectory"]
+
+
+class Segment(msgspec.Struct):
+    """A contiguous token trace. loss_mask 1 = sampled by the engine; elsewhere logprob 0.0, version -1."""
+
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    loss_mask: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] = msgspec.field(default_factory=list)
+    versions: list[int] = msgspec.field(default_factory=list)
+
+
+class Trajectory(msgspec.Struct):
+    session_id: str
+    segments: list[Segment]
+
+
+class Capture:
+    """The growing trajectory of one session."""
+
+    def __init__(self, session_id: str) -> None:
+        self.session_id = session_id
+        self.segments: list[Segment] = [Segment()]
+        self._turn_start = -1  # where the last turn's prompt ended in the current segment
+        self._turn_prompt: list[int] | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The current segment's token ids (what the engine's prefix cache holds for this session)."""
+        return self.segments[-1].token_ids
+
+    def begin_turn(self, prompt_ids: list[int]) -> None:
+        """Make the current segment equal `prompt_ids`, appending, rolling back or sealing as needed.
+
+        - `prompt_ids` extends the segment: the new tokens are appended (loss mask 0).
+        - `prompt_ids` equals the previous turn's prompt (an identical retry): that turn's sampled tokens
+          are dropped, so a retry never duplicates tokens.
+        - anything else rewrites the prefix: the segment is sealed and a new one starts with `prompt_ids`.
+        """
+        if not prompt_ids:
+            raise ValueError("a turn needs at least one prompt token")
+        segment = self.segments[-1]
+        if prompt_ids == self._turn_prompt:
+            self._truncate(self._turn_start)
+        elif prompt_ids[: len(segment.token_ids)] != segment.token_ids:
+            self.segments.append(segment := Segment())
+        new = prompt_ids[len(segment.token_ids) :]
+        segment.token_ids += new
+        segment.loss_mask += [0] * len(new)
+        segment.logprobs += [0.0] * len(new)
+        segment.versions += [-1] * len(new)
+        self._turn_start = len(segment.token_ids)
+        self._turn_prompt = list(prompt_ids)
+
+    def add_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        """Append tokens the engine sampled, exactly as it returned them."""
+        if not (len(token_ids) == len(logprobs) == len(versions)):
+            raise ValueError(
+                f"sampled tokens, logprobs and versions differ in length: "
+                f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
+            )
+        segment = self.segments[-1]
+        segment.token_ids += token_ids
+        segment.loss_mask += [1] * len(token_ids)
+        segment.logprobs += logprobs
+        segment.versions += versions
+
+    def _truncate(self, length: int) -> None:
+        segment = self.segments[-1]
+        for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
+            del field[length:]
+
+    def trajectory(self) -> Trajectory:
+        """A copy of the capture, without a trailing empty segment."""
+        return copy.deepcopy(Trajectory(self.session_id, [s for s in self.segments if s.token_ids]))

@@ -1,0 +1,80 @@
+"""One chat turn, from messages to sampled text, shared by the OpenAI and Anthropic routes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ._chat import ParsedReply, parse_reply
+from ._engines import Generation
+from ._protocol import ProtocolError, TextStream
+from ._service import Session, Tito
+
+__all__ = ["ChatTurn"]
+
+
+class ChatTurn:
+    """Render the prompt (only new tokens for a continuation), sample, parse, remember the reply.
+
+    `start()` opens the engine stream and waits for its first chunk, so an engine that does not answer
+    surfaces before a streamed response has sent anything.
+    """
+
+    def __init__(
+        self,
+        tito: Tito,
+        session: Session,
+        messages: list[dict],
+        tools: list[dict] | None,
+        *,
+        stops: list[str] | None,
+        parse_tools: bool,
+        id_prefix: str,
+    ) -> None:
+        self.tito, self.session = tito, session
+        self.messages, self.tools = messages, tools
+        self.parse_tools, self.id_prefix = parse_tools, id_prefix
+        self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools)
+        self.generation = Generation()
+        self.parsed = ParsedReply("", [])
+        self.prompt_ids: list[int] = []
+        self._chunks: AsyncIterator[Generation] | None = None
+        self._first: Generation | None = None
+
+    async def start(self, sampling: dict, *, stream: bool) -> None:
+        try:
+            self.prompt_ids = self.session.chat.prompt_ids(
+                self.tito.renderer, self.session.capture.tokens, self.messages, self.tools
+            )
+            params = await self.tito.sampling(len(self.prompt_ids), **sampling)
+        except ValueError as error:
+            raise ProtocolError(400, str(error)) from error
+        self._chunks = self.tito.stream_turn(self.session, self.prompt_ids, params, stream=stream)
+        self._first = await anext(self._chunks, None)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        """Text that may be shown as it arrives; `parsed` holds the whole reply once this ends."""
+        chunk = self._first
+        while chunk is not None:
+            self.generation.extend(chunk)
+            if delta := self.text.push(chunk.token_ids):
+                yield delta
+            chunk = await anext(self._chunks, None)
+        text = self.text.finish(self.generation.stop_reason)
+        self.parsed = parse_reply(text, parse_tools=self.parse_tools, id_prefix=self.id_prefix)
+        # Content held back while it could have been a stop string or a tool call.
+        if rest := self.parsed.content[self.text.sent :]:
+            yield rest
+
+    async def run(self) -> ParsedReply:
+        async for _ in self.deltas():
+            pass
+        return self.parsed
+
+    def remember(self, reply_message: dict) -> None:
+        """Record the assistant message the client received, so its next request can continue."""
+        closing = self.tito.renderer.closing_ids(self.generation.token_ids)
+        self.session.chat.record(self.messages, self.tools, self.prompt_ids, reply_message, closing)
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        return len(self.prompt_ids), len(self.generation.token_ids)
