@@ -103,8 +103,9 @@ class ChatState:
             return self.last_prompt_ids  # an identical retry: Capture drops the previous reply
         known = [_message_key(m) for m in self.messages]
         if tools_key == self.tools_key and known and len(keys) > len(known) and keys[: len(known)] == known:
+            # Render the known turns as remembered, so only the new messages' rendering matters.
             old = renderer.render(self.messages, tools, add_generation_prompt=False)
-            new = renderer.render(messages, tools, add_generation_prompt=True)
+            new = renderer.render(self.messages + messages[len(known) :], tools, add_generation_prompt=True)
             if new.startswith(old):
                 return trace + self.closing + renderer.encode(new[len(old) :])
         return renderer.encode(renderer.render(messages, tools, add_generation_prompt=True))

@@ -135,11 +135,15 @@ class Engine:
 class Router:
     """Binds each new session to the least-loaded live engine; a session never moves."""
 
-    def __init__(self, urls: list[str], *, timeout: float = 600.0) -> None:
+    def __init__(
+        self, urls: list[str], *, timeout: float = 600.0, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), limits=limits)
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=5.0), limits=limits, transport=transport
+        )
         self.engines = [Engine(url, self.client) for url in urls]
 
     def assign(self) -> Engine:

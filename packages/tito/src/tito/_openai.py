@@ -44,6 +44,18 @@ class Message(_Loose):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(
+        cls, content: str | list[dict[str, Any]] | None
+    ) -> str | list[dict[str, Any]] | None:
+        for part in content if isinstance(content, list) else []:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"content part of type {part.get('type')!r}: this model reads text parts only"
+                )
+        return content
+
 
 class Tool(_Loose):
     type: Literal["function"]

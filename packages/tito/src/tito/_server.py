@@ -28,8 +28,13 @@ from ._turn import ChatTurn
 __all__ = ["create_app"]
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                    413: "request_too_large", 503: "api_error"}  # fmt: skip
+_ANTHROPIC_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    503: "api_error",
+}
 
 
 def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -127,8 +132,9 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = openai.to_messages(body)
-        turn = ChatTurn(tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(),
-                        id_prefix="call_")  # fmt: skip
+        turn = ChatTurn(
+            tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(), id_prefix="call_"
+        )
         request_id = "chatcmpl-" + secrets.token_hex(12)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -139,16 +145,24 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
             await turn.start(body.sampling(), stream=False)
             parsed = await turn.run()
             turn.remember(openai.reply_message(parsed))
-        return openai.chat_completion(request_id, tito.model_name, parsed, turn.generation.finish_reason,
-                                      turn.counts)  # fmt: skip
+        return openai.chat_completion(
+            request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts
+        )
 
     @app.post("/s/{session_id}/v1/messages")
     async def messages(session_id: str, body: anthropic.MessagesRequest):
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = anthropic.to_messages(body)
-        turn = ChatTurn(tito, session, messages, tools, stops=body.stop_sequences,
-                        parse_tools=body.parse_tools(), id_prefix="toolu_")  # fmt: skip
+        turn = ChatTurn(
+            tito,
+            session,
+            messages,
+            tools,
+            stops=body.stop_sequences,
+            parse_tools=body.parse_tools(),
+            id_prefix="toolu_",
+        )
         if body.stream:
             return await _stream(session, turn, body.sampling(), _anthropic_events(turn, tito))
         async with session.lock:
@@ -227,6 +241,11 @@ async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
     reason, sequence = anthropic.stop_reason(
         turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed
     )
-    yield anthropic.sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                          "usage": {"output_tokens": turn.counts[1]}})  # fmt: skip
+    yield anthropic.sse(
+        "message_delta",
+        {
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": {"output_tokens": turn.counts[1]},
+        },
+    )
     yield anthropic.sse("message_stop", {})

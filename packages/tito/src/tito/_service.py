@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import msgspec
 
 from ._chat import ChatRenderer, ChatState
@@ -37,7 +38,7 @@ class Tito:
 
     `engines`: engine base URLs. `model`: the model directory (its tokenizer and chat template are used
     here; engines must serve the same model). `dump`: a JSONL file that receives each ended session's
-    trajectory.
+    trajectory. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine there).
     """
 
     def __init__(
@@ -48,13 +49,14 @@ class Tito:
         served_model_name: str | None = None,
         dump: str | Path | None = None,
         request_timeout: float = 600.0,
+        engine_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         self.model_name = served_model_name or str(model)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.renderer = ChatRenderer(self.tokenizer)
-        self.router = Router(list(engines), timeout=request_timeout)
+        self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
         self._max_model_len: int | None = None

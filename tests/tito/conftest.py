@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from fake_engine import FakeEngine
+from tito import Tito, create_app
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def fake_engine(tokenizer):
+    return FakeEngine(eos_id=tokenizer.eos_token_id)
+
+
+@pytest.fixture
+def fake_tito(tiny_model_dir, fake_engine, tmp_path):
+    """tito over the fake engine, both spoken to in-process through ASGI transports."""
+    return Tito(
+        ["http://engine"],
+        tiny_model_dir,
+        served_model_name="tiny",
+        dump=tmp_path / "dump.jsonl",
+        engine_transport=httpx.ASGITransport(app=fake_engine.app),
+    )
+
+
+@pytest.fixture
+def client(fake_tito):
+    """An httpx client on tito's app; `client.base_url` is what an SDK's http_client should use."""
+    transport = httpx.ASGITransport(app=create_app(fake_tito))
+    return httpx.AsyncClient(transport=transport, base_url="http://tito")
+
+
+class LiveServer:
+    """tito served by uvicorn on loopback in a background thread."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+        from molt.vllm_server import free_port
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "tito did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def real_tito(tiny_model_dir, vllm_server, tmp_path_factory):
+    """tito on loopback in front of the session's real vLLM CPU server: (Tito, base URL)."""
+    tito = Tito(
+        [vllm_server.url],
+        tiny_model_dir,
+        served_model_name="tiny",
+        dump=tmp_path_factory.mktemp("tito") / "dump.jsonl",
+    )
+    with LiveServer(create_app(tito)) as server:
+        yield tito, server.url

@@ -1,0 +1,69 @@
+"""A fake vLLM engine for tito's unit tests: the token-level endpoint, with scripted replies.
+
+It stands in for a real engine only where a test must choose exactly which tokens are "sampled" (a
+reply that is not the canonical tokenization of its text, a well-formed tool call); everything else
+runs against a real vLLM server in test_real_engine.py. Replies follow vLLM's wire format: tokens
+and logprobs per chunk, weight-version spans over the whole output in the last chunk only.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+MAX_MODEL_LEN = 4096
+
+
+class FakeEngine:
+    def __init__(self, eos_id: int, version: str = "default") -> None:
+        self.eos_id = eos_id
+        self.version = version
+        self.script: list[list[int]] = []  # replies to give, in order; then a default reply
+        self.prompts: list[list[int]] = []  # every prompt received
+        self.app = self._build()
+
+    def reply_for(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+        tokens = self.script.pop(0) if self.script else [prompt[-1], self.eos_id]
+        if len(tokens) > max_tokens:
+            return tokens[:max_tokens], "length"
+        return tokens, "stop"
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"data": [{"id": "fake", "max_model_len": MAX_MODEL_LEN}]}
+
+        @app.post("/inference/v1/generate")
+        async def generate(request: Request):
+            body = await request.json()
+            self.prompts.append(body["token_ids"])
+            tokens, finish = self.reply_for(body["token_ids"], body["sampling_params"].get("max_tokens", 16))
+            spans = [{"version": self.version, "start": 0, "end": len(tokens)}]
+            stop = self.eos_id if finish == "stop" else None
+
+            def choice(ids, last):
+                return {
+                    "index": 0,
+                    "token_ids": ids,
+                    "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
+                    "finish_reason": finish if last else None,
+                    "stop_reason": stop if last else None,
+                    "weight_versions": spans if last else None,
+                }
+
+            if not body.get("stream"):
+                return JSONResponse({"choices": [choice(tokens, True)]})
+
+            async def events():
+                for position, token in enumerate(tokens):
+                    data = {"choices": [choice([token], position == len(tokens) - 1)]}
+                    yield f"data: {json.dumps(data)}\n\n"
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return app

@@ -1,0 +1,178 @@
+"""Capture, continuation and reply parsing, without an engine."""
+
+from __future__ import annotations
+
+import pytest
+from tito import Capture
+from tito._chat import ChatRenderer, ChatState, parse_reply
+from tito._protocol import TextStream
+
+
+def test_extension_appends_only_new_tokens_and_sampled_tokens_keep_logprob_and_version():
+    capture = Capture("s")
+    capture.begin_turn([1, 2, 3])
+    capture.add_sampled([7, 8], [-0.1, -0.2], [4, 5])
+    capture.begin_turn([1, 2, 3, 7, 8, 9])
+    (segment,) = capture.trajectory().segments
+    assert segment.token_ids == [1, 2, 3, 7, 8, 9]
+    assert segment.loss_mask == [0, 0, 0, 1, 1, 0]
+    assert segment.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0]
+    assert segment.versions == [-1, -1, -1, 4, 5, -1]
+
+
+def test_a_prefix_rewrite_seals_the_segment_and_opens_another():
+    capture = Capture("s")
+    capture.begin_turn([1, 2, 3])
+    capture.add_sampled([7], [-0.1], [0])
+    capture.begin_turn([1, 9])
+    capture.add_sampled([5], [-0.3], [1])
+    first, second = capture.trajectory().segments
+    assert first.token_ids == [1, 2, 3, 7]
+    assert second.token_ids == [1, 9, 5]
+    assert second.loss_mask == [0, 0, 1]
+
+
+def test_an_identical_retry_replaces_the_previous_reply_instead_of_duplicating():
+    capture = Capture("s")
+    capture.begin_turn([1, 2])
+    capture.add_sampled([7, 8], [-0.1, -0.2], [0, 0])
+    capture.begin_turn([1, 2])
+    capture.add_sampled([9], [-0.4], [1])
+    (segment,) = capture.trajectory().segments
+    assert segment.token_ids == [1, 2, 9]
+    assert segment.loss_mask == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda c: c.begin_turn([]), id="empty-prompt"),
+        pytest.param(lambda c: c.add_sampled([1, 2], [-0.1], [0, 0]), id="ragged-sample"),
+    ],
+)
+def test_malformed_capture_input_is_refused(bad):
+    capture = Capture("s")
+    with pytest.raises(ValueError):
+        bad(capture)
+
+
+def test_trajectory_is_a_copy():
+    capture = Capture("s")
+    capture.begin_turn([1])
+    snapshot = capture.trajectory()
+    capture.add_sampled([2], [-0.1], [0])
+    assert snapshot.segments[0].token_ids == [1]
+
+
+@pytest.fixture
+def renderer(tokenizer):
+    return ChatRenderer(tokenizer)
+
+
+def test_turn_end_is_probed_from_the_template(renderer):
+    assert renderer.turn_end == "<|im_end|>\n"
+
+
+def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tokenizer):
+    """The engine sampled "fox" as three characters; the trace keeps them, never the canonical token."""
+    capture, state = Capture("s"), ChatState()
+    first = [{"role": "user", "content": "copy the word: fox"}]
+    prompt = state.prompt_ids(renderer, capture.tokens, first, None)
+    capture.begin_turn(prompt)
+    sampled = tokenizer.convert_tokens_to_ids(["f", "o", "x"]) + [tokenizer.eos_token_id]
+    assert tokenizer(["fox"], add_special_tokens=False)["input_ids"][0] != sampled[:3]
+    capture.add_sampled(sampled, [-1.0] * 4, [0] * 4)
+    reply = {"role": "assistant", "content": "fox"}
+    state.record(first, None, prompt, reply, renderer.closing_ids(sampled))
+
+    second = [*first, reply, {"role": "user", "content": "again"}]
+    prompt2 = state.prompt_ids(renderer, capture.tokens, second, None)
+    assert prompt2[: len(capture.tokens)] == capture.tokens
+    appended = tokenizer.decode(prompt2[len(capture.tokens) :])
+    assert appended == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    capture.begin_turn(prompt2)
+    (segment,) = capture.trajectory().segments
+    assert segment.token_ids[len(prompt) : len(prompt) + 4] == sampled
+
+
+def test_a_rewritten_history_renders_afresh(renderer):
+    capture, state = Capture("s"), ChatState()
+    messages = [{"role": "user", "content": "copy the word: fox"}]
+    prompt = state.prompt_ids(renderer, capture.tokens, messages, None)
+    state.record(messages, None, prompt, {"role": "assistant", "content": "fox"}, [])
+    compacted = [
+        {"role": "user", "content": "summary"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "go"},
+    ]
+    fresh = renderer.encode(renderer.render(compacted, None, add_generation_prompt=True))
+    assert state.prompt_ids(renderer, [1, 2, 3], compacted, None) == fresh
+
+
+def test_tool_call_arguments_as_string_or_object_count_as_the_same_turn(renderer):
+    capture, state = Capture("s"), ChatState()
+    messages = [{"role": "user", "content": "add"}]
+    prompt = state.prompt_ids(renderer, capture.tokens, messages, None)
+    call = {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 1}}}
+    state.record(messages, None, prompt, {"role": "assistant", "content": "", "tool_calls": [call]}, [5])
+    echoed = {**call, "function": {"name": "add", "arguments": '{"a":1}'}}
+    follow = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [echoed]},
+        {"role": "tool", "content": "2", "tool_call_id": "c1"},
+    ]
+    trace = [9, 9, 9]
+    assert state.prompt_ids(renderer, trace, follow, None)[:4] == [9, 9, 9, 5]
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        pytest.param("hello", "hello", [], id="plain"),
+        pytest.param(
+            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+            "",
+            [("add", {"a": 1})],
+            id="one-call",
+        ),
+        pytest.param(
+            'hi<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>'
+            '<tool_call>{"name": "g"}</tool_call>',
+            "hi",
+            [("f", {"x": 2}), ("g", {})],
+            id="two-calls",
+        ),
+        pytest.param(
+            '<tool_call>{"name": "add", "arguments": {</tool_call>',
+            '<tool_call>{"name": "add", "arguments": {</tool_call>',
+            [],
+            id="malformed-json-stays-text",
+        ),
+        pytest.param(
+            '<tool_call>["add"]</tool_call>', '<tool_call>["add"]</tool_call>', [], id="not-an-object"
+        ),
+        pytest.param('<tool_call>{"name": "add"', '<tool_call>{"name": "add"', [], id="unterminated"),
+    ],
+)
+def test_parse_reply(text, content, calls):
+    parsed = parse_reply(text)
+    assert parsed.content == content
+    assert [(c["name"], c["arguments"]) for c in parsed.tool_calls] == calls
+    assert all(c["id"].startswith("call_") for c in parsed.tool_calls)
+
+
+def test_tool_calls_are_not_parsed_when_tools_are_off():
+    text = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
+    assert parse_reply(text, parse_tools=False).content == text
+
+
+def test_text_stream_never_sends_a_stop_string_or_a_tool_call(tokenizer):
+    ids = tokenizer('ab STOP cd<tool_call>{"name": "f"}</tool_call>', add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, stops=["STOP"], hold_tool_calls=True)
+    sent = "".join(stream.push([token]) for token in ids)
+    assert sent == "ab "
+    assert stream.finish("STOP") == "ab "
+
+    stream = TextStream(tokenizer, stops=None, hold_tool_calls=True)
+    sent = "".join(stream.push([token]) for token in ids)
+    assert sent == "ab STOP cd"
