@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, message_text
-from ._protocol import check_json_schema, check_tool_name
+from ._protocol import check_json_schema, check_tool_name, forced_tool_call
 
 __all__ = ["MessagesRequest", "message_reply", "sse", "to_messages"]
 
@@ -80,12 +80,17 @@ class MessagesRequest(_Loose):
                 raise ValueError(f"messages[{position}]: user and assistant turns must alternate")
         return self
 
-    def sampling(self) -> dict:
+    def sampling(self, tools: list[dict] | None) -> dict:
+        choice = self.tool_choice or {}
+        forced = None
+        if tools and choice.get("type") in ("any", "tool"):
+            forced = forced_tool_call(tools, choice.get("name") if choice["type"] == "tool" else None)
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
             "stop": self.stop_sequences,
+            "structured_outputs": forced,
         }
 
     def parse_tools(self) -> bool:

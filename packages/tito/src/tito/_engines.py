@@ -81,6 +81,7 @@ class Engine:
         self.num_sessions = 0
         self.num_in_flight = 0
         self.alive = True
+        self._max_model_len: int | None = None
 
     async def generate(self, token_ids: list[int], sampling: dict, *, stream: bool = False):
         """Sample on this engine: one `Generation`, or with `stream` an async iterator of chunks."""
@@ -127,9 +128,15 @@ class Engine:
             raise EngineUnavailable(f"engine {self.url} answered {status}: {detail[:500]}")
 
     async def max_model_len(self) -> int:
-        reply = await self.client.get(f"{self.url}/v1/models")
-        reply.raise_for_status()
-        return int(reply.json()["data"][0]["max_model_len"])
+        """The engine's context length (asked once)."""
+        if self._max_model_len is None:
+            try:
+                reply = await self.client.get(f"{self.url}/v1/models")
+            except httpx.TransportError as error:
+                raise self._down(error) from error
+            self._check(reply.status_code, reply.text)
+            self._max_model_len = int(reply.json()["data"][0]["max_model_len"])
+        return self._max_model_len
 
 
 class Router:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, parse_arguments
-from ._protocol import ToolFunction, check_role_order
+from ._protocol import ToolFunction, check_role_order, forced_tool_call
 
 __all__ = ["ChatRequest", "chat_chunk", "chat_completion", "to_messages"]
 
@@ -98,13 +98,19 @@ class ChatRequest(_Loose):
         check_role_order([m.role for m in self.messages], [bool(m.tool_calls) for m in self.messages])
         return self
 
-    def sampling(self) -> dict:
+    def sampling(self, tools: list[dict] | None) -> dict:
+        choice = self.tool_choice
+        forced = None
+        if tools and (choice == "required" or isinstance(choice, dict)):
+            name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+            forced = forced_tool_call(tools, name)
         return {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_tokens": self.max_completion_tokens or self.max_tokens,
             "stop": self.stop,
             "seed": self.seed,
+            "structured_outputs": forced,
         }
 
     def parse_tools(self) -> bool:

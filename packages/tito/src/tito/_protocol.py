@@ -12,7 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-__all__ = ["ProtocolError", "TextStream", "ToolFunction", "check_role_order", "check_json_schema"]
+__all__ = [
+    "ProtocolError",
+    "TextStream",
+    "ToolFunction",
+    "check_json_schema",
+    "check_role_order",
+    "forced_tool_call",
+]
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TOOL_OPEN = "<tool_call>"
@@ -70,6 +77,29 @@ def check_role_order(roles: list[str], has_tool_calls: list[bool]) -> None:
                 )
     if roles[-1] not in ("user", "tool"):
         raise ValueError(f"the last message must be from the user or a tool, not {roles[-1]!r}")
+
+
+_SCALAR = r'("[^"\\\n]{0,64}"|-?[0-9]{1,9}(\.[0-9]{1,6})?|true|false|null)'
+_FLAT_OBJECT = rf'\{{("[A-Za-z0-9_]{{1,32}}": {_SCALAR}(, "[A-Za-z0-9_]{{1,32}}": {_SCALAR}){{0,15}})?\}}'
+
+
+def forced_tool_call(tools: list[dict], name: str | None) -> dict:
+    """vLLM structured-output constraint for a required tool call (`tool_choice` required or named).
+
+    The reply is constrained to one Hermes-form call of the named tool (or any offered tool); its
+    arguments to a flat JSON object of scalars, or `{}` for a tool without properties. That is enough
+    for the model to call a tool when told to; nested arguments are left to the unconstrained path.
+    """
+    functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    if not functions:
+        raise ProtocolError(400, f"tool_choice names {name!r}, which is not among the tools")
+    alternatives = []
+    for function in functions:
+        has_args = bool((function.get("parameters") or {}).get("properties"))
+        arguments = _FLAT_OBJECT if has_args else r"\{\}"
+        alternatives.append(rf'"{re.escape(function["name"])}", "arguments": {arguments}')
+    pattern = r'<tool_call>\{"name": (' + "|".join(alternatives) + r")\}</tool_call>"
+    return {"regex": pattern}
 
 
 class TextStream:

@@ -9,6 +9,7 @@ capability to use that session.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -55,7 +56,13 @@ def _validation_message(error: RequestValidationError) -> str:
 
 def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `tito`'s sessions."""
-    app = FastAPI(title="tito", summary="Token-exact OpenAI and Anthropic capture over vLLM")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await tito.aclose()  # engine connections live on the server's event loop: close them there
+
+    app = FastAPI(title="tito", summary="Token-exact chat capture over vLLM", lifespan=lifespan)
 
     @app.middleware("http")
     async def guard(request: Request, call_next):
@@ -94,11 +101,9 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            await tito.max_model_len()
-        except Exception as error:  # noqa: BLE001 - any failure to reach an engine means "not ready"
-            return JSONResponse({"status": "starting", "detail": str(error)}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if await tito.ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "no engine is answering"}, status_code=503)
 
     @app.post("/sessions")
     async def create_session(request: Request) -> dict:
@@ -139,10 +144,10 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _stream(
-                session, turn, body.sampling(), _openai_events(turn, request_id, tito, usage)
+                session, turn, body.sampling(tools), _openai_events(turn, request_id, tito, usage)
             )
         async with session.lock:
-            await turn.start(body.sampling(), stream=False)
+            await turn.start(body.sampling(tools), stream=False)
             parsed = await turn.run()
             turn.remember(openai.reply_message(parsed))
         return openai.chat_completion(
@@ -164,9 +169,9 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
             id_prefix="toolu_",
         )
         if body.stream:
-            return await _stream(session, turn, body.sampling(), _anthropic_events(turn, tito))
+            return await _stream(session, turn, body.sampling(tools), _anthropic_events(turn, tito))
         async with session.lock:
-            await turn.start(body.sampling(), stream=False)
+            await turn.start(body.sampling(tools), stream=False)
             parsed = await turn.run()
             turn.remember(anthropic.reply_message(parsed))
         reason = anthropic.stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)

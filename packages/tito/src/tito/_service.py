@@ -18,7 +18,7 @@ import httpx
 import msgspec
 
 from ._chat import ChatRenderer, ChatState
-from ._engines import Engine, Generation, Router
+from ._engines import Engine, EngineUnavailable, Generation, Router
 from ._trajectory import Capture, Trajectory
 
 __all__ = ["Session", "Tito"]
@@ -59,7 +59,6 @@ class Tito:
         self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
-        self._max_model_len: int | None = None
 
     def new_session(self) -> Session:
         """A session bound to the least-loaded live engine. Ids are 128-bit random."""
@@ -78,15 +77,19 @@ class Tito:
                 dump.write(msgspec.json.encode(trajectory) + b"\n")
         return trajectory
 
-    async def max_model_len(self) -> int:
-        if self._max_model_len is None:
-            lengths = await asyncio.gather(*(engine.max_model_len() for engine in self.router.engines))
-            self._max_model_len = min(lengths)
-        return self._max_model_len
+    async def ready(self) -> bool:
+        """Whether at least one engine answers (what `/health` reports)."""
+        for engine in self.router.engines:
+            try:
+                await engine.max_model_len()
+                return True
+            except EngineUnavailable:
+                continue
+        return False
 
-    async def sampling(self, num_prompt_tokens: int, **params) -> dict:
+    async def sampling(self, session: Session, num_prompt_tokens: int, **params) -> dict:
         """vLLM sampling parameters for one turn; `max_tokens` defaults to the room left in the context."""
-        room = await self.max_model_len() - num_prompt_tokens
+        room = await session.engine.max_model_len() - num_prompt_tokens
         if room < 1:
             raise ValueError(
                 f"the conversation is {num_prompt_tokens} tokens, which leaves no room in the model's "
@@ -118,7 +121,7 @@ class Tito:
     async def generate(self, session: Session, prompt_ids: list[int], **sampling) -> Generation:
         """The Env form: token ids in, sampled token ids (with logprobs and versions) out."""
         async with session.lock:
-            params = await self.sampling(len(prompt_ids), **sampling)
+            params = await self.sampling(session, len(prompt_ids), **sampling)
             result = Generation()
             async for chunk in self.stream_turn(session, list(prompt_ids), params, stream=False):
                 result = chunk

@@ -45,7 +45,7 @@ class ChatTurn:
             self.prompt_ids = self.session.chat.prompt_ids(
                 self.tito.renderer, self.session.capture.tokens, self.messages, self.tools
             )
-            params = await self.tito.sampling(len(self.prompt_ids), **sampling)
+            params = await self.tito.sampling(self.session, len(self.prompt_ids), **sampling)
         except ValueError as error:
             raise ProtocolError(400, str(error)) from error
         self._chunks = self.tito.stream_turn(self.session, self.prompt_ids, params, stream=stream)
