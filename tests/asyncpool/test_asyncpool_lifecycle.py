@@ -6,7 +6,6 @@ import itertools
 import logging
 
 import pytest
-
 from asyncpool import GroupPool, PoolExhausted, PoolStats
 
 
@@ -63,7 +62,8 @@ def test_keep_that_raises_or_a_malformed_sample_fails_the_group(caplog):
         return True
 
     async def main():
-        async with GroupPool(bare, ["bare", "boom", "ok"], group_size=1, depth=1, retries=0, keep=keep) as pool:
+        pool = GroupPool(bare, ["bare", "boom", "ok"], group_size=1, depth=1, retries=0, keep=keep)
+        async with pool:
             [group] = await pool.take(1)
         assert group.prompt == "ok"
         assert pool.stats.failed == 2
@@ -206,8 +206,8 @@ def test_stats_account_for_every_group_and_the_trainers_wait(rollout):
         expected = PoolStats(in_flight=1, started=8, returned=4, dropped_stale=1, filtered=1, failed=1)
         assert stats == dataclasses.replace(expected, take_wait_s=stats.take_wait_s)
         assert stats.take_wait_s >= 0.019
-        parts = stats.in_flight + stats.ready + stats.returned + stats.dropped_stale + stats.filtered + stats.failed
-        assert stats.started == parts
+        ended = stats.returned + stats.dropped_stale + stats.filtered + stats.failed
+        assert stats.started == stats.in_flight + stats.ready + ended
         assert stats.metrics()["pool/dropped_stale"] == 1
         assert list(stats.metrics()) == [f"pool/{field.name}" for field in dataclasses.fields(PoolStats)]
 

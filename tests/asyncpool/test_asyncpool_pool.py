@@ -3,9 +3,8 @@
 import asyncio
 import itertools
 
-import pytest
-
 import asyncpool
+import pytest
 from asyncpool import GroupPool
 
 

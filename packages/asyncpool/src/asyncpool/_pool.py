@@ -8,7 +8,7 @@ trainer's filter rejects, and retries rollouts that raise.
 What it refuses to do: it knows nothing of engines, tokens or rewards (a sample is opaque apart from its
 `min_version`/`max_version`); it never cancels in-flight work on a version bump (partial rollout, paper
 sec. 3.1: the loss corrects mixed-version tokens); it never returns part of a group; it never lets a user
-error (a rollout or `keep` that raises) escape into the trainer; it serves one `take` caller at a time.
+error (a rollout or `keep` that raises) escape into the trainer. It is built for one trainer calling `take`.
 """
 
 import asyncio
@@ -17,7 +17,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 logger = logging.getLogger("asyncpool")
 
@@ -30,8 +30,18 @@ class PoolExhausted(Exception):
     """
 
 
-@dataclass(frozen=True, slots=True)
-class Group[P, S]:
+class _Versioned(Protocol):
+    """What the pool reads from a sample: the oldest and newest policy version among its tokens."""
+
+    @property
+    def min_version(self) -> int: ...
+
+    @property
+    def max_version(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # eq=False: samples may hold arrays that refuse ==
+class Group[P, S: _Versioned]:
     """All `group_size` samples of one prompt, in index order.
 
     `prompt_index` is the prompt's 0-based position in the `prompts` iterable; it survives requeueing, so a
@@ -76,7 +86,7 @@ class PoolStats:
         return {prefix + field.name: getattr(self, field.name) for field in fields(self)}
 
 
-class GroupPool[P, S]:
+class GroupPool[P, S: _Versioned]:
     """A pool of prompt groups in flight; see the package README for the full semantics.
 
     `depth` bounds the groups the pool holds at once, running or complete-and-waiting for `take`; while
@@ -144,8 +154,9 @@ class GroupPool[P, S]:
         if value > self._version:
             self._wait_for_version = False
         self._version = value
-        for group in [group for group in self._ready if self._is_stale(group)]:
-            self._ready.remove(group)
+        stale = [group for group in self._ready if self._is_stale(group)]
+        self._ready = [group for group in self._ready if not self._is_stale(group)]
+        for group in stale:
             self._drop_stale(group)
         self._fill()
         self._changed.set()
@@ -170,7 +181,7 @@ class GroupPool[P, S]:
             self._changed.set()
 
     async def take(self, n: int) -> list[Group[P, S]]:
-        """The first `n` groups to complete (and be neither stale nor filtered), in completion order.
+        """The first `n` groups to complete, in completion order, leaving out stale and rejected ones.
 
         Returns fewer than `n` only when the prompt source is used up; after the last group, raises
         `PoolExhausted`.
@@ -193,9 +204,8 @@ class GroupPool[P, S]:
             self._stats.take_wait_s += loop.time() - began
         groups, self._ready = self._ready[:n], self._ready[n:]
         if not groups:
-            raise PoolExhausted("the prompt source is used up and every group was returned") from (
-                self._source_error
-            )
+            message = "the prompt source is used up and every group was returned"
+            raise PoolExhausted(message) from self._source_error
         self._stats.returned += len(groups)
         self._wait_for_version = self.max_lag == 0
         self._fill()
@@ -216,7 +226,7 @@ class GroupPool[P, S]:
             self._state == "open"
             and not self._pauses
             and not self._wait_for_version
-            and len(self._running) < self.depth
+            and len(self._running) + len(self._ready) < self.depth
         ):
             item = self._next_prompt()
             if item is None:
@@ -254,7 +264,9 @@ class GroupPool[P, S]:
                 return _checked(await self._rollout(prompt, index))
             except Exception as err:
                 self._stats.retried += 1
-                logger.warning("rollout %d of prompt %d raised on attempt %d: %r", index, prompt_index, attempt, err)
+                logger.warning(
+                    "rollout %d of prompt %d raised on attempt %d: %r", index, prompt_index, attempt, err
+                )
         return _checked(await self._rollout(prompt, index))  # the last attempt: its error fails the group
 
     def _on_done(self, task: asyncio.Task[Group[P, S]]) -> None:

@@ -12,7 +12,7 @@ weights are detached here. Tokens outside the mask contribute nothing, not even 
 Legend: B sequences, T tokens.
 """
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -44,8 +44,8 @@ def masked_means(trainable_BT: torch.Tensor, **values_BT: torch.Tensor) -> dict[
 
 def _clipped_surrogate(ratio_BT, adv_BT, clip_low: float, clip_high: float, dual_clip: float | None):
     """PPO's clipped surrogate (Schulman et al. 2017, Eq. 7) as a per-token loss, optionally dual-clipped
-    (Ye et al. 2020, "Mastering Complex Control in MOBA Games", dual-clip PPO): for A < 0 the loss is capped at
-    dual_clip * |A|, so a huge ratio on a bad action cannot blow up the update.
+    (Ye et al. 2020, "Mastering Complex Control in MOBA Games", dual-clip PPO): for A < 0 the loss is capped
+    at dual_clip * |A|, so a huge ratio on a bad action cannot blow up the update.
 
     Returns the loss, where the clipped branch is active (its gradient is 0), and where the dual cap is.
     """
@@ -85,11 +85,13 @@ def _check_policy_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_
     if weights is not None:
         check_bt("mask", mask, weights=weights)
         check_floating(weights=weights)
-    check_choice("policy loss kind", kind, PolicyLossKind.__args__)
+    check_choice("policy loss kind", kind, get_args(PolicyLossKind))
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
     if dual_clip is not None and (kind not in ("ppo", "gspo") or dual_clip <= 1.0):
-        raise ValueError(f"dual_clip must be None or > 1 and needs kind 'ppo' or 'gspo'; got {dual_clip}, {kind}")
+        raise ValueError(
+            f"dual_clip must be None or > 1 and needs kind 'ppo' or 'gspo'; got {dual_clip}, {kind}"
+        )
 
 
 def policy_loss(
@@ -121,8 +123,9 @@ def policy_loss(
     - `pg`: unclipped importance-weighted policy gradient, loss = -A * r. Its gradient is -A * r * grad logp,
       which is REINFORCE's -A * grad logp when logp == old_logp (on-policy). clip_low/clip_high are unused.
 
-    Metrics: `clip_frac` (tokens whose clipped branch is active; for cispo, whose IS weight was clipped),
-    `dual_clip_frac`, `ratio_mean`, `approx_kl` (k3 estimate of KL(old || new)). Returns `(loss_sum, metrics)`.
+    Metrics, means over trainable tokens: `clip_frac` (tokens whose clipped branch is active; for cispo,
+    whose IS weight was clipped), `dual_clip_frac`, `ratio_mean`, `approx_kl` (k3 estimate of
+    KL(old || new)). Returns `(loss_sum, metrics)`.
     """
     _check_policy_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, dual_clip, weights)
     trainable_BT = mask != 0
@@ -175,7 +178,7 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "k1") -> torch
     """
     check_bt("logp", logp, ref_logp=ref_logp)
     check_floating(logp=logp, ref_logp=ref_logp)
-    check_choice("kl kind", kind, KLKind.__args__)
+    check_choice("kl kind", kind, get_args(KLKind))
     log_r_BT = ref_logp.detach().float() - logp.float()
     if kind == "k1":
         return -log_r_BT

@@ -1,0 +1,163 @@
+"""Per-token log-probabilities and entropies from [B, T, V] logits, chunked over rows in both directions.
+
+Why: a float32 copy of full-vocabulary logits is the largest tensor of an RL step (8k tokens x 152k vocab
+= 5 GB, plus as much again for log_softmax's output and for each gradient buffer) and a common cause of
+OOM. Here each chunk of rows is upcast to float32, reduced, and dropped; the backward pass is a custom
+autograd function that recomputes each chunk's softmax from the saved (low-precision) logits instead of
+saving float32 probabilities. The only [B, T, V] tensor either pass creates is the gradient of the logits,
+in their own dtype. Plain eager ops (no compiler, no custom kernel), so it runs on any device. Temperature
+is applied in float32 before the softmax, as the engine does when it returns processed logprobs (DESIGN §1,
+invariant 3).
+
+Refuses: non-finite temperature, token ids outside the vocabulary (one device synchronisation checks
+them, rather than a device-side assert that kills the CUDA context), and double backward.
+
+Legend: B sequences, T tokens, V vocabulary, N = B * T rows, C rows in one chunk.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from rlestimators._checks import check_floating
+
+# Bytes of one float32 [C, V] chunk buffer; at most 2 are alive at once, whatever B * T. 256 MiB is 441
+# rows of a 152k vocabulary. On an H200 (8k x 152k bf16 logits) the forward then takes 1.04x the naive
+# time; 1.06x at 128 MiB, 1.2x at 64 MiB (launch-bound). Measured with bench/token_logprobs.py.
+_CHUNK_BYTES = 256 * 2**20
+
+
+def _chunks(num_rows: int, vocab: int):
+    rows_per_chunk = max(1, _CHUNK_BYTES // (4 * vocab))
+    for start in range(0, num_rows, rows_per_chunk):
+        yield slice(start, min(start + rows_per_chunk, num_rows))
+
+
+def _scaled_f32(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32; at temperature 1, float32 logits come back as they are (no copy)."""
+    if logits_CV.dtype == torch.float32:
+        return logits_CV if temperature == 1.0 else logits_CV / temperature
+    z_CV = logits_CV.float()
+    return z_CV if temperature == 1.0 else z_CV.div_(temperature)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, tokens_N1, temperature):
+        logp_N1 = logits_NV.new_empty(tokens_N1.shape, dtype=torch.float32)
+        for rows in _chunks(*logits_NV.shape):
+            z_CV = _scaled_f32(logits_NV[rows], temperature)
+            torch.gather(torch.log_softmax(z_CV, dim=-1), 1, tokens_N1[rows], out=logp_N1[rows])
+            del z_CV  # so that at most two [C, V] buffers are alive: z and log_softmax(z)
+        ctx.save_for_backward(logits_NV, tokens_N1, logp_N1)
+        ctx.temperature = temperature
+        return logp_N1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_N1):
+        logits_NV, tokens_N1, logp_N1 = ctx.saved_tensors
+        temperature = ctx.temperature
+        # d log p_y / d logits_v = (1[v == y] - p_v) / temperature
+        coef_N1 = grad_N1.float() / temperature
+        # At temperature 1, softmax reads the chunk in the logits' dtype, accumulates in float32 and rounds
+        # p once, with no float32 chunk: on an H200 this halves the backward time. The gradient then differs
+        # from the float32 reference by ~1.5 ulp of its dtype instead of 0.5. At another temperature
+        # z = logits / T must be formed in float32: rounding z to bf16 would move p by up to |z| * 2^-8.
+        low_precision = temperature == 1.0
+        neg_coef_N1 = (-coef_N1).to(logits_NV.dtype if low_precision else torch.float32)
+        # The sampled token's entry, coef * (1 - p_y), from the saved float32 logp: one rounding only.
+        target_N1 = (coef_N1 * -torch.expm1(logp_N1)).to(logits_NV.dtype)
+        grad_logits_NV = torch.empty_like(logits_NV)
+        for rows in _chunks(*logits_NV.shape):
+            z_CV = logits_NV[rows] if low_precision else _scaled_f32(logits_NV[rows], temperature)
+            torch.mul(torch.softmax(z_CV, dim=-1), neg_coef_N1[rows], out=grad_logits_NV[rows])
+            grad_logits_NV[rows].scatter_(1, tokens_N1[rows], target_N1[rows])
+            del z_CV
+        return grad_logits_NV, None, None
+
+
+def _entropy_rows(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
+    probs_CV = torch.softmax(_scaled_f32(logits_CV, temperature), dim=-1)
+    # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), where p * log_softmax would give NaN.
+    return torch.special.entr(probs_CV).sum(dim=-1)
+
+
+def _entropy_grad_rows(logits_CV, entropy_C1, coef_C1, temperature, out_CV) -> None:
+    probs_CV = torch.softmax(_scaled_f32(logits_CV, temperature), dim=-1)
+    # dH/dz_v = -p_v (log p_v + H) = entr(p_v) - p_v * H, in float32: the two terms nearly cancel where
+    # log p_v is close to -H, so rounding p to bf16 first would lose the difference.
+    dh_dz_CV = torch.special.entr(probs_CV).sub_(probs_CV.mul_(entropy_C1))
+    torch.mul(dh_dz_CV, coef_C1, out=out_CV)
+
+
+class _Entropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_NV, temperature):
+        entropy_N = logits_NV.new_empty(logits_NV.shape[0], dtype=torch.float32)
+        for rows in _chunks(*logits_NV.shape):
+            entropy_N[rows] = _entropy_rows(logits_NV[rows], temperature)
+        ctx.save_for_backward(logits_NV, entropy_N)
+        ctx.temperature = temperature
+        return entropy_N
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_N):
+        logits_NV, entropy_N = ctx.saved_tensors
+        temperature = ctx.temperature
+        coef_N1 = grad_N.float()[:, None] / temperature
+        grad_logits_NV = torch.empty_like(logits_NV)
+        for rows in _chunks(*logits_NV.shape):
+            _entropy_grad_rows(
+                logits_NV[rows], entropy_N[rows, None], coef_N1[rows], temperature, grad_logits_NV[rows]
+            )
+        return grad_logits_NV, None
+
+
+def _check_logits(logits: torch.Tensor, temperature: float) -> None:
+    if logits.dim() != 3 or logits.numel() == 0:
+        raise ValueError(f"logits must be a non-empty [B, T, V] tensor, got shape {tuple(logits.shape)}")
+    check_floating(logits=logits)
+    if not (0.0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] per position: [B, T, V] logits, [B, T] ids -> [B, T] float32.
+
+    Equals `-cross_entropy(logits.float() / temperature, tokens, reduction="none")` without ever holding a
+    float32 copy of the whole logits, forward or backward (module docstring). Any floating dtype works
+    (bf16 is the intended one); gradients flow to `logits`, in their dtype (at temperature 1 within ~1.5 ulp
+    of the float32 reference, see the backward pass). Pass contiguous logits: a non-contiguous tensor, such
+    as `logits[:, :-1]`, is copied once in its own dtype; shift the tokens instead and mask the last
+    position. Temperature must match the engine's sampling temperature (DESIGN §1). Checking the token ids
+    costs one device synchronisation.
+    """
+    _check_logits(logits, temperature)
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"tokens must be [B, T] = {tuple(logits.shape[:-1])} to match logits {tuple(logits.shape)}, "
+            f"got {tuple(tokens.shape)}"
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
+    vocab = logits.shape[-1]
+    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+        raise ValueError(f"token ids must lie in [0, {vocab}) (the logits' vocabulary); some do not")
+    logp_N1 = _TokenLogprobs.apply(
+        logits.reshape(-1, vocab), tokens.reshape(-1, 1).long(), float(temperature)
+    )
+    return logp_N1.view(tokens.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T] float32, in nats.
+
+    H = -sum_v p_v log p_v, chunked over rows like `token_logprobs` (no float32 [B, T, V] copy, forward or
+    backward); gradients flow to `logits` (dH/dz_v = -p_v (log p_v + H) / temperature), so it serves both
+    as a logged metric and as an entropy bonus. Reduce it with `masked_sum`.
+    """
+    _check_logits(logits, temperature)
+    vocab = logits.shape[-1]
+    entropy_N = _Entropy.apply(logits.reshape(-1, vocab), float(temperature))
+    return entropy_N.view(logits.shape[:-1])
