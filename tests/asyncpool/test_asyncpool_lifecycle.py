@@ -6,6 +6,7 @@ import itertools
 import logging
 
 import pytest
+
 from asyncpool import GroupPool, PoolExhausted, PoolStats
 
 

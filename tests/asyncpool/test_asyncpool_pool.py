@@ -3,8 +3,9 @@
 import asyncio
 import itertools
 
-import asyncpool
 import pytest
+
+import asyncpool
 from asyncpool import GroupPool
 
 

@@ -3,10 +3,11 @@
 import math
 
 import pytest
-import rlestimators
 import torch
-from rlestimators import ESTIMATORS, gae, opd
 from torch.testing import assert_close
+
+import rlestimators
+from rlestimators import ESTIMATORS, gae, opd
 
 # Group 7: rewards 1, 0, 0, 0 (mean 0.25, Bessel std 0.5); group -3: 2, 4 (mean 3, std sqrt 2); group 100: 5
 # alone. Ids are unsorted, negative and not contiguous on purpose.

@@ -7,8 +7,9 @@ import tomllib
 import typing
 
 import pytest
-import rlestimators
 import torch
+
+import rlestimators
 
 PACKAGE_DIR = pathlib.Path(rlestimators.__file__).parent
 

@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
-from rlestimators import rollout_correction
 from torch.testing import assert_close
+
+from rlestimators import rollout_correction
 
 # Sequence 0 has token ratios 0.4, 1, 1.5, 3 (geometric mean 1.8 ** 0.25 ~ 1.158, rejected by (0.99, 1.01));
 # sequence 1 has 1, 1.005 and one padded token (geometric mean ~ 1.0025, kept); sequence 2 is all padding.

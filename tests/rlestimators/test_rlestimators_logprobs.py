@@ -4,10 +4,11 @@ temperatures and chunkings; and a check that neither pass creates a float32 tens
 import pytest
 import torch
 import torch.nn.functional as F
-from rlestimators import _logprobs, entropy_from_logits, token_logprobs
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from rlestimators import _logprobs, entropy_from_logits, token_logprobs
 
 NUM_SEQS, NUM_TOKENS, VOCAB = 3, 5, 37
 

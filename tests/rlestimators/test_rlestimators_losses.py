@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from torch.testing import assert_close
+
 from rlestimators import (
     entropy_from_logits,
     grpo,
@@ -14,7 +16,6 @@ from rlestimators import (
     token_logprobs,
     value_loss,
 )
-from torch.testing import assert_close
 
 KINDS = ["ppo", "gspo", "cispo", "pg"]
 CLIP = {"clip_low": 0.2, "clip_high": 0.28}

@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
-from rlestimators import dynamic_filter, pass_at_k
 from torch.testing import assert_close
+
+from rlestimators import dynamic_filter, pass_at_k
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import time
 import httpx
 import pytest
 from fake_engine import FakeEngine
+
 from tito import Tito, create_app
 
 
@@ -45,6 +46,7 @@ class LiveServer:
 
     def __init__(self, app) -> None:
         import uvicorn
+
         from molt.vllm_server import free_port
 
         self.url = f"http://127.0.0.1:{free_port()}"

@@ -9,6 +9,7 @@ import httpx
 import msgspec
 import openai
 import pytest
+
 from tito import Trajectory, create_app
 
 pytestmark = pytest.mark.anyio

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tito import Capture
 from tito._chat import ChatRenderer, ChatState, parse_reply
 from tito._protocol import TextStream

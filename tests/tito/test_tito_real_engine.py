@@ -10,6 +10,7 @@ import httpx
 import msgspec
 import openai
 import pytest
+
 from tito import Tito, Trajectory, create_app
 
 pytestmark = pytest.mark.slow
@@ -191,10 +192,16 @@ def test_64_concurrent_sessions_never_cross_tokens(real_tito, tokenizer):
         messages = [{"role": "user", "content": f"copy the word: {words[index % 8]} {index}"}]
         replies = []
         for turn in range(2):
-            reply = await sdk.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=6, seed=index
-            )
-            replies.append(reply.choices[0].message.content or "")
+            if index % 2:  # half the sessions stream
+                stream = await sdk.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=6, seed=index, stream=True
+                )
+                replies.append("".join([c.choices[0].delta.content or "" async for c in stream if c.choices]))
+            else:
+                reply = await sdk.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=6, seed=index
+                )
+                replies.append(reply.choices[0].message.content or "")
             messages += [
                 {"role": "assistant", "content": replies[-1]},
                 {"role": "user", "content": f"{index}.{turn}"},
