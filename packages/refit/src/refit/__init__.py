@@ -1,1 +1,34 @@
-"""refit."""
+"""refit: weight refit from an FSDP2 trainer into running vLLM engines, and MoE routing replay.
+
+`update_weights(engines, full_params(model), version=v)` pauses every engine (keeping in-flight
+requests), streams the full parameters in bounded buckets through vLLM's weight-transfer API (vLLM's
+NCCL backend on GPU, our `refit_gloo` backend on CPU), labels them `v`, clears the prefix cache and
+resumes. `decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in transformers.
+See README.md.
+"""
+
+from refit._buckets import ParamSpec, pack_bucket, plan_buckets, unpack_bucket
+from refit._engine import GLOO_BACKEND, NCCL_BACKEND, Engine, EngineCallError, engine_flags
+from refit._gather import FullParams, full_params
+from refit._refit import DEFAULT_BUCKET_BYTES, RefitError, RefitStats, update_weights
+from refit._routing import RoutingReplay, decode_routed_experts
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "GLOO_BACKEND",
+    "NCCL_BACKEND",
+    "Engine",
+    "EngineCallError",
+    "FullParams",
+    "ParamSpec",
+    "RefitError",
+    "RefitStats",
+    "RoutingReplay",
+    "decode_routed_experts",
+    "engine_flags",
+    "full_params",
+    "pack_bucket",
+    "plan_buckets",
+    "unpack_bucket",
+    "update_weights",
+]

@@ -1,0 +1,112 @@
+"""Time a full refit into a real vLLM CPU server, phase by phase, against a raw gloo broadcast.
+
+Starts one vLLM CPU server (refit_gloo backend) on a seeded tiny Qwen3 of the given size, refits it
+`--rounds` times with alternating weight sets, and prints the median seconds of each phase: pause,
+start (engine: initialise layerwise reload), transfer (trainer wall clock; the engine's share split
+into receiving and loading), finish (finalise reload), prefix-cache reset, resume. In the same run it
+broadcasts one buffer of the same byte count over a plain two-process gloo group: the floor for the
+transfer phase on this machine. Usage:
+
+    uv run --no-sync python bench/refit_cpu.py --hidden 512 --layers 8 --bucket-mb 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+import refit
+from refit._transport import broadcast, join_gloo_group
+
+
+def _raw_peer(rank: int, port: int, num_bytes: int, rounds: int) -> None:
+    group = join_gloo_group("127.0.0.1", port, 1, 2, 120)
+    buffer = torch.empty(num_bytes, dtype=torch.uint8)
+    for _ in range(rounds + 1):
+        broadcast(group, buffer).wait()
+
+
+def raw_gloo_broadcast(num_bytes: int, rounds: int) -> float:
+    """Median seconds to broadcast one `num_bytes` buffer to one peer process over gloo."""
+    from molt.vllm_server import free_port
+
+    port = free_port()
+    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(0, port, num_bytes, rounds))
+    peer.start()
+    group = join_gloo_group("127.0.0.1", port, 0, 2, 120)
+    buffer = torch.ones(num_bytes, dtype=torch.uint8)
+    samples = []
+    for _ in range(rounds + 1):  # the first one is warm-up
+        began = time.perf_counter()
+        broadcast(group, buffer).wait()
+        samples.append(time.perf_counter() - began)
+    peer.join()
+    return statistics.median(samples[1:])
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from molt.tiny import build_tiny_model
+    from molt.vllm_server import VLLMServer
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="refit-bench-"))
+    dirs = [
+        build_tiny_model(work / f"seed{s}", seed=s, hidden_size=args.hidden, num_layers=args.layers)
+        for s in (0, 1)
+    ]
+    models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in dirs]
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    rows: dict[str, list[float]] = {}
+    with VLLMServer(dirs[0], extra_args=refit.engine_flags(), log_path=work / "server.log") as server:
+        engine = refit.Engine(server.url)
+        refit.update_weights(
+            [engine], refit.full_params(models[1]), version="warmup", bucket_bytes=bucket_bytes
+        )
+        for round_ in range(args.rounds):
+            stats = refit.update_weights(
+                [engine], refit.full_params(models[round_ % 2]), version=round_, bucket_bytes=bucket_bytes
+            )
+            worker = engine.worker_timings()[0]
+            seconds = dict(stats.seconds, engine_recv=worker["recv_s"], engine_load=worker["load_s"])
+            seconds["total"] = sum(
+                v for k, v in stats.seconds.items() if k not in ("check", "connect", "gather_pack")
+            )
+            for name, value in seconds.items():
+                rows.setdefault(name, []).append(value)
+        engine.close()
+    raw = raw_gloo_broadcast(stats.num_bytes, args.rounds)
+
+    size_mib = stats.num_bytes / 2**20
+    print(f"model: tiny Qwen3 hidden={args.hidden} layers={args.layers} fp32, {size_mib:.1f} MiB")
+    print(f"{stats.num_buckets} bucket(s) of <= {args.bucket_mb:g} MiB (+1 tensor), median of {args.rounds}")
+    print(f"{'phase':<28} {'seconds':>9}")
+    labels = {
+        "check": "check names/shapes (HTTP)", "pause": "pause (mode=keep)", "start": "start (init reload)",
+        "transfer": "transfer (trainer wall)", "gather_pack": "  trainer: gather + pack",
+        "engine_recv": "  engine: receiving", "engine_load": "  engine: load_weights",
+        "finish": "finish (finalize reload)", "reset_prefix_cache": "reset prefix cache", "resume": "resume",
+        "total": "total (pause..resume)",
+    }  # fmt: skip
+    for key, label in labels.items():
+        print(f"{label:<28} {statistics.median(rows[key]):>9.4f}")
+    print(f"{'raw gloo broadcast, 1 buffer':<28} {raw:>9.4f}   (same bytes, same run)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""One vLLM server as the trainer sees it: its RL control endpoints over HTTP plus its byte pipe.
+
+Every call here is one documented vLLM endpoint (they exist only with `VLLM_SERVER_DEV_MODE=1`):
+`/pause?mode=keep`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
+`/reset_prefix_cache`, `/resume`, `/init_weight_transfer_engine`, `/get_world_size`, and
+`/collective_rpc` for the two read-only methods of our worker extension (checkpoint specs, timings).
+No engine internals are touched from the trainer. This module does not order the calls; `_refit.py`
+runs the lifecycle. A non-2xx reply raises `EngineCallError` naming the engine, the call and the body.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from functools import partial
+
+from refit._buckets import ParamSpec
+from refit._transport import GlooChannel, NcclChannel, join_gloo_group
+
+__all__ = ["Engine", "EngineCallError", "GLOO_BACKEND", "NCCL_BACKEND", "engine_flags"]
+
+GLOO_BACKEND = "refit_gloo"  # our CPU backend, registered into vLLM by refit.vllm_worker
+NCCL_BACKEND = "nccl"  # vLLM's own GPU backend
+
+
+def engine_flags(backend: str = GLOO_BACKEND) -> list[str]:
+    """The vLLM server flags an engine needs for refit (besides `VLLM_SERVER_DEV_MODE=1`)."""
+    # The extension registers refit_gloo and answers the checkpoint-spec query both backends use.
+    return [
+        "--worker-extension-cls", "refit.vllm_worker.RefitWorkerExtension",
+        "--weight-transfer-config", json.dumps({"backend": backend}),
+    ]  # fmt: skip
+
+
+class EngineCallError(RuntimeError):
+    """An engine answered an RL endpoint with an error status."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Engine:
+    """Handle on one vLLM server at `url` that serves with `backend` (`GLOO_BACKEND` or `NCCL_BACKEND`).
+
+    `trainer_host` is the address of this (trainer) machine as the engine's workers can reach it; the
+    trainer hosts the rendezvous there. `timeout_s` bounds every HTTP call and every collective.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        backend: str = GLOO_BACKEND,
+        trainer_host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+    ) -> None:
+        if backend not in (GLOO_BACKEND, NCCL_BACKEND):
+            raise ValueError(f"backend must be {GLOO_BACKEND!r} or {NCCL_BACKEND!r}, got {backend!r}")
+        self.url = url.rstrip("/")
+        self.backend = backend
+        self.trainer_host = trainer_host
+        self.timeout_s = timeout_s
+        self.channel: GlooChannel | NcclChannel | None = None
+        self.bucket_bytes: int | None = None  # fixed at connect for NCCL (vLLM reads it at init)
+        import httpx  # here, not at module top: the sender's pack path must import without it
+
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def __repr__(self) -> str:
+        return f"Engine({self.url!r}, backend={self.backend!r})"
+
+    def _call(self, method: str, path: str, **kwargs):
+        reply = self._http.request(method, f"{self.url}{path}", **kwargs)
+        if reply.status_code >= 400:
+            raise EngineCallError(f"{self.url}{path} answered {reply.status_code}: {reply.text[:2000]}")
+        return reply
+
+    # --- the lifecycle endpoints, in the order a refit calls them ---
+    def pause(self) -> None:
+        self._call("POST", "/pause", params={"mode": "keep"})  # in-flight requests freeze, not abort
+
+    def start_weight_update(self) -> None:
+        self._call("POST", "/start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._call("POST", "/update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, version: str) -> None:
+        self._call("POST", "/finish_weight_update", json={"weight_version": version})
+
+    def reset_prefix_cache(self) -> None:
+        # reset_running_requests: kept requests hold blocks, so a plain reset would fail; preempting
+        # them makes vLLM recompute their KV with the new weights when they resume.
+        reply = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not reply.json().get("success"):
+            raise EngineCallError(f"{self.url}/reset_prefix_cache did not reset: {reply.text}")
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    # --- read-only queries ---
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused").json()["is_paused"])
+
+    def weight_version(self) -> str:
+        return self._call("GET", "/weight_info").json()["weight_version"]
+
+    def world_size(self) -> int:
+        return int(self._call("GET", "/get_world_size").json()["world_size"])
+
+    def _rpc(self, method: str) -> list:
+        return self._call("POST", "/collective_rpc", json={"method": method}).json()["results"]
+
+    def checkpoint_specs(self) -> list[ParamSpec]:
+        """Names and full shapes of the checkpoint the engine loaded (what a refit must send)."""
+        return [ParamSpec.from_json(item) for item in self._rpc("refit_checkpoint_specs")[0]]
+
+    def worker_timings(self) -> list[dict]:
+        """Per worker, seconds spent receiving and loading in the last update (gloo backend only)."""
+        return self._rpc("refit_last_timings")
+
+    # --- the byte pipe ---
+    def connect(self, bucket_bytes: int) -> None:
+        """Open this engine's transfer group (trainer = rank 0, its workers = 1..N)."""
+        host, port = self.trainer_host, _free_port(self.trainer_host)
+        world_size = 1 + self.world_size()
+        if self.backend == NCCL_BACKEND:
+            init_info = {
+                "master_address": host, "master_port": port, "rank_offset": 1,
+                "world_size": world_size, "packed": True,
+                "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2,
+            }  # fmt: skip
+            opener = partial(NcclChannel, host, port, world_size)
+        else:
+            init_info = {"host": host, "port": port, "world_size": world_size, "timeout_s": self.timeout_s}
+            opener = partial(_open_gloo, host, port, world_size, self.timeout_s)
+        init = partial(self._call, "POST", "/init_weight_transfer_engine", json={"init_info": init_info})
+        self.channel = _rendezvous(opener, init)
+        self.bucket_bytes = bucket_bytes
+
+    def update_info(self, specs: list[ParamSpec], bucket_bytes: int) -> dict:
+        """The `/update_weights` payload: the parameter list both ends plan buckets from."""
+        if self.backend == NCCL_BACKEND and bucket_bytes != self.bucket_bytes:
+            raise ValueError(
+                f"{self.url}: vLLM's NCCL engine fixed its bucket size at {self.bucket_bytes} bytes when it "
+                f"connected; pass the same bucket_bytes every refit (got {bucket_bytes})"
+            )
+        info = {
+            "names": [s.name for s in specs],
+            "dtype_names": [str(s.dtype).removeprefix("torch.") for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+        }
+        if self.backend == GLOO_BACKEND:
+            info["bucket_bytes"] = bucket_bytes
+        return info
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self._http.close()
+
+
+def _rendezvous(open_trainer_end, init_engine_end):
+    """Run both ends of a rendezvous at once (each blocks until the other arrives).
+
+    The engine's HTTP call runs here; the trainer end runs on a daemon thread so that an engine that
+    refuses at once (wrong backend) surfaces its error now instead of after the collective's timeout.
+    """
+    result: dict = {}
+
+    def trainer_end() -> None:
+        try:
+            result["channel"] = open_trainer_end()
+        except BaseException as exc:  # handed to the caller below
+            result["error"] = exc
+
+    thread = threading.Thread(target=trainer_end, daemon=True)
+    thread.start()
+    init_engine_end()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["channel"]
+
+
+def _open_gloo(host: str, port: int, world_size: int, timeout_s: float) -> GlooChannel:
+    return GlooChannel(join_gloo_group(host, port, 0, world_size, timeout_s))

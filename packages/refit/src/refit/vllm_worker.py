@@ -1,0 +1,196 @@
+"""Engine side of refit on CPU: the `refit_gloo` weight-transfer backend, loaded into vLLM's workers.
+
+Give it to a vLLM server with
+`--worker-extension-cls refit.vllm_worker.RefitWorkerExtension --weight-transfer-config
+'{"backend": "refit_gloo"}'`. Importing this module (vLLM does, to resolve the extension class)
+registers `GlooWeightTransferEngine` with `WeightTransferEngineFactory`; vLLM then drives it through
+its own lifecycle (`/start_weight_update`, `/update_weights`, `/finish_weight_update`).
+
+Why a backend of our own: vLLM's built-in backends are CUDA-only. This one receives the same buckets
+the sender packs for vLLM's NCCL engine (`refit._buckets`), over a gloo group, each bucket preceded by
+a header (its index, or -1 = the trainer aborted). It reloads layer by layer
+(`initialize_layerwise_reload` → `load_weights` → `finalize_layerwise_reload`), because on the CPU
+build a plain `load_weights` fails half way (weights are repacked for oneDNN).
+
+What it refuses to leave behind: a model with layers on the meta device. If receiving or loading
+fails after `start_weight_update`, every layer not yet reloaded gets its old tensors back before the
+error propagates, so the engine can serve again (with weights that may mix old and new layers: the
+trainer keeps it paused until a full refit succeeds). Tied embeddings: layerwise reload processes
+only `embed_tokens`, so the CPU build's packed copy of a tied `lm_head` is rebuilt after every reload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
+from refit._engine import GLOO_BACKEND
+from refit._transport import ABORT, broadcast, join_gloo_group
+
+__all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension"]
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    world_size: int
+    timeout_s: float = 300.0
+    rank_offset: int = 1  # the trainer is rank 0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    bucket_bytes: int
+
+    def specs(self) -> list[ParamSpec]:
+        return [
+            ParamSpec.from_json(item) for item in zip(self.names, self.dtype_names, self.shapes, strict=True)
+        ]
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Receives refit buckets over gloo and reloads the model layer by layer (see module docstring)."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.last_timings: dict[str, float] = {}
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.group = join_gloo_group(
+            init_info.host, init_info.port, rank, init_info.world_size, init_info.timeout_s
+        )
+
+    def start_weight_update(self) -> None:
+        began = time.perf_counter()
+        initialize_layerwise_reload(self.model)
+        self.last_timings = {"start_s": time.perf_counter() - began, "recv_s": 0.0, "load_s": 0.0}
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class ends with torch.accelerator.synchronize(), which raises on CPU.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("refit_gloo: /init_weight_transfer_engine was never called")
+        try:
+            self._receive(update_info.specs(), update_info.bucket_bytes)
+        except BaseException:
+            self._roll_back()
+            raise
+
+    def _receive(self, specs: list[ParamSpec], bucket_bytes: int) -> None:
+        header = torch.zeros(1, dtype=torch.int64)
+        for index, bucket in enumerate(plan_buckets(specs, bucket_bytes)):
+            began = time.perf_counter()
+            broadcast(self.group, header).wait()
+            if int(header) == ABORT:
+                raise RuntimeError(f"refit_gloo: the trainer aborted the transfer before bucket {index}")
+            assert int(header) == index, f"bucket {int(header)} arrived, expected {index}"
+            # A fresh buffer per bucket: layerwise reload keeps views of it until the layer is complete,
+            # which may be several buckets later.
+            payload_N = torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8)
+            broadcast(self.group, payload_N).wait()
+            loaded = time.perf_counter()
+            self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
+            self.last_timings["recv_s"] += loaded - began
+            self.last_timings["load_s"] += time.perf_counter() - loaded
+
+    def finish_weight_update(self) -> None:
+        began = time.perf_counter()
+        finalize_layerwise_reload(self.model, self.model_config)
+        _repack_tied(self.model)
+        self.last_timings["finish_s"] = time.perf_counter() - began
+
+    def _roll_back(self) -> None:
+        """Put back the old tensors of every layer not fully reloaded (none stays on the meta device)."""
+        for layer in self.model.modules():
+            info = get_layerwise_info(layer)
+            if info.can_load():  # still waiting for weights: forget what it buffered
+                info.loaded_weights.clear()
+                info.load_numel = 0
+        # With nothing buffered, finalize places each waiting layer's kernel tensors back.
+        finalize_layerwise_reload(self.model, self.model_config)
+        _repack_tied(self.model)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+def _repack_tied(model: torch.nn.Module) -> None:
+    """Re-run weight processing on every layer that shares its weight with another (tied lm_head)."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for layer in model.modules():
+        weight = layer._parameters.get("weight")
+        if weight is not None and getattr(layer, "quant_method", None) is not None:
+            holders.setdefault(id(weight), []).append(layer)
+    for layers in holders.values():
+        for layer in layers[1:] if len(layers) > 1 else ():
+            layer.quant_method.process_weights_after_loading(layer)
+
+
+def _checkpoint_specs(model_path: str) -> list[list]:
+    """Name, dtype and shape of every tensor in the model's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    if not folder.is_dir():  # a hub id: vLLM has downloaded it into the local cache
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(model_path, local_files_only=True, allow_patterns=["*.safetensors*"]))
+    specs = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                piece = reader.get_slice(name)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype().lower())
+                specs.append([name, dtype, list(piece.get_shape())])
+    if not specs:
+        raise FileNotFoundError(f"no *.safetensors in {folder}: refit checks names against the checkpoint")
+    return specs
+
+
+_SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+}
+
+
+class RefitWorkerExtension:
+    """Mixed into vLLM's worker class; its methods are reachable through `/collective_rpc`."""
+
+    def refit_checkpoint_specs(self) -> list[list]:
+        return _checkpoint_specs(self.vllm_config.model_config.model)
+
+    def refit_last_timings(self) -> dict[str, float]:
+        return dict(getattr(self.weight_transfer_engine, "last_timings", {}))
+
+
+with contextlib.suppress(ValueError):  # already registered: imported twice in one process
+    WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)

@@ -1,0 +1,101 @@
+"""The wire format: bucket planning, packing, and its agreement with vLLM's packed broadcast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import refit
+from refit import ParamSpec, pack_bucket, plan_buckets, unpack_bucket
+
+
+def test_public_names_are_pinned():
+    assert sorted(refit.__all__) == sorted([
+        "DEFAULT_BUCKET_BYTES", "GLOO_BACKEND", "NCCL_BACKEND", "Engine", "EngineCallError", "FullParams",
+        "ParamSpec", "RefitError", "RefitStats", "RoutingReplay", "decode_routed_experts", "engine_flags",
+        "full_params", "pack_bucket", "plan_buckets", "unpack_bucket", "update_weights",
+    ])  # fmt: skip
+
+
+def _named_tensors() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (3,), (), (16, 16), (2, 3, 4), (40,), (1,)]
+    dtypes = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float32,
+        torch.float16,
+        torch.float32,
+        torch.int64,
+        torch.float32,
+    ]
+    return [
+        (f"p{i}", torch.randn(shape, generator=gen).to(dtype) if dtype != torch.int64 else torch.arange(40))
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True))
+    ]
+
+
+def _specs(named):
+    return [ParamSpec(n, t.dtype, tuple(t.shape)) for n, t in named]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 64, 100, 600, 10**6])
+def test_buckets_cover_everything_in_order_and_close_once_over_the_limit(bucket_bytes):
+    specs = _specs(_named_tensors())
+    plan = plan_buckets(specs, bucket_bytes)
+    assert [i for bucket in plan for i in bucket] == list(range(len(specs)))
+    largest = max(s.nbytes for s in specs)
+    for bucket in plan[:-1]:
+        size = sum(specs[i].nbytes for i in bucket)
+        assert bucket_bytes < size <= bucket_bytes + largest  # bounded: the limit plus one parameter
+        assert size - specs[bucket[-1]].nbytes <= bucket_bytes  # closed by its last parameter
+
+
+def test_pack_then_unpack_round_trips_bytes_exactly():
+    named = _named_tensors()
+    specs = _specs(named)
+    for bucket in plan_buckets(specs, 100):
+        buffer = torch.empty(sum(specs[i].nbytes for i in bucket), dtype=torch.uint8)
+        assert pack_bucket(buffer, [named[i][1] for i in bucket]) == buffer.numel()
+        for (name, got), i in zip(unpack_bucket(buffer, [specs[i] for i in bucket]), bucket, strict=True):
+            assert name == named[i][0]
+            torch.testing.assert_close(got, named[i][1], rtol=0, atol=0)
+
+
+def test_pack_reads_non_contiguous_tensors_by_value():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    buffer = torch.empty(48, dtype=torch.uint8)
+    pack_bucket(buffer, [base.t()])
+    ((_, got),) = unpack_bucket(buffer, [ParamSpec("t", torch.float32, (4, 3))])
+    torch.testing.assert_close(got, base.t().contiguous(), rtol=0, atol=0)
+
+
+def test_plan_refuses_a_non_positive_bucket_size():
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets([ParamSpec("a", torch.float32, (2,))], 0)
+
+
+def test_full_params_specs_need_no_gather_and_match_iteration():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    params = refit.full_params(model, dtype=torch.bfloat16)
+    got = list(params)
+    assert [(n, t.dtype, tuple(t.shape)) for n, t in got] == [tuple(s) for s in params.specs]
+    assert all(s.dtype == torch.bfloat16 for s in params.specs)
+
+
+@pytest.mark.slow
+def test_buckets_are_byte_identical_to_vllm_packed_chunks():
+    """vLLM's NCCL consumer cuts chunks with `pack_tensors`' rule: same boundaries, same bytes."""
+    from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
+
+    named = _named_tensors()
+    specs = _specs(named)
+    for bucket_bytes in (512, 600, 1000):  # no tensor above the limit (vLLM warns then)
+        stream = iter(named)
+        for bucket in plan_buckets(specs, bucket_bytes):
+            chunk = pack_tensors(stream, lambda item: item[1], bucket_bytes)
+            assert chunk.names == [specs[i].name for i in bucket]
+            ours = torch.empty(chunk.packed_tensor.numel(), dtype=torch.uint8)
+            pack_bucket(ours, [named[i][1] for i in bucket])
+            assert torch.equal(ours, chunk.packed_tensor)
+        assert pack_tensors(stream, lambda item: item[1], bucket_bytes) is None

@@ -1,0 +1,161 @@
+"""Refit into a real vLLM CPU server (the refit_gloo backend): correctness, partial rollout, failures."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from refit_helpers import PROMPTS, generate, load_model, max_logprob_error, reference_logprobs, weight_set
+
+import refit
+
+pytestmark = pytest.mark.slow
+TOL = 1e-4  # fp32 engine vs fp32 transformers
+SMALL_BUCKETS = 64 << 10  # several buckets for the 350 KB tiny model
+
+
+def _prefix_cache_hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M))
+
+
+def test_refit_matches_transformers_for_two_weight_sets_and_clears_the_prefix_cache(
+    refit_servers, tiny_model_dir, tmp_path
+):
+    server = refit_servers.serve(tiny_model_dir)
+    engine = refit.Engine(server.url)
+    long_prompt = [(7 * i) % 90 + 5 for i in range(300)]  # several KV blocks, so the cache can hit
+    assert max_logprob_error(server.url, load_model(tiny_model_dir), prompts=[long_prompt]) < TOL
+    hits = _prefix_cache_hits(server.url)
+    generate(server.url, long_prompt, 2)
+    assert _prefix_cache_hits(server.url) > hits, "the long prompt should be served from the prefix cache"
+
+    for seed in (11, 12):
+        model = weight_set(tmp_path, seed)
+        stats = refit.update_weights(
+            [engine], refit.full_params(model), version=seed, bucket_bytes=SMALL_BUCKETS
+        )
+        assert stats.num_buckets > 1 and stats.version == str(seed)
+        # The cached prompt must be recomputed with the new weights, not served from stale KV.
+        assert max_logprob_error(server.url, model, prompts=[*PROMPTS, long_prompt]) < TOL
+        out = generate(server.url, PROMPTS[0], 4)
+        assert out["weight_versions"] == [{"version": str(seed), "start": 0, "end": 4}]
+        assert engine.weight_version() == str(seed) and not engine.is_paused()
+    engine.close()
+
+
+def test_request_in_flight_finishes_across_the_refit_with_both_versions(
+    refit_servers, tiny_model_dir, tmp_path
+):
+    server = refit_servers.serve(tiny_model_dir)
+    engine = refit.Engine(server.url)
+    old = weight_set(tmp_path, 21)
+    refit.update_weights([engine], refit.full_params(old), version="old")
+    result = {}
+    request = threading.Thread(target=lambda: result.update(generate(server.url, PROMPTS[1], 1500)))
+    request.start()
+    time.sleep(2.0)  # let it sample a few hundred tokens first
+    new = weight_set(tmp_path, 22)
+    refit.update_weights([engine], refit.full_params(new), version="new", bucket_bytes=SMALL_BUCKETS)
+    request.join(timeout=300)
+
+    assert len(result["token_ids"]) == 1500
+    spans = result["weight_versions"]
+    assert [s["version"] for s in spans] == ["old", "new"], spans
+    switch = spans[1]["start"]
+    assert spans[0] == {"version": "old", "start": 0, "end": switch} and spans[1]["end"] == 1500
+    assert 0 < switch < 1500
+    # Every token keeps the logprob it was sampled with: old weights before the switch, new after
+    # (the kept request's KV was recomputed with the new weights, not reused).
+    engine_logp = torch.tensor(result["logprobs"])
+    for model, part in ((old, slice(0, switch)), (new, slice(switch, 1500))):
+        want = reference_logprobs(model, PROMPTS[1], result["token_ids"])
+        torch.testing.assert_close(engine_logp[part], want[part], rtol=0, atol=TOL)
+    engine.close()
+
+
+def test_mismatch_is_refused_before_any_engine_is_touched(refit_servers, tiny_model_dir, tmp_path):
+    server = refit_servers.serve(tiny_model_dir)
+    engine = refit.Engine(server.url)
+    version = engine.weight_version()
+    wrong_shape = weight_set(tmp_path, 31, hidden_size=32)
+    with pytest.raises(ValueError, match="shape mismatch.*model.embed_tokens.weight"):
+        refit.update_weights([engine], refit.full_params(wrong_shape), version="never")
+    extra_layer = weight_set(tmp_path, 32, num_layers=3)
+    with pytest.raises(ValueError, match=r"unexpected \['model.layers.2"):
+        refit.update_weights([engine], refit.full_params(extra_layer), version="never")
+    assert engine.channel is None, "no transfer group was opened"
+    assert engine.weight_version() == version and not engine.is_paused()
+    engine.close()
+
+
+class _FailingParams(refit.FullParams):
+    """The trainer's parameter stream, failing (or running `on_fail`) after `after` parameters."""
+
+    def __init__(self, module, after: int, on_fail=None) -> None:
+        super().__init__(module)
+        self.after, self.on_fail = after, on_fail
+
+    def __iter__(self):
+        for i, item in enumerate(super().__iter__()):
+            if i == self.after:
+                if self.on_fail is None:
+                    raise RuntimeError("trainer lost a rank")
+                self.on_fail()
+            yield item
+
+
+def test_trainer_failure_mid_transfer_rolls_back_and_keeps_the_engine_paused(
+    refit_servers, tiny_model_dir, tmp_path
+):
+    server = refit_servers.serve(tiny_model_dir)
+    engine = refit.Engine(server.url)
+    before = weight_set(tmp_path, 41)
+    refit.update_weights([engine], refit.full_params(before), version="before")
+    with pytest.raises(refit.RefitError, match="phase 'transfer'.*trainer lost a rank") as failure:
+        refit.update_weights(
+            [engine],
+            _FailingParams(weight_set(tmp_path, 42), after=12),
+            version="x",
+            bucket_bytes=SMALL_BUCKETS,
+        )
+    assert failure.value.paused == [server.url] and failure.value.updated == []
+    assert engine.is_paused() and engine.weight_version() == "before"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # alive, no meta layers
+    # A full refit afterwards succeeds and resumes it.
+    after = weight_set(tmp_path, 43)
+    refit.update_weights([engine], refit.full_params(after), version="after", bucket_bytes=SMALL_BUCKETS)
+    assert not engine.is_paused() and max_logprob_error(server.url, after) < TOL
+    engine.close()
+
+
+def test_engine_dying_mid_refit_is_named_and_the_others_are_updated(
+    refit_servers, tiny_model_dir, tmp_path, fake_engine_factory
+):
+    server = refit_servers.serve(tiny_model_dir)
+    fake = fake_engine_factory(tiny_model_dir)
+    real, doomed = refit.Engine(server.url), refit.Engine(fake.url, timeout_s=30)
+    first = weight_set(tmp_path, 51)
+    refit.update_weights(
+        [real, doomed], refit.full_params(first), version="first", bucket_bytes=SMALL_BUCKETS
+    )
+    state = fake.state()
+    assert state["version"] == "first" and not state["paused"]
+    for name, param in first.named_parameters():  # the fake received every byte
+        assert state["sums"][name] == pytest.approx(float(param.detach().double().sum()), abs=1e-6)
+
+    second = weight_set(tmp_path, 52)
+    params = _FailingParams(second, after=12, on_fail=fake.kill)
+    with pytest.raises(refit.RefitError) as failure:
+        refit.update_weights([real, doomed], params, version="second", bucket_bytes=SMALL_BUCKETS)
+    phase, _ = failure.value.failures[fake.url]
+    assert phase == "transfer" and list(failure.value.failures) == [fake.url]
+    assert failure.value.updated == [server.url] and fake.url in str(failure.value)
+    assert real.weight_version() == "second" and not real.is_paused()
+    assert max_logprob_error(server.url, second) < TOL
+    real.close()
+    doomed.close()
