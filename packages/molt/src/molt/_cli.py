@@ -1,0 +1,79 @@
+"""The `molt` command: `molt train [--config FILE.toml] [--group.field VALUE ...]`.
+
+Typer parses only the command name. The dotted flags are one per config field, which click cannot know, so
+`train` takes its arguments raw, `molt._flags.resolve` turns them into a validated Config (every error before
+anything starts, exit code 2), and `--help` is printed here from the fields' docstrings.
+
+Importing this module imports no torch, vLLM or Ray, so `molt --help` is instant; the training loop is
+imported only once a run starts.
+"""
+
+from pathlib import Path
+
+import msgspec
+import typer
+
+from molt._flags import flag_help, render_toml, resolve
+from molt.config import Config, ConfigError, with_run_dir
+
+__all__ = ["app"]
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
+
+_USAGE = "Usage: molt train [--config FILE.toml] [--group.field VALUE ...] [--print-config]"
+_SYNTAX = """\
+Every option is a dotted flag on the typed config (molt/config.py): --group.field VALUE or
+--group.field=VALUE. Precedence: defaults < --config FILE.toml < flags. Booleans take true/false/1/0/yes/no
+(a bare boolean flag means true), optional values take none, pairs are comma separated (0.5,2.0).
+
+  --config FILE.toml    settings from a TOML file, in the format --print-config writes
+  --print-config        print the resolved config as TOML and exit without training
+  --help                show this message and exit"""
+
+# Click would reject the dotted flags and answer --help itself; `train` does both.
+_RAW_ARGS = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.callback()
+def main() -> None:
+    """Molt trains LLM agents with reinforcement learning: `molt train --help` lists every flag."""
+
+
+def train_help() -> str:
+    """`molt train --help`: every dotted flag with its type, default and help, grouped by flag group."""
+    groups = {field.name: field.type.__doc__ for field in msgspec.structs.fields(Config)}
+    lines = [_USAGE, "", _SYNTAX]
+    group = None
+    for flag, type_name, default, help_text in flag_help():
+        name = flag[2:].split(".", 1)[0]
+        if name != group:
+            lines += ["", f"{name}: {groups[name]}"]
+            group = name
+        lines += [f"  {flag}  {type_name} = {default}", f"      {help_text}"]
+    return "\n".join(lines)
+
+
+@app.command(context_settings=_RAW_ARGS, short_help="Train a policy with RL (--help lists every flag).")
+def train(ctx: typer.Context) -> None:
+    """Train a policy: molt train [--config FILE.toml] [--group.field VALUE ...]; --help lists every flag."""
+    args = list(ctx.args)
+    if "--help" in args or "-h" in args:
+        typer.echo(train_help())
+        return
+    print_config = "--print-config" in args
+    try:
+        config = resolve([arg for arg in args if arg != "--print-config"])
+    except ConfigError as error:
+        typer.echo(f"molt train: {error}", err=True)
+        raise typer.Exit(2) from None
+    if print_config:
+        typer.echo(render_toml(config), nl=False)
+        return
+    config = with_run_dir(config)
+    run_dir = Path(config.logger.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(render_toml(config))
+    typer.echo(f"run dir: {run_dir}")
+    from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
+
+    run_training(config)

@@ -1,0 +1,267 @@
+"""Flags and TOML onto the config Structs: defaults < `--config FILE.toml` < `--group.field VALUE`.
+
+A field's path in `molt.config.Config` is its flag (`--algo.kl.coef 0.1` or `--algo.kl.coef=0.1`) and its
+TOML key (`[algo.kl]` table, `coef = 0.1`). Flag values are strings that msgspec converts (`strict=False`)
+to the field's type, so msgspec checks every type; before that, booleans accept true/false/1/0/yes/no (a
+bare boolean flag means true), optional fields accept `none`, and tuples are comma separated (`0.5,2.0`).
+An unknown flag or key fails naming it and the closest known flag; an ill-typed one fails naming the flag
+as the user wrote it. Help text is each field's docstring, read from `molt/config.py`'s source.
+
+This module imports nothing heavy: `molt train --help` runs it.
+"""
+
+import ast
+import difflib
+import functools
+import inspect
+import itertools
+import json
+import re
+import tomllib
+import types
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
+
+import msgspec
+
+from molt import config as config_module
+from molt.config import Config, ConfigError, validate
+
+__all__ = ["flag_help", "render_toml", "resolve", "type_name"]
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+class _Leaf(NamedTuple):
+    type: Any
+    default: Any
+    doc: str
+
+
+@functools.cache
+def _field_docs() -> dict[tuple[str, str], str]:
+    """`(class name, field name) -> docstring`: the string literal right under each annotated field."""
+    tree = ast.parse(inspect.getsource(config_module))
+    docs = {}
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt, after in itertools.pairwise(node.body):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
+                docs[node.name, stmt.target.id] = after.value.value.strip()
+    return docs
+
+
+def _is_group(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+@functools.cache
+def _leaves() -> dict[str, _Leaf]:
+    """Every settable field by dotted path (`"algo.kl.coef"`), in definition order."""
+    docs, leaves = _field_docs(), {}
+
+    def walk(cls: type[msgspec.Struct], prefix: str) -> None:
+        for field in msgspec.structs.fields(cls):
+            if _is_group(field.type):
+                walk(field.type, f"{prefix}{field.name}.")
+            else:
+                leaves[prefix + field.name] = _Leaf(
+                    field.type, field.default, docs.get((cls.__name__, field.name), "")
+                )
+
+    walk(Config, "")
+    return leaves
+
+
+@functools.cache
+def _groups() -> frozenset[str]:
+    """Dotted paths of the nested Structs (`"algo"`, `"algo.kl"`): TOML tables, not flags."""
+    parts = [path.split(".") for path in _leaves()]
+    return frozenset(".".join(p[:i]) for p in parts for i in range(1, len(p)))
+
+
+def type_name(tp: Any) -> str:
+    """How a field's type reads in help and errors: `int`, `int|none`, `float,float`, `tis|mis|...`."""
+    if tp is type(None):
+        return "none"
+    if get_origin(tp) is Literal:
+        return "|".join(str(arg) for arg in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return "|".join(type_name(arg) for arg in get_args(tp))
+    if get_origin(tp) is tuple:
+        return ",".join(type_name(arg) for arg in get_args(tp))
+    return tp.__name__
+
+
+def _flag_value(value: Any) -> str:
+    """A value as it is written on the command line (the inverse of `_coerce`)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(_flag_value(item) for item in value)
+    if value == "":
+        return '""'
+    return str(value)
+
+
+def flag_help() -> list[tuple[str, str, str, str]]:
+    """`(flag, type, default, help)` for every dotted flag, in definition order."""
+    return [
+        (f"--{path}", type_name(leaf.type), _flag_value(leaf.default), leaf.doc)
+        for path, leaf in _leaves().items()
+    ]
+
+
+def _unknown(name: str, where: str) -> ConfigError:
+    """An error for an unknown flag or key, suggesting the closest known flag."""
+    known = list(_leaves())
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    if not close:  # a right field name in the wrong group: compare last segments
+        by_field = {path.rsplit(".", 1)[-1]: path for path in known}
+        close = [by_field[m] for m in difflib.get_close_matches(name.rsplit(".", 1)[-1], by_field, n=1)]
+    hint = f"; did you mean --{close[0]}?" if close else ""
+    return ConfigError(f"unknown {where}{hint} (molt train --help lists every flag)")
+
+
+def _coerce(raw: str, tp: Any) -> Any:
+    """The flag-syntax conveniences msgspec does not know; msgspec converts and checks the rest."""
+    args = get_args(tp)
+    if type(None) in args and raw.lower() == "none":
+        return None
+    if tp is bool:
+        return _BOOLS.get(raw.lower(), raw)
+    if get_origin(tp) is tuple:
+        return [part.strip() for part in raw.split(",")]
+    return raw
+
+
+def _split_args(args: Sequence[str]) -> tuple[str | None, dict[str, str]]:
+    """`--config FILE` and `{dotted path: raw value}` from the command line; a repeated flag's last wins."""
+    config_file, raw_flags = None, {}
+    args = list(args)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if not token.startswith("--"):
+            raise ConfigError(f"unexpected argument {token!r}: options are --group.field VALUE")
+        name, has_value, value = token[2:].partition("=")
+        if name != "config" and name not in _leaves():
+            raise _unknown(name, f"flag --{name}")
+        if not has_value:
+            takes_bare = name != "config" and _leaves()[name].type is bool
+            if takes_bare and (i + 1 == len(args) or args[i + 1].startswith("--")):
+                value = "true"
+            elif i + 1 == len(args):
+                raise ConfigError(f"--{name} needs a value")
+            else:
+                value, i = args[i + 1], i + 1
+        if name == "config":
+            config_file = value
+        else:
+            raw_flags[name] = value
+        i += 1
+    return config_file, raw_flags
+
+
+def _flatten_toml(table: dict[str, Any], file: str, prefix: str = "") -> dict[str, Any]:
+    """`{dotted path: value}` from a parsed TOML file; an unknown key or a misplaced table fails."""
+    flat = {}
+    for key, value in table.items():
+        path = prefix + key
+        if path in _groups():
+            if not isinstance(value, dict):
+                raise ConfigError(f"{file}: {path} is a table ([{path}]), got {value!r}")
+            flat.update(_flatten_toml(value, file, path + "."))
+        elif path in _leaves():
+            flat[path] = value
+        else:
+            raise _unknown(path, f"key {path} in {file}")
+    return flat
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """`{"a.b.c": v}` -> `{"a": {"b": {"c": v}}}`."""
+    nested: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, last = path.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return nested
+
+
+def _explain(error: msgspec.ValidationError, sources: dict[str, tuple[str, Any]]) -> str:
+    """msgspec's `... - at $.rollout.group_size[0]` as `--rollout.group_size: expected int, got 'eight'`."""
+    match = re.search(r"at `\$\.([\w.]+)", str(error))
+    path = match.group(1) if match else ""
+    if path not in sources:
+        return str(error)
+    where, raw = sources[path]
+    return f"{where}: expected {type_name(_leaves()[path].type)}, got {raw!r}"
+
+
+def _read_toml(file: str) -> dict[str, Any]:
+    try:
+        with open(file, "rb") as f:
+            return tomllib.load(f)
+    except OSError as error:
+        raise ConfigError(f"--config {file}: cannot read it ({error.strerror})") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"--config {file}: not valid TOML ({error})") from None
+
+
+def resolve(args: Sequence[str]) -> Config:
+    """The validated `Config` of `molt train` arguments: defaults < `--config FILE.toml` < dotted flags."""
+    config_file, raw_flags = _split_args(args)
+    values: dict[str, Any] = {}
+    sources: dict[str, tuple[str, Any]] = {}  # path -> (where it was set, the value as written)
+    if config_file is not None:
+        table = _read_toml(config_file)
+        for path, value in _flatten_toml(table, config_file).items():
+            values[path] = _coerce(value, _leaves()[path].type) if isinstance(value, str) else value
+            sources[path] = (f"{config_file}: {path} (--{path})", value)
+    for path, raw in raw_flags.items():
+        values[path] = _coerce(raw, _leaves()[path].type)
+        sources[path] = (f"--{path}", raw)
+    try:
+        config = msgspec.convert(_nest(values), Config, strict=False)
+    except msgspec.ValidationError as error:
+        raise ConfigError(_explain(error, sources)) from None
+    return validate(config)
+
+
+def _toml_value(value: Any) -> str:
+    if value is None:
+        return '"none"'  # TOML has no null; `none` is how optional fields are written (see `_coerce`)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return repr(value)  # Python's float repr (1e-05, inf, nan) is valid TOML
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    # A JSON string is a TOML basic string, once DEL (which TOML wants escaped) is escaped too.
+    return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def render_toml(config: Config) -> str:
+    """`config` as a TOML file that `--config` reads back to an equal Config, each key under its help."""
+    tables: dict[str, list[str]] = {}  # one [table] per Struct, in definition order
+    for path in _leaves():
+        tables.setdefault(path.rsplit(".", 1)[0], []).append(path)
+    lines = ["# molt run configuration: defaults < --config FILE.toml < --group.field flags"]
+    for table, paths in tables.items():
+        lines += ["", f"[{table}]"]
+        for path in paths:
+            value = functools.reduce(getattr, path.split("."), config)
+            lines += [f"# {_leaves()[path].doc}", f"{path.rsplit('.', 1)[1]} = {_toml_value(value)}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,393 @@
+"""The typed configuration of a molt run: one frozen msgspec Struct per flag group, and `validate`.
+
+Every field has a default and, right under it, a one-line docstring that `molt train --help` prints and
+`config.toml` carries as a comment (`molt._flags` reads them from this file's source). A field's dotted path
+is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults < `--config FILE.toml` <
+flags (`molt._flags.resolve`).
+
+`validate` refuses combinations that would train silently wrong (asynchrony without importance correction,
+DESIGN invariant 2; a group baseline over groups of one) and fills derived values. It imports nothing heavy:
+this module is loaded by `molt --help`, so the Literal types below restate rlestimators' names instead of
+importing them (rlestimators imports torch); a test checks the two agree.
+"""
+
+import datetime
+from pathlib import Path
+from typing import Literal, get_args
+
+import msgspec
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "CorrectionMode",
+    "EstimatorName",
+    "KLKind",
+    "OutcomeEstimator",
+    "PolicyLossKind",
+    "validate",
+    "with_run_dir",
+]
+
+OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp"]
+"""`rlestimators.EstimatorName`: the keys of `rlestimators.ESTIMATORS`; each baselines against its group."""
+EstimatorName = Literal[OutcomeEstimator, "gae", "opd"]
+"""An outcome estimator, or one of the token-level `rlestimators.gae` / `rlestimators.opd`."""
+PolicyLossKind = Literal["ppo", "gspo", "cispo", "pg"]
+KLKind = Literal["k1", "k2", "k3"]
+CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the flags involved and what to do."""
+
+
+class _Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Base of every flag group: keyword-only, immutable, and an unknown key is an error."""
+
+
+class Model(_Group):
+    """The policy model."""
+
+    path: str = ""
+    """Hugging Face model directory; empty = the seeded tiny model, built into the run directory."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype of the trained policy."""
+
+
+class Data(_Group):
+    """The prompt dataset."""
+
+    path: str = ""
+    """JSONL file, one row of chat messages plus task fields per line; empty = the agent's generated rows."""
+    apply_chat_template: bool = True
+    """true: molt renders each row's messages with the chat template once; false: the agent (or tito) does."""
+    messages_key: str = "messages"
+    """Key of the chat-message list in each dataset row."""
+    seed: int = 0
+    """Seed of the prompt order."""
+
+
+class Agent(_Group):
+    """The agent: one Python module exporting `AgentRunner` (a molt.Env or molt.ChatAgent subclass)."""
+
+    module: str = "molt.recipes.copy_word"
+    """File path or importable module name that exports AgentRunner."""
+    timeout: float = 60.0
+    """Seconds one agent run may take before it counts as failed."""
+    max_turns: int = 1
+    """Most LLM turns per episode of an Env agent."""
+
+
+class Advantage(_Group):
+    """How rewards become advantages."""
+
+    estimator: EstimatorName = "reinforce_pp"
+    """Outcome estimator from rlestimators.ESTIMATORS, or gae (needs a critic) or opd (needs a teacher)."""
+
+
+class Loss(_Group):
+    """The clipped policy loss (rlestimators.policy_loss)."""
+
+    kind: PolicyLossKind = "ppo"
+    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight), pg (no clip)."""
+    clip_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = 0.28
+    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages; none disables it."""
+
+
+class Correction(_Group):
+    """Importance correction of engine-vs-trainer mismatch and staleness (rlestimators.rollout_correction)."""
+
+    mode: CorrectionMode = "tis"
+    """tis (truncated token weights), mis (masked token weights), seq-mask-tis, or none (on-policy only)."""
+    token_cap: float = 2.0
+    """Cap on token importance weights under tis and seq-mask-tis."""
+    token_bounds: tuple[float, float] = (0.5, 2.0)
+    """Token ratios outside (low, high) get weight 0 under mis."""
+    seq_bounds: tuple[float, float] = (0.99, 1.01)
+    """Sequences whose geometric-mean ratio lies outside (low, high) are masked under seq-mask-tis."""
+
+
+class KL(_Group):
+    """KL penalty against the reference policy."""
+
+    coef: float = 0.0
+    """KL coefficient; 0 disables the penalty and loads no reference model."""
+    kind: KLKind = "k3"
+    """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    in_reward: bool = False
+    """true: subtract the KL from the reward; false: add it to the loss."""
+
+
+class Teacher(_Group):
+    """The teacher of on-policy distillation."""
+
+    model: str = ""
+    """Hugging Face directory of the teacher; required by --algo.advantage.estimator opd."""
+
+
+class GAE(_Group):
+    """Generalised Advantage Estimation (with a critic)."""
+
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 1.0
+    """GAE lambda."""
+
+
+class Algo(_Group):
+    """The RL algorithm: estimator, loss, correction, KL."""
+
+    advantage: Advantage = Advantage()
+    loss: Loss = Loss()
+    correction: Correction = Correction()
+    kl: KL = KL()
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient; 0 disables it."""
+    dynamic_filter: bool = False
+    """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
+    teacher: Teacher = Teacher()
+    gae: GAE = GAE()
+
+
+class Actor(_Group):
+    """The FSDP2 policy actor and its optimizer."""
+
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward pass; does not change the update."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    freeze_moe_router: bool = False
+    """Keep MoE router weights fixed (coarser alternative to --train.routing_replay)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimizer steps."""
+    num_ranks: int = 1
+    """Data-parallel ranks of the actor: processes on CPU, GPUs on GPU."""
+
+
+class FSDP(_Group):
+    """Actor-side parallelism composed with FSDP2 sharding (NeMo AutoModel)."""
+
+    tp_size: int = 1
+    """Tensor parallelism of the actor."""
+    ep_size: int = 1
+    """Expert parallelism of the actor; 256 expresses a DeepSeek-V3-class MoE."""
+    cp_size: int = 1
+    """Context parallelism of the actor for long sequences (CUDA only)."""
+    offload: bool = False
+    """Hold optimizer (Adam) states in host memory."""
+
+
+class VLLM(_Group):
+    """The rollout engines."""
+
+    num_engines: int = 1
+    """Number of vLLM engines."""
+    tensor_parallel_size: int = 1
+    """Tensor parallelism per engine."""
+    data_parallel_size: int = 1
+    """Data parallelism per engine; raises expert parallelism past TP."""
+    enable_expert_parallel: bool = False
+    """Expert parallelism per engine (EP = TP x DP)."""
+    max_num_batched_tokens: int | None = None
+    """Scheduler token budget per engine step; none = vLLM's default."""
+    mtp_num_speculative_tokens: int = 0
+    """MTP speculative tokens per step (rollout only); 0 disables speculative decoding."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prefixes."""
+    cuda_graphs: bool = True
+    """Capture CUDA graphs; ignored on CPU, which runs eager."""
+    max_model_len: int = 2048
+    """Longest prompt plus response, in tokens."""
+    gpu_memory_utilization: float = 0.8
+    """Fraction of GPU memory an engine may take."""
+
+
+class Rollout(_Group):
+    """Sampling and the streaming prompt-group pool."""
+
+    group_size: int = 8
+    """Samples per prompt (one group)."""
+    prompts_per_step: int = 16
+    """Prompt groups per optimizer step."""
+    max_new_tokens: int = 2
+    """Most tokens sampled per LLM turn."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer applies the same one to its logits."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    queue_depth: int = 0
+    """Prompt groups in flight; 0 = 2 x --rollout.prompts_per_step."""
+    max_lag: int = 1
+    """Most policy versions a group's oldest token may lag the trainer."""
+    partial_rollout: bool = True
+    """Keep in-flight requests across weight refits (their tokens mix versions)."""
+
+
+class Train(_Group):
+    """The training run."""
+
+    num_steps: int = 100
+    """Optimizer steps in the run."""
+    seed: int = 0
+    """Seed of the trainer and the samplers."""
+    force_on_policy: bool = False
+    """Strict on-policy: sets --rollout.max_lag 0, --rollout.partial_rollout false, queue depth = one step."""
+    routing_replay: bool = False
+    """Replay the engines' MoE routing in the trainer (R3)."""
+    rollout_dump_dir: str = ""
+    """Directory for JSONL dumps of every rollout; empty = no dumps."""
+
+
+class Eval(_Group):
+    """Evaluation (pass@k)."""
+
+    every: int = 0
+    """Evaluate every this many optimizer steps; 0 = never."""
+    path: str = ""
+    """JSONL evaluation rows; empty = the training rows."""
+    n: int = 4
+    """Samples per evaluation prompt."""
+    k: int = 1
+    """k of the reported pass@k (k <= n)."""
+
+
+class Ckpt(_Group):
+    """Checkpoints."""
+
+    every: int = 0
+    """Save every this many optimizer steps; 0 = never."""
+    dir: str = ""
+    """Checkpoint directory; empty = <run_dir>/checkpoints."""
+
+
+class Logger(_Group):
+    """The run directory and metric sinks."""
+
+    run_dir: str = ""
+    """Run directory (config, metrics.jsonl, events, checkpoints); empty = runs/<UTC timestamp>."""
+    tensorboard: bool = True
+    """Write TensorBoard events into the run directory."""
+    wandb_project: str = ""
+    """Weights & Biases project; empty = no W&B."""
+
+
+class Ray(_Group):
+    """Ray, which places engines and actors."""
+
+    address: str = ""
+    """Ray cluster address to join; empty = start a local Ray."""
+    num_cpus: int | None = None
+    """CPUs of the local Ray; none = all of them."""
+
+
+class Config(_Group):
+    """A whole molt run: one field per flag group; a group's class docstring is its heading in --help."""
+
+    model: Model = Model()
+    data: Data = Data()
+    agent: Agent = Agent()
+    algo: Algo = Algo()
+    actor: Actor = Actor()
+    fsdp: FSDP = FSDP()
+    vllm: VLLM = VLLM()
+    rollout: Rollout = Rollout()
+    train: Train = Train()
+    eval: Eval = Eval()
+    ckpt: Ckpt = Ckpt()
+    logger: Logger = Logger()
+    ray: Ray = Ray()
+
+
+def _cuda_available() -> bool:
+    import torch  # only when a CUDA-only feature is asked for: `molt --help` stays free of torch
+
+    return torch.cuda.is_available()
+
+
+def _on_policy(config: Config) -> Config:
+    """Apply --train.force_on_policy and fill --rollout.queue_depth 0 (derived values)."""
+    rollout = config.rollout
+    if config.train.force_on_policy:
+        if rollout.queue_depth not in (0, rollout.prompts_per_step):
+            raise ConfigError(
+                "--train.force_on_policy keeps exactly one step of groups in flight, but "
+                f"--rollout.queue_depth is {rollout.queue_depth} (!= --rollout.prompts_per_step "
+                f"{rollout.prompts_per_step}): "
+                "drop --rollout.queue_depth or --train.force_on_policy"
+            )
+        rollout = msgspec.structs.replace(
+            rollout, max_lag=0, partial_rollout=False, queue_depth=rollout.prompts_per_step
+        )
+    elif rollout.queue_depth == 0:
+        rollout = msgspec.structs.replace(rollout, queue_depth=2 * rollout.prompts_per_step)
+    return msgspec.structs.replace(config, rollout=rollout)
+
+
+def validate(config: Config) -> Config:
+    """The config with derived values filled; a refused combination raises `ConfigError` naming its flags."""
+    if config.rollout.prompts_per_step < 1:
+        raise ConfigError("--rollout.prompts_per_step must be >= 1")
+    config = _on_policy(config)
+    rollout, algo = config.rollout, config.algo
+    if rollout.max_lag < 0:
+        raise ConfigError(f"--rollout.max_lag must be >= 0 (0 = on-policy), got {rollout.max_lag}")
+    if rollout.queue_depth < rollout.prompts_per_step:
+        raise ConfigError(
+            f"--rollout.queue_depth {rollout.queue_depth} is below --rollout.prompts_per_step "
+            f"{rollout.prompts_per_step}: a step could never fill; raise it, or pass 0 (2 x prompts_per_step)"
+        )
+    # DESIGN invariant 2: tokens from an older policy, or mixed versions, need the importance correction.
+    if (rollout.max_lag >= 1 or rollout.partial_rollout) and algo.correction.mode == "none":
+        raise ConfigError(
+            "--algo.correction.mode none needs on-policy rollouts, but "
+            f"--rollout.max_lag is {rollout.max_lag} and --rollout.partial_rollout is "
+            f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
+            "or pass --train.force_on_policy"
+        )
+    if rollout.group_size < 1:
+        raise ConfigError(f"--rollout.group_size must be >= 1, got {rollout.group_size}")
+    if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
+        raise ConfigError(
+            f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
+            "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
+        )
+    if algo.advantage.estimator == "opd" and not algo.teacher.model:
+        raise ConfigError(
+            "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
+        )
+    if config.fsdp.cp_size > 1 and not _cuda_available():
+        raise ConfigError("--fsdp.cp_size > 1 (context parallelism) runs only on CUDA: pass --fsdp.cp_size 1")
+    if config.actor.lr <= 0:
+        raise ConfigError(f"--actor.lr must be > 0, got {config.actor.lr}")
+    if config.train.num_steps < 1:
+        raise ConfigError(f"--train.num_steps must be >= 1, got {config.train.num_steps}")
+    if rollout.temperature <= 0:
+        raise ConfigError(
+            f"--rollout.temperature must be > 0 (the trainer divides logits by it), got {rollout.temperature}"
+        )
+    return config
+
+
+def with_run_dir(config: Config, now: datetime.datetime | None = None) -> Config:
+    """The config with --logger.run_dir (runs/<UTC timestamp>) and --ckpt.dir (<run_dir>/checkpoints) set."""
+    run_dir = config.logger.run_dir
+    if not run_dir:
+        now = now or datetime.datetime.now(datetime.UTC)
+        run_dir = str(Path("runs") / now.strftime("%Y%m%d-%H%M%S"))
+    ckpt_dir = config.ckpt.dir or str(Path(run_dir) / "checkpoints")
+    return msgspec.structs.replace(
+        config,
+        logger=msgspec.structs.replace(config.logger, run_dir=run_dir),
+        ckpt=msgspec.structs.replace(config.ckpt, dir=ckpt_dir),
+    )

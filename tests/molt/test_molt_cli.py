@@ -1,0 +1,104 @@
+"""The `molt` command: help, errors before anything starts, --print-config, the run dir and the loop call.
+
+The training loop is replaced by a fake `molt.loop` module here: these tests are about what the command hands
+it (the resolved config, after writing it into the run directory), not about training.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+
+import pytest
+from typer.testing import CliRunner
+
+from molt._cli import app
+from molt._flags import flag_help, resolve
+from molt.config import Config, validate
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def fake_loop(monkeypatch):
+    """Stands in for `molt.loop` (written elsewhere); records the configs it is called with."""
+    calls: list[Config] = []
+    module = types.ModuleType("molt.loop")
+    module.train = calls.append
+    monkeypatch.setitem(sys.modules, "molt.loop", module)
+    return calls
+
+
+def test_molt_help_lists_train():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "train" in result.stdout
+
+
+def test_train_help_lists_every_flag_with_type_default_and_help():
+    result = runner.invoke(app, ["train", "--help"])
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    for flag, type_name, default, help_text in flag_help():
+        row = f"  {flag}  {type_name} = {default}"
+        assert row in lines, row
+        assert lines[lines.index(row) + 1].strip() == help_text
+    for group in ("model", "data", "agent", "algo", "actor", "fsdp", "vllm", "rollout", "train", "eval"):
+        assert any(line.startswith(f"{group}: ") for line in lines), group
+    for group in ("ckpt", "logger", "ray"):
+        assert any(line.startswith(f"{group}: ") for line in lines), group
+
+
+def test_config_error_exits_2_naming_the_flag(fake_loop, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["train", "--rollout.group_size", "eight"])
+    assert result.exit_code == 2
+    assert "--rollout.group_size: expected int, got 'eight'" in result.stderr
+    result = runner.invoke(app, ["train", "--rollout.groupsize", "8"])
+    assert result.exit_code == 2
+    assert "did you mean --rollout.group_size?" in result.stderr
+    assert fake_loop == [] and not (tmp_path / "runs").exists()
+
+
+def test_print_config_round_trips(fake_loop, tmp_path):
+    args = ["--algo.advantage.estimator", "grpo", "--algo.kl.coef", "0.1", "--algo.dynamic_filter", "true"]
+    args += ["--vllm.max_num_batched_tokens", "8192", "--algo.correction.mode", "seq-mask-tis"]
+    result = runner.invoke(app, ["train", *args, "--print-config"])
+    assert result.exit_code == 0, result.output
+    file = tmp_path / "printed.toml"
+    file.write_text(result.stdout)
+    assert resolve(["--config", str(file)]) == resolve(args)
+    again = runner.invoke(app, ["train", "--print-config", "--config", str(file)])
+    assert again.stdout == result.stdout
+    assert fake_loop == []
+
+
+def test_train_writes_the_resolved_config_and_calls_the_loop(fake_loop, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["train", "--train.num_steps", "3", "--rollout.group_size=4"])
+    assert result.exit_code == 0, result.output
+    (config,) = fake_loop
+    assert re.fullmatch(r"runs/\d{8}-\d{6}", config.logger.run_dir)
+    assert f"run dir: {config.logger.run_dir}" in result.stdout
+    assert (config.train.num_steps, config.rollout.group_size) == (3, 4)
+    assert config.ckpt.dir == f"{config.logger.run_dir}/checkpoints"
+    written = tmp_path / config.logger.run_dir / "config.toml"
+    assert resolve(["--config", str(written)]) == config
+
+
+def test_train_uses_the_given_run_dir(fake_loop, tmp_path):
+    run_dir = tmp_path / "my-run"
+    result = runner.invoke(app, ["train", "--logger.run_dir", str(run_dir)])
+    assert result.exit_code == 0, result.output
+    assert fake_loop[0].logger.run_dir == str(run_dir)
+    assert resolve(["--config", str(run_dir / "config.toml")]) == fake_loop[0]
+    assert fake_loop[0].rollout == validate(Config()).rollout
+
+
+def test_importing_the_cli_imports_no_torch_vllm_or_ray():
+    code = "import sys, molt._cli; print(sorted({'torch', 'vllm', 'ray', 'rlestimators'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
