@@ -26,6 +26,8 @@ R2 = 1 / math.sqrt(2)
         pytest.param("dr_grpo", CENTERED, id="dr_grpo"),
         # sum of squares of CENTERED = 2.75 over B - 1 = 6
         pytest.param("reinforce_pp", [c / math.sqrt(2.75 / 6) for c in CENTERED], id="reinforce_pp"),
+        # CENTERED / group mean: group 7 by 0.25, group -3 by 3
+        pytest.param("maxrl", [3.0, -1 / 3, -1.0, 1 / 3, -1.0, -1.0, 0.0], id="maxrl"),
     ],
 )
 def test_estimator_closed_form(name, expected):
@@ -41,6 +43,8 @@ def naive_advantage(name, rewards, groups):
         n, mean = len(members), sum(members) / len(members)
         if name in ("reinforce", "dr_grpo", "reinforce_pp"):
             out.append(reward - mean)
+        elif name == "maxrl":
+            out.append((reward - mean) / mean if mean > 0 else 0.0)
         elif name == "rloo":
             out.append(0.0 if n == 1 else reward - (sum(members) - reward) / (n - 1))
         else:  # grpo
@@ -72,12 +76,43 @@ def test_estimator_matches_naive_loop_on_shuffled_groups(name):
     [
         pytest.param([3.0, -1.0, 2.0], [0, 1, 2], id="all-singletons"),
         pytest.param([1.0, 1.0, 1.0, 0.5, 0.5], [4, 4, 4, 9, 9], id="all-equal-in-group"),
+        pytest.param([0.0, 0.0, 0.0, 1.0, 1.0], [-5, -5, -5, 8, 8], id="all-failed-or-all-passed"),
         pytest.param([7.0], [0], id="batch-of-one"),
     ],
 )
 def test_estimator_gives_zero_without_signal(name, rewards, groups):
     adv_B = ESTIMATORS[name](torch.tensor(rewards), torch.tensor(groups))
     assert_close(adv_B, torch.zeros(len(rewards)))
+
+
+@pytest.mark.parametrize(
+    ("rewards", "expected"),
+    [
+        # K of N successes: a success gets N/K - 1, a failure -1 (Eq. 11 times N)
+        pytest.param([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], [7.0] + [-1.0] * 7, id="1-of-8"),
+        pytest.param([0.0, 1.0, 1.0, 1.0], [-1.0, 1 / 3, 1 / 3, 1 / 3], id="3-of-4"),
+        pytest.param([0.5, 0.0], [1.0, -1.0], id="partial-credit"),
+        pytest.param([-1.0, 0.0, 0.5], [0.0, 0.0, 0.0], id="mean-below-zero"),
+    ],
+)
+def test_maxrl_divides_by_the_pass_rate(rewards, expected):
+    adv_B = rlestimators.maxrl(torch.tensor(rewards), torch.full((len(rewards),), 3))
+    assert_close(adv_B, torch.tensor(expected))
+
+
+def test_maxrl_weighs_hard_prompts_more_than_reinforce():
+    # The lone success of a hard group (1 of 8) and the lone failure of an easy group (7 of 8): REINFORCE
+    # gives both |advantage| 7/8; MaxRL gives the hard success 7 and the easy failure -1 (1/p weighting).
+    rewards_B = torch.tensor([1.0] + [0.0] * 7 + [0.0] + [1.0] * 7)
+    groups_B = torch.tensor([20] * 8 + [-4] * 8)
+    assert_close(rlestimators.reinforce(rewards_B, groups_B)[[0, 8]], torch.tensor([0.875, -0.875]))
+    assert_close(rlestimators.maxrl(rewards_B, groups_B)[[0, 8]], torch.tensor([7.0, -1.0]))
+
+
+def test_maxrl_is_invariant_to_reward_scale():
+    rewards_B = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    groups_B = torch.tensor([1, 1, 1, 2, 2, 2])
+    assert_close(rlestimators.maxrl(10.0 * rewards_B, groups_B), rlestimators.maxrl(rewards_B, groups_B))
 
 
 @pytest.mark.parametrize("name", list(ESTIMATORS))

@@ -28,6 +28,7 @@ def test_public_names_are_pinned():
         "grpo",
         "kl",
         "masked_sum",
+        "maxrl",
         "opd",
         "pass_at_k",
         "policy_loss",

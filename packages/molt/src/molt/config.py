@@ -29,7 +29,7 @@ __all__ = [
     "with_run_dir",
 ]
 
-OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp"]
+OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", "maxrl"]
 """`rlestimators.EstimatorName`: the keys of `rlestimators.ESTIMATORS`; each baselines against its group."""
 EstimatorName = Literal[OutcomeEstimator, "gae", "opd"]
 """An outcome estimator, or one of the token-level `rlestimators.gae` / `rlestimators.opd`."""

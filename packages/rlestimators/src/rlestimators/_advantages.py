@@ -16,7 +16,7 @@ import torch
 
 from rlestimators._checks import check_bt, check_floating, check_groups
 
-EstimatorName = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp"]
+EstimatorName = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", "maxrl"]
 """The names in `ESTIMATORS`; a config field of this type selects one (a test checks the two agree)."""
 
 _STD_EPS = 1e-6
@@ -100,12 +100,30 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
     return centered_B / (std + _STD_EPS)
 
 
+def maxrl(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning", arXiv:2602.02710, §4.2 Eq. 11
+    and Algorithm 1): A_i = (r_i - mean_g(r)) / mean_g(r).
+
+    For 0/1 rewards, N samples with K successes, Eq. 11 is sum_i (r_i / K - 1 / N) * grad log pi(y_i), which
+    is (1/N) * sum_i A_i * grad log pi(y_i) with this A_i: an unbiased gradient of the truncated
+    log-likelihood log p (to order N) instead of p, so a prompt's weight grows as 1 / (its pass rate).
+    Rewards must be success-like (r >= 0, 0 = failure): a group whose mean is <= 0 has no success to
+    normalise by and gets 0 (Algorithm 1 for K = 0), as do a group of size 1 and a group of equal rewards.
+    """
+    centered_B, inverse_B, count_G = _centered(rewards, group_ids)
+    mean_G = _group_sum(rewards.detach(), inverse_B, count_G.numel()) / count_G
+    # 1 / mean where the group has a success; the 1/0 of the other branch is discarded, never multiplied.
+    inv_mean_G = torch.where(mean_G > 0, 1 / mean_G, 0.0)
+    return centered_B * inv_mean_G[inverse_B]
+
+
 ESTIMATORS = {
     "reinforce": reinforce,
     "rloo": rloo,
     "grpo": grpo,
     "dr_grpo": dr_grpo,
     "reinforce_pp": reinforce_pp,
+    "maxrl": maxrl,
 }
 
 
