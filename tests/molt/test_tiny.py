@@ -52,7 +52,7 @@ def test_chat_template_is_chatml_with_hermes_tools_and_round_trips(tiny_model_di
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nbe brief\n\n# Tools\n<tools>\n")
-    assert '<|im_start|>user\ncopy the word: fox<|im_end|>\n' in text
+    assert "<|im_start|>user\ncopy the word: fox<|im_end|>\n" in text
     assert '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><|im_end|>\n' in text
     assert text.endswith("<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,1 +1,9 @@
-"""molt."""
+"""molt: asynchronous agentic RL. Agents are plain Python: subclass `Env` or `ChatAgent`, return a `Result`.
+
+Importing molt loads no torch, Ray or vLLM (the `molt` command starts instantly); the training loop,
+`molt.loop.train`, imports them when a run starts.
+"""
+
+from molt.agent import ChatAgent, Context, Env, Result
+
+__all__ = ["ChatAgent", "Context", "Env", "Result"]

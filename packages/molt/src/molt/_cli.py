@@ -8,6 +8,7 @@ Importing this module imports no torch, vLLM or Ray, so `molt --help` is instant
 imported only once a run starts.
 """
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -74,6 +75,9 @@ def train(ctx: typer.Context) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(render_toml(config))
     typer.echo(f"run dir: {run_dir}")
+    # Ray's workers run in this process's environment (the project's venv). Without this, Ray notices
+    # `uv run` and starts workers through `uv run` in a copy of the working directory, a fresh venv.
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
 
     run_training(config)

@@ -57,6 +57,15 @@ def _on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to stop the server when the process that started it dies (a killed trainer or Ray
+    actor must not leave an engine behind)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _engine_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")
@@ -94,7 +103,12 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
-            self.args, stdout=log, stderr=subprocess.STDOUT, env=_engine_env(), start_new_session=True
+            self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_engine_env(),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         self._wait_healthy()

@@ -1,5 +1,6 @@
 """tito: token-in/token-out capture of OpenAI and Anthropic chat traffic over vLLM engines."""
 
+from ._chat import ChatRenderer, ChatState
 from ._engines import EngineUnavailable, Generation
 from ._server import create_app
 from ._service import Session, Tito
@@ -7,6 +8,8 @@ from ._trajectory import Capture, Segment, Trajectory
 
 __all__ = [
     "Capture",
+    "ChatRenderer",
+    "ChatState",
     "EngineUnavailable",
     "Generation",
     "Segment",

@@ -93,7 +93,7 @@ class Engine:
             try:
                 reply = await self.client.post(self.generate_url, json=body)
             except httpx.TransportError as error:
-                raise self._down(error) from error
+                raise await self._failed(error) from error
             self._check(reply.status_code, reply.text)
             return _parse_choice(reply.json()["choices"][0])
 
@@ -109,7 +109,7 @@ class Engine:
                             if choices:
                                 yield _parse_choice(choices[0])
             except httpx.TransportError as error:
-                raise self._down(error) from error
+                raise await self._failed(error) from error
 
     @contextlib.contextmanager
     def _serving(self):
@@ -119,9 +119,15 @@ class Engine:
         finally:
             self.num_in_flight -= 1
 
-    def _down(self, error: Exception) -> EngineUnavailable:
-        self.alive = False
-        return EngineUnavailable(f"engine {self.url} is not answering ({type(error).__name__})")
+    async def _failed(self, error: Exception) -> EngineUnavailable:
+        """A request broke off. The engine counts as dead only if `/health` does not answer either: a
+        dropped connection fails that request, not every later session."""
+        try:
+            self.alive = (await self.client.get(f"{self.url}/health", timeout=5.0)).status_code == 200
+        except httpx.TransportError:
+            self.alive = False
+        state = "dropped the request" if self.alive else "is not answering"
+        return EngineUnavailable(f"engine {self.url} {state} ({type(error).__name__})")
 
     def _check(self, status: int, detail: str) -> None:
         if status != 200:
@@ -133,7 +139,7 @@ class Engine:
             try:
                 reply = await self.client.get(f"{self.url}/v1/models")
             except httpx.TransportError as error:
-                raise self._down(error) from error
+                raise await self._failed(error) from error
             self._check(reply.status_code, reply.text)
             self._max_model_len = int(reply.json()["data"][0]["max_model_len"])
         return self._max_model_len
@@ -147,7 +153,9 @@ class Router:
     ) -> None:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # Idle connections are dropped before vLLM's server closes them (its keep-alive is 5 s): reusing
+        # one the server is closing at that moment breaks the request off.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=5.0), limits=limits, transport=transport
         )

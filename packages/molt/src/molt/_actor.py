@@ -1,0 +1,363 @@
+"""The FSDP2 policy actor: one `PolicyWorker` per rank, driven from the trainer through a `PolicyGroup`.
+
+Each worker holds its shard of the policy (NeMo AutoModel + FSDP2; gloo on CPU, NCCL on GPU) and its
+AdamW state. It recomputes logprobs, runs one optimizer step over a `TrainBatch` shard, and refits vLLM
+engines. The group shards rows over ranks, fans each call out with Ray and gathers the results in row
+order.
+
+Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's policy, entropy and KL sums are divided
+by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
+FSDP's gradient averaging undone (`_sum_gradients_over_ranks`), the summed gradient is the gradient of
+the global token mean, so the update does not depend on the number of ranks or micro-batches.
+Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
+
+Refuses: tensor, context or expert parallelism (`--fsdp.tp_size/cp_size/ep_size` > 1). They need
+rank-to-data mapping by data-parallel coordinate, metric reduction over the data-parallel group only,
+CP's sequence sharding, and a tiny model that can be split; none of that is wired or tested yet.
+No KL reference model exists yet: a KL loss term runs only when the caller passes reference logprobs.
+
+Legend: B sequences, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from molt._batch import TrainBatch, shard_rows, shifted_logprobs
+from molt.config import Config
+from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss
+
+__all__ = ["PolicyGroup", "PolicyWorker"]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _check_parallelism(config: Config) -> None:
+    fsdp = config.fsdp
+    if (fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) != (1, 1, 1):
+        raise ValueError(
+            f"the policy actor runs FSDP2 data parallelism only; got --fsdp.tp_size {fsdp.tp_size} "
+            f"--fsdp.cp_size {fsdp.cp_size} --fsdp.ep_size {fsdp.ep_size}: pass 1 for each "
+            "(tensor, context and expert parallelism are not wired into the actor yet)"
+        )
+
+
+def _distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    # AutoModel's default policy computes in bf16; the trainer must compute in the policy's own dtype
+    # (invariant 3, and fp32 tests compare exactly), reducing gradients in fp32.
+    strategy = FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+        # On CPU everything already lives in host memory: --fsdp.offload only matters on GPU.
+        offload_policy=CPUOffloadPolicy() if config.fsdp.offload and on_gpu else None,
+    )
+    return DistributedSetup.build(
+        strategy=strategy,
+        parallelism_sizes=ParallelismSizes(dp_size=world_size),
+        activation_checkpointing=config.actor.activation_checkpointing,
+        world_size=world_size,
+    )
+
+
+def _load_model(model_dir: str, config: Config, world_size: int, device: torch.device) -> torch.nn.Module:
+    """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
+    model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`)."""
+    dtype = getattr(torch, config.model.dtype)
+    setup = _distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
+    if device.type == "cuda":
+        from nemo_automodel import NeMoAutoModelForCausalLM
+
+        # No Liger kernels: the trainer needs the logits themselves (chunked logprobs, entropy).
+        return NeMoAutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, distributed_setup=setup, use_liger_kernel=False
+        )
+    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return parallelize_model(model, setup.mesh_context)  # one rank: left unsharded by AutoModel
+
+
+def _sum_gradients_over_ranks(model: torch.nn.Module) -> None:
+    """Make FSDP2 sum gradients over data-parallel ranks instead of averaging them.
+
+    Each rank's loss is already divided by the GLOBAL token count, so the global gradient is the plain
+    sum of the ranks' gradients; FSDP2's default divides it by the world size. Divide factor 1 undoes
+    that; forcing a SUM collective keeps it a plain sum on gloo too, which lacks the PREMUL_SUM that
+    factor 1 would otherwise select (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+    A one-rank model is not wrapped by AutoModel and has nothing to undo.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+class PolicyWorker:
+    """One rank of the policy actor; a plain class (the group wraps it with `ray.remote`)."""
+
+    def __init__(
+        self, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str, config: Config
+    ) -> None:
+        _check_parallelism(config)
+        self.rank, self.config = rank, config
+        on_gpu = torch.cuda.is_available()
+        if on_gpu:
+            torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
+        self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+        dist.init_process_group(
+            backend="nccl" if on_gpu else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+        )
+        self.model = _load_model(str(model_dir), config, world_size, self.device)
+        self.model.train()
+        _sum_gradients_over_ranks(self.model)
+        actor = config.actor
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay
+        )
+        # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
+        )
+        self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
+
+    def _logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
+        return self.model(input_ids=tokens_BT.to(self.device), use_cache=False).logits
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
+        temperature = self.config.rollout.temperature
+        logp_BT = [
+            shifted_logprobs(
+                self._logits(mb.tokens_BT), mb.tokens_BT.to(self.device), temperature=temperature
+            )
+            for mb in batch.micro_batches(self.config.actor.micro_batch_size)
+        ]
+        return torch.cat(logp_BT).cpu()
+
+    def _micro_batch_loss(
+        self, mb: TrainBatch, old_logp_BT, weights_BT, ref_logp_BT
+    ) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch; returns its metric numerators (token sums)."""
+        algo, device = self.config.algo, self.device
+        temperature = self.config.rollout.temperature
+        tokens_BT, mask_BT = mb.tokens_BT.to(device), mb.loss_mask_BT.to(device)
+        logits_BTV = self._logits(tokens_BT)
+        logp_BT = shifted_logprobs(logits_BTV, tokens_BT, temperature=temperature)
+        pg_sum, pg_metrics = policy_loss(
+            logp_BT,
+            old_logp_BT.to(device),
+            mb.advantages_BT.to(device),
+            mask_BT,
+            kind=algo.loss.kind,
+            clip_low=algo.loss.clip_low,
+            clip_high=algo.loss.clip_high,
+            dual_clip=algo.loss.dual_clip,
+            weights=weights_BT.to(device),
+        )
+        # Entropy of the distribution each token was sampled from (logits of t - 1, shifted onto t).
+        bonus = algo.entropy_coef != 0
+        entropy_next_BT = entropy_from_logits(
+            logits_BTV if bonus else logits_BTV.detach(), temperature=temperature
+        )
+        entropy_sum = masked_sum(torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0)), mask_BT)
+        loss = pg_sum - algo.entropy_coef * entropy_sum
+        num_trainable = (mask_BT != 0).sum()
+        sums = {
+            "train/policy_loss": pg_sum.detach(),
+            "train/entropy": entropy_sum.detach(),
+            "train/clip_frac": pg_metrics["clip_frac"] * num_trainable,
+        }
+        if ref_logp_BT is not None:  # KL loss term against a reference policy (--algo.kl.coef)
+            kl_sum = masked_sum(kl(logp_BT, ref_logp_BT.to(device), kind=algo.kl.kind), mask_BT)
+            loss = loss + algo.kl.coef * kl_sum
+            sums["train/kl"] = kl_sum.detach()
+        (loss / mb.num_tokens).backward()  # the ONE global denominator (module docstring)
+        return sums
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip the global gradient norm, step; returns (norm before clipping, learning rate used)."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if isinstance(total_norm, DTensor):  # a partial norm of sharded gradients: reduce it over ranks
+            total_norm = total_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.config.actor.grad_clip, total_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total_norm), lr
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        old_logp_BT: torch.Tensor,
+        correction_weights_BT: torch.Tensor,
+        ref_logp_BT: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's rows; metrics are global (all ranks, all micro-batches).
+
+        `old_logp_BT`: the trainer's recomputed logprobs before the step; `correction_weights_BT`: the
+        rollout-correction weights; `ref_logp_BT`: reference logprobs, which add the KL loss term.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        if batch.num_tokens < 1:
+            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
+        if ref_logp_BT is None and self.config.algo.kl.coef != 0 and not self.config.algo.kl.in_reward:
+            raise ValueError("--algo.kl.coef is set: pass reference logprobs (ref_logp_BT) to train_step")
+        size = self.config.actor.micro_batch_size
+        micro_batches = list(batch.micro_batches(size))
+        refs = ref_logp_BT.split(size) if ref_logp_BT is not None else [None] * len(micro_batches)
+        chunks = zip(
+            micro_batches, old_logp_BT.split(size), correction_weights_BT.split(size), refs, strict=True
+        )
+        totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
+        for index, (mb, old_BT, weights_BT, ref_BT) in enumerate(chunks):
+            if isinstance(self.model, FSDPModule):  # reduce-scatter once, after the last micro-batch
+                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            for name, value in self._micro_batch_loss(mb, old_BT, weights_BT, ref_BT).items():
+                totals[name] = totals[name] + value if name in totals else value
+        sums_K = torch.stack(list(totals.values()))  # K metrics, float32 on this rank's device
+        dist.all_reduce(sums_K)  # SUM over ranks
+        metrics = dict(zip(totals, (sums_K / batch.num_tokens).tolist(), strict=True))
+        metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
+        return metrics
+
+    def refit(self, engine_urls: list[str], backend: str, version: int, trainer_host: str) -> dict | None:
+        """Send the current weights to the engines (call on every rank); rank 0 returns phase seconds."""
+        import refit
+
+        for url in engine_urls:
+            if url not in self.engines:
+                self.engines[url] = refit.Engine(url, backend=backend, trainer_host=trainer_host)
+        engines = [self.engines[url] for url in engine_urls]
+        stats = refit.update_weights(engines, refit.full_params(self.model), version=version)
+        return None if stats is None else dict(stats.seconds)
+
+    def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """Full (gathered) parameters, all or `names`, on rank 0 (None elsewhere); call on every rank."""
+        import refit
+
+        state = {}
+        for name, tensor in refit.full_params(self.model):  # gathers are collectives: every rank iterates
+            if self.rank == 0 and (names is None or name in names):
+                state[name] = tensor.detach().to("cpu", copy=True)
+        return state if self.rank == 0 else None
+
+
+class PolicyGroup:
+    """The driver's handle on `num_ranks` `PolicyWorker` Ray actors (Ray is initialised by the caller).
+
+    Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
+    the weight-transfer rendezvous the engines join.
+    """
+
+    def __init__(self, model_dir: str | Path, config: Config, num_ranks: int) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        _check_parallelism(config)
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.num_ranks = num_ranks
+        self.on_gpu = torch.cuda.is_available()
+        self.master_addr = ray.util.get_node_ip_address()
+        port = _free_port(self.master_addr)
+        # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
+        # a copy of the working directory, which has no virtual environment. CPU: one thread per rank;
+        # under contention that beat two threads (FACTS).
+        env = {"py_executable": sys.executable}
+        if not self.on_gpu:
+            env["env_vars"] = {"OMP_NUM_THREADS": "1"}
+        remote = ray.remote(num_cpus=0, num_gpus=1 if self.on_gpu else 0, runtime_env=env)(PolicyWorker)
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.workers = [
+            remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
+                rank, num_ranks, self.master_addr, port, str(model_dir), config
+            )
+            for rank in range(num_ranks)
+        ]
+        ray.get([w.__ray_ready__.remote() for w in self.workers])  # raises if a worker failed to start
+
+    def _each(self, method: str, *per_rank_args) -> list:
+        """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""
+        import ray
+
+        return ray.get(
+            [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
+        )
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs of every row of `batch`, [B, T], in row order."""
+        shards = [(batch.shard(rank, self.num_ranks),) for rank in range(self.num_ranks)]
+        return torch.cat(self._each("logprobs", *shards))[: batch.num_rows]
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        old_logp_BT: torch.Tensor,
+        correction_weights_BT: torch.Tensor,
+        ref_logp_BT: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over the whole batch; returns the global metrics."""
+        for name, tensor in (("old_logp_BT", old_logp_BT), ("correction_weights_BT", correction_weights_BT)):
+            if tensor.shape != batch.tokens_BT.shape:
+                raise ValueError(f"{name} must be {tuple(batch.tokens_BT.shape)}, got {tuple(tensor.shape)}")
+        if batch.num_tokens < 1:
+            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
+        world = self.num_ranks
+        shards = [
+            (
+                batch.shard(rank, world),
+                shard_rows(old_logp_BT, rank, world),
+                shard_rows(correction_weights_BT, rank, world),
+                None if ref_logp_BT is None else shard_rows(ref_logp_BT, rank, world),
+            )
+            for rank in range(world)
+        ]
+        return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
+
+    def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:
+        """Refit the engines with the current weights as `version`; returns rank 0's phase seconds.
+
+        `trainer_host`: the address the engines reach rank 0 at; default, the driver node's address.
+        """
+        import refit
+
+        backend = refit.NCCL_BACKEND if self.on_gpu else refit.GLOO_BACKEND
+        host = trainer_host or self.master_addr
+        return self._each("refit", *[(list(engine_urls), backend, version, host)] * self.num_ranks)[0]
+
+    def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full parameters (all, or `names`) gathered from the shards."""
+        return self._each("full_state", *[(names,)] * self.num_ranks)[0]
+
+    def shutdown(self) -> None:
+        """Kill the workers (their process group and engine connections go with them)."""
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []

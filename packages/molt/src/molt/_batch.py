@@ -1,0 +1,131 @@
+"""One optimizer step's training data as CPU tensors, and how it is split over ranks and micro-batches.
+
+A `TrainBatch` is what the trainer hands the policy actor: right-padded token rows, the loss mask (1 only
+where the engine sampled the token, DESIGN invariant 1), the engine's logprob of each sampled token and
+each token's advantage. `num_tokens` is the ONE loss denominator of the step (DESIGN §6): the trainable
+tokens of the whole window. Splitting a batch over ranks (`shard`) or micro-batches (`micro_batches`)
+keeps it unchanged, which is what makes the update independent of the split.
+
+Alignment: column t of every `_BT` tensor describes `tokens_BT[:, t]`; a logprob in column t is
+log p(token t | tokens before t), so column 0 is never trainable. `shifted_logprobs` computes that from
+logits of the full row by shifting the token ids (not by slicing the logits, which would copy them).
+
+Uneven splits: FSDP2 ranks run their forward passes in lock-step (every forward all-gathers), so every
+rank must get the same number of rows. `shard` therefore pads the batch with all-masked rows of token 0
+(they add nothing to any loss or metric) rather than refusing a batch whose size the world size does not
+divide; a batch smaller than the world size works the same way. The padding rows come after the last
+real row, so concatenating the shards in rank order and keeping the first `num_rows` rows restores it.
+
+Legend: B sequences, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+__all__ = ["TrainBatch", "collate", "shard_rows", "shifted_logprobs"]
+
+
+def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank `rank`'s contiguous block of ceil(B / world_size) rows, padded with zero rows to that size."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must lie in [0, {world_size}), got {rank}")
+    rows_per_rank = math.ceil(tensor_BT.shape[0] / world_size)
+    block_BT = tensor_BT[rank * rows_per_rank : (rank + 1) * rows_per_rank]
+    missing = rows_per_rank - block_BT.shape[0]
+    if missing == 0:
+        return block_BT
+    return torch.cat([block_BT, block_BT.new_zeros((missing, *tensor_BT.shape[1:]))])
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Rows of one optimizer step (or one rank's / micro-batch's share of them), all on the CPU."""
+
+    tokens_BT: torch.Tensor
+    """int64 token ids, right padded."""
+    loss_mask_BT: torch.Tensor
+    """float32, 1 where the engine sampled the token and it is trained; 0 at t = 0, on prompts and pads."""
+    rollout_logp_BT: torch.Tensor
+    """float32, the engine's logprob of token t when it sampled it; 0 where not trainable."""
+    advantages_BT: torch.Tensor
+    """float32, the rollout's advantage on each of its trainable tokens; 0 elsewhere."""
+    num_tokens: int
+    """The loss denominator: trainable tokens in the whole optimizer-step window (all ranks)."""
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.tokens_BT.shape)
+        if self.tokens_BT.dim() != 2 or self.tokens_BT.dtype != torch.int64:
+            raise ValueError(f"tokens_BT must be an int64 [B, T] tensor, got {self.tokens_BT.dtype} {shape}")
+        for name in ("loss_mask_BT", "rollout_logp_BT", "advantages_BT"):
+            tensor = getattr(self, name)
+            if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+                raise ValueError(f"{name} must be float32 {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens_BT.shape[0]
+
+    def _rows(self, select) -> TrainBatch:
+        tensors = {f.name: select(getattr(self, f.name)) for f in fields(self) if f.name != "num_tokens"}
+        return TrainBatch(**tensors, num_tokens=self.num_tokens)
+
+    def shard(self, rank: int, world_size: int) -> TrainBatch:
+        """Rank `rank`'s contiguous rows, padded with all-masked rows so that every rank gets
+        ceil(B / world_size) of them (module docstring). `num_tokens` stays the global count."""
+        return self._rows(lambda tensor_BT: shard_rows(tensor_BT, rank, world_size))
+
+    def micro_batches(self, size: int) -> Iterator[TrainBatch]:
+        """Consecutive blocks of `size` rows (the last may be smaller), each with the global `num_tokens`."""
+        if size < 1:
+            raise ValueError(f"micro-batch size must be >= 1, got {size}")
+        for start in range(0, self.num_rows, size):
+            yield self._rows(lambda tensor_BT, start=start: tensor_BT[start : start + size])
+
+
+def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]], pad_id: int) -> TrainBatch:
+    """A right-padded `TrainBatch` from `(token_ids, loss_mask, logprobs, advantage)` per sequence.
+
+    `loss_mask[t]` is 1 where the engine sampled `token_ids[t]`, and `logprobs[t]` is the engine's
+    logprob of it (ignored where the mask is 0). The advantage is broadcast to the sequence's trainable
+    tokens. The first token of a sequence has no prefix to be sampled from, so it cannot be trainable.
+    """
+    if not sequences:
+        raise ValueError("collate needs at least one sequence")
+    num_cols = max(len(token_ids) for token_ids, *_ in sequences)
+    tokens_BT = torch.full((len(sequences), num_cols), pad_id, dtype=torch.int64)
+    mask_BT, logp_BT, adv_BT = (torch.zeros(len(sequences), num_cols) for _ in range(3))
+    for row, (token_ids, loss_mask, logprobs, advantage) in enumerate(sequences):
+        if not len(token_ids) == len(loss_mask) == len(logprobs):
+            raise ValueError(
+                f"sequence {row}: token_ids, loss_mask and logprobs must have one entry per token, got "
+                f"{len(token_ids)}, {len(loss_mask)} and {len(logprobs)}"
+            )
+        if loss_mask and loss_mask[0]:
+            raise ValueError(f"sequence {row}: the first token has no prefix, so loss_mask[0] must be 0")
+        num = len(token_ids)
+        tokens_BT[row, :num] = torch.tensor(token_ids, dtype=torch.int64)
+        mask_BT[row, :num] = torch.tensor(loss_mask, dtype=torch.float32) != 0
+        logp_BT[row, :num] = torch.tensor(logprobs, dtype=torch.float32) * mask_BT[row, :num]
+        adv_BT[row, :num] = float(advantage) * mask_BT[row, :num]
+    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens=int(mask_BT.sum()))
+
+
+def shifted_logprobs(
+    logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, *, temperature: float
+) -> torch.Tensor:
+    """log softmax(logits / temperature) of token t given the tokens before it, in column t: [B, T] float32.
+
+    `logits_BTV[:, t]` predicts token t + 1, so the token ids are shifted left (a [B, T] copy) rather than
+    the logits sliced (a [B, T, V] copy, see `rlestimators.token_logprobs`); the [B, T] result is then
+    shifted right. Column 0 has no prediction and holds 0.
+    """
+    from rlestimators import token_logprobs
+
+    next_tokens_BT = tokens_BT.roll(-1, dims=1)  # the last column wraps around; its result is dropped
+    logp_next_BT = token_logprobs(logits_BTV, next_tokens_BT, temperature=temperature)
+    return torch.nn.functional.pad(logp_next_BT[:, :-1], (1, 0))

@@ -1,0 +1,87 @@
+"""vLLM engines placed by Ray: one Ray actor per engine, each owning one vLLM server process.
+
+Each engine serves the token-level interface tito speaks, returns processed logprobs, and carries
+refit's worker extension so the trainer can push weights into it (`refit.engine_flags`). The server
+process dies with its actor (see `molt.vllm_server`), and `stop_engines` stops them explicitly first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import ray
+
+from molt.config import Config
+from molt.vllm_server import VLLMServer
+
+__all__ = ["EngineActor", "launch_engines", "stop_engines", "wait_for_engines"]
+
+
+class EngineActor:
+    """Runs inside a Ray worker: starts the server in `__init__`, so the actor is ready when it answers."""
+
+    def __init__(self, model_dir: str, extra_args: list[str], log_path: str) -> None:
+        self.server = VLLMServer(model_dir, extra_args=extra_args, log_path=log_path).start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def engine_extra_args(config: Config) -> list[str]:
+    """vLLM flags from `--vllm.*` plus refit's worker extension."""
+    import torch
+
+    import refit
+
+    backend = refit.NCCL_BACKEND if torch.cuda.is_available() else refit.GLOO_BACKEND
+    vllm = config.vllm
+    args = refit.engine_flags(backend) + [
+        "--max-model-len",
+        str(vllm.max_model_len),
+        "--seed",
+        str(config.train.seed),
+    ]
+    args += ["--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching"]
+    if torch.cuda.is_available():
+        args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
+        args += ["--data-parallel-size", str(vllm.data_parallel_size)]
+        args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
+        args += ["--enable-expert-parallel"] if vllm.enable_expert_parallel else []
+        args += [] if vllm.cuda_graphs else ["--enforce-eager"]
+        if vllm.mtp_num_speculative_tokens:
+            spec = f'{{"method": "mtp", "num_speculative_tokens": {vllm.mtp_num_speculative_tokens}}}'
+            args += ["--speculative-config", spec]
+    if vllm.max_num_batched_tokens:
+        args += ["--max-num-batched-tokens", str(vllm.max_num_batched_tokens)]
+    return args
+
+
+def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
+    """Start `--vllm.num_engines` engine actors; they load in the background (see `wait_for_engines`)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    gpus = config.vllm.tensor_parallel_size * config.vllm.data_parallel_size if on_gpu else 0
+    remote = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
+    args = engine_extra_args(config)
+    return [
+        remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"))
+        for index in range(config.vllm.num_engines)
+    ]
+
+
+def wait_for_engines(actors: list) -> list[str]:
+    """Wait until every engine answers `/health`; their base URLs, in order."""
+    return ray.get([actor.url.remote() for actor in actors])
+
+
+def stop_engines(actors: list) -> None:
+    """Stop every server, then the actors; an actor that already died is skipped."""
+    for actor in actors:
+        with contextlib.suppress(ray.exceptions.RayError, TimeoutError):
+            ray.get(actor.stop.remote(), timeout=60)
+        ray.kill(actor)

@@ -1,0 +1,94 @@
+"""The agent contract: what a user writes, in plain Python.
+
+An agent module (`--agent.module FILE_OR_MODULE`) exports `AgentRunner`, a subclass of one of:
+
+- `Env`: the framework owns the LLM loop. `reset(sample)` returns the first observation (chat messages,
+  or one user message as a string); the framework renders it, samples a reply and calls `step(reply)`,
+  which returns a `Result`. A `Result` with an `observation` continues the episode (multi-turn): the
+  framework appends the new messages to the token trace and samples again.
+- `ChatAgent`: the user owns the loop. `run(ctx, sample)` talks to `ctx.base_url` with an OpenAI SDK (or
+  to `ctx.session_url` with an Anthropic SDK) as to any server, and returns a `Result`.
+
+A fresh `AgentRunner()` serves each rollout, so it may keep per-episode state. Methods may be plain or
+`async`. A module may also export `dataset(seed) -> Iterable[dict]`, the rows used when no `--data.path`
+is given (each row: chat `messages` plus task fields, e.g. the expected answer).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ChatAgent", "Context", "Env", "Result", "load_agent"]
+
+Observation = list[dict] | str
+
+
+@dataclass
+class Result:
+    """What a step (Env) or an episode (ChatAgent) returns.
+
+    `reward`: any finite number; an Env's rollout reward is the sum over its steps. `observation`: the
+    next messages (or one user message) to continue an Env episode; None ends it. `info`: numbers to log
+    as `rollout/<key>` means.
+    """
+
+    reward: float = 0.0
+    observation: Observation | None = None
+    info: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where a ChatAgent's SDK client points: one tito session, captured token by token."""
+
+    base_url: str  # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    session_url: str  # Anthropic SDK: Anthropic(base_url=ctx.session_url, api_key=ctx.api_key)
+    model: str
+    api_key: str = "molt"
+
+
+class Env:
+    """Subclass and implement `reset` and `step` (see the module docstring)."""
+
+    def reset(self, sample: dict[str, Any]) -> Observation:
+        """The first observation; by default the row's chat messages."""
+        return sample["messages"]
+
+    def step(self, action: str) -> Result:
+        """Score the model's reply (its text, special tokens removed); return the next observation or None."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step(action) -> Result")
+
+
+class ChatAgent:
+    """Subclass and implement `run` (see the module docstring)."""
+
+    def run(self, ctx: Context, sample: dict[str, Any]) -> Result:
+        raise NotImplementedError(f"{type(self).__name__} must implement run(ctx, sample) -> Result")
+
+
+def load_agent(module: str):
+    """The agent module named by `--agent.module`: a Python file path or an importable module name."""
+    if module.endswith(".py") or Path(module).is_file():
+        path = Path(module)
+        if not path.is_file():
+            raise ValueError(f"--agent.module {module!r}: no such file")
+        spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = loaded
+        spec.loader.exec_module(loaded)
+    else:
+        try:
+            loaded = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            raise ValueError(f"--agent.module {module!r}: cannot import it ({error})") from error
+    runner = getattr(loaded, "AgentRunner", None)
+    if not (isinstance(runner, type) and issubclass(runner, Env | ChatAgent)):
+        raise ValueError(
+            f"--agent.module {module!r} must export AgentRunner, a subclass of molt.Env or molt.ChatAgent"
+        )
+    return loaded

@@ -1,0 +1,243 @@
+"""The training loop of `molt train`: start the parts, run the steps, stop everything.
+
+`train(config)` starts Ray, the vLLM engines (Ray actors), the FSDP2 policy actor (Ray actors, one per
+rank) and tito (in this process), then runs `run_steps`: the whole algorithm in one function. Rollouts
+run on this process's event loop the whole time; the actor's blocking calls run in threads, so the
+engines keep generating while the actor trains (asynchrony bounded by `--rollout.queue_depth` and
+`--rollout.max_lag`). Whatever happens (an error, Ctrl-C), every engine, actor and Ray itself is stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from asyncpool import GroupPool
+from molt._actor import PolicyGroup
+from molt._batch import TrainBatch, collate
+from molt._engines import launch_engines, stop_engines, wait_for_engines
+from molt._log import RunLog, progress
+from molt._rollout import Rollout, RolloutRunner
+from molt.agent import load_agent
+from molt.config import Config
+from rlestimators import ESTIMATORS, dynamic_filter, rollout_correction
+from tito import Tito
+
+__all__ = ["REQUIRED_METRICS", "run_steps", "train"]
+
+# Logged every step (DESIGN §6), besides the algorithm's own metrics.
+REQUIRED_METRICS = frozenset({
+    "rollout/reward_mean", "rollout/reward_std_in_group", "rollout/response_len_mean",
+    "rollout/truncated_frac", "train/policy_loss", "train/kl", "train/entropy", "train/grad_norm",
+    "train/lr", "train/clip_frac", "train/mismatch_kl", "train/seq_masked_frac", "train/staleness_mean",
+    "pool/dropped_stale", "pool/filtered", "timing/generation", "timing/policy_train",
+    "timing/broadcast", "timing/step_total",
+})  # fmt: skip
+
+
+async def run_steps(config: Config, policy: PolicyGroup, tito: Tito, pool: GroupPool, log: RunLog) -> None:
+    """The algorithm: take groups, recompute logprobs, advantages, correction, loss and step, refit, log."""
+    estimator = ESTIMATORS[config.algo.advantage.estimator]
+    engine_urls = [engine.url for engine in tito.router.engines]
+    pad_id = tito.tokenizer.pad_token_id
+    correction = config.algo.correction
+    for step in range(1, config.train.num_steps + 1):
+        started = time.monotonic()
+        groups = await take(pool, config.rollout.prompts_per_step, tito)  # whole groups, completion order
+        generation_s = time.monotonic() - started
+        rollouts: list[Rollout] = [sample for group in groups for sample in group.samples]
+
+        rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+        group_ids_R = torch.arange(len(groups)).repeat_interleave(config.rollout.group_size)
+        advantages_R = estimator(rewards_R, group_ids_R)  # --algo.advantage.estimator
+        sequences = [  # one row per segment; a rollout's segments share its advantage
+            (s.token_ids, s.loss_mask, s.logprobs, adv)
+            for r, adv in zip(rollouts, advantages_R.tolist(), strict=True)
+            for s in r.segments
+        ]
+        batch = collate(sequences, pad_id=pad_id)
+        check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
+
+        train_started = time.monotonic()
+        old_logp_BT = await asyncio.to_thread(policy.logprobs, batch)  # trainer's logprobs, current weights
+        weights_BT, _, correction_metrics = rollout_correction(  # engine vs trainer mismatch (invariant 2)
+            old_logp_BT, batch.rollout_logp_BT, batch.loss_mask_BT, mode=correction.mode,
+            token_cap=correction.token_cap, token_bounds=correction.token_bounds,
+            seq_bounds=correction.seq_bounds,
+        )  # fmt: skip
+        train_metrics = await asyncio.to_thread(policy.train_step, batch, old_logp_BT, weights_BT)
+        train_s = time.monotonic() - train_started
+
+        broadcast_started = time.monotonic()
+        async with _quiesced(pool, hold=not config.rollout.partial_rollout):
+            await asyncio.to_thread(policy.refit, engine_urls, step)  # engines pause (keeping requests)
+        pool.version = step  # groups older than max_lag versions are dropped from now on
+        broadcast_s = time.monotonic() - broadcast_started
+
+        log.step(step, {
+            **rollout_metrics(rollouts, config.rollout.group_size),
+            **train_metrics,
+            "train/kl": train_metrics.get("train/kl", 0.0),
+            "train/mismatch_kl": correction_metrics["mismatch_kl"],
+            "train/seq_masked_frac": correction_metrics["seq_masked_frac"],
+            "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
+            "train/token_identity": 1.0,
+            "train/advantage_abs_mean": advantages_R.abs().mean().item(),
+            "train/zero_advantage_frac": (advantages_R == 0).float().mean().item(),
+            **{f"pool/{k}": float(v) for k, v in pool.stats.metrics("").items()},
+            "timing/generation": generation_s,
+            "timing/policy_train": train_s,
+            "timing/broadcast": broadcast_s,
+            "timing/step_total": time.monotonic() - started,
+        })  # fmt: skip
+
+
+async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
+    """`pool.take`, but a run whose every engine has stopped answering fails instead of waiting forever."""
+    taking = asyncio.ensure_future(pool.take(num_groups))
+    while not (await asyncio.wait({taking}, timeout=5.0))[0]:
+        if not any(engine.alive for engine in tito.router.engines):
+            taking.cancel()
+            raise RuntimeError("no vLLM engine is answering; stopping (see engine-*.log in the run dir)")
+    return taking.result()
+
+
+def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
+    """Every trainable token of the batch is the token the engine returned, in order, rollout by rollout."""
+    row = 0
+    for index, rollout in enumerate(rollouts):
+        trained: list[int] = []
+        for _ in rollout.segments:
+            trained += batch.tokens_BT[row][batch.loss_mask_BT[row] > 0].tolist()
+            row += 1
+        if trained != rollout.sampled:
+            raise RuntimeError(
+                f"token identity violated in rollout {index}: the batch's trainable tokens differ from "
+                f"the tokens the engine sampled ({len(trained)} vs {len(rollout.sampled)}); refusing to train"
+            )
+
+
+def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float]:
+    rewards_GS = torch.tensor([r.reward for r in rollouts], dtype=torch.float64).view(-1, group_size)
+    std_in_group = rewards_GS.std(dim=1, unbiased=False).mean() if group_size > 1 else torch.tensor(0.0)
+    infos: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for key, value in rollout.info.items():
+            infos.setdefault(f"rollout/{key}", []).append(float(value))
+    return {
+        "rollout/reward_mean": rewards_GS.mean().item(),
+        "rollout/reward_std_in_group": std_in_group.item(),
+        "rollout/response_len_mean": sum(len(r.sampled) for r in rollouts) / len(rollouts),
+        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
+        **{key: sum(values) / len(values) for key, values in infos.items()},
+    }
+
+
+def staleness_mean(rollouts: list[Rollout], trainer_version: int) -> float:
+    """Mean over trained tokens of how many versions behind the trainer the weights that sampled them were."""
+    lags = [
+        trainer_version - v
+        for r in rollouts
+        for s in r.segments
+        for v, m in zip(s.versions, s.loss_mask, strict=True)
+        if m
+    ]
+    return sum(lags) / len(lags)
+
+
+@contextlib.asynccontextmanager
+async def _quiesced(pool: GroupPool, *, hold: bool):
+    """Without partial rollout, no rollout may span a refit: hold new starts and let running ones finish."""
+    if not hold:
+        yield
+        return
+    with pool.paused():
+        while pool.stats.in_flight:
+            await asyncio.sleep(0.01)
+        yield
+
+
+def read_rows(config: Config, agent_module) -> Iterator[dict]:
+    """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`."""
+    if not config.data.path:
+        if not hasattr(agent_module, "dataset"):
+            raise ValueError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")
+        yield from agent_module.dataset(config.data.seed)
+        return
+    rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines() if line.strip()]
+    key = config.data.messages_key
+    if not rows or any(key not in row for row in rows):
+        raise ValueError(f"--data.path {config.data.path}: every row needs a {key!r} field (and it has rows)")
+    rng = random.Random(config.data.seed)
+    while True:
+        for row in rng.sample(rows, len(rows)):
+            yield {**row, "messages": row[key]}
+
+
+def _keep_varied(group) -> bool:
+    """--algo.dynamic_filter (DAPO): a group whose rewards are all equal has no gradient; backfill it."""
+    rewards_S = torch.tensor([sample.reward for sample in group.samples])
+    return bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all())
+
+
+def train(config: Config) -> None:
+    """`molt train`: set up, run `run_steps`, and tear everything down on any exit."""
+    import ray
+
+    run_dir = Path(config.logger.run_dir)
+    if config.algo.advantage.estimator not in ESTIMATORS:
+        raise ValueError(
+            f"--algo.advantage.estimator {config.algo.advantage.estimator} needs a critic (gae) or a teacher "
+            f"(opd) group, which this loop does not start; use one of {sorted(ESTIMATORS)}"
+        )
+    torch.manual_seed(config.train.seed)
+    random.seed(config.train.seed)
+    with contextlib.ExitStack() as cleanup:
+        agent_module = load_agent(config.agent.module)
+        rows = read_rows(config, agent_module)
+        model_dir = _model_dir(config, run_dir)
+        progress("starting Ray")
+        ray.init(address=config.ray.address or None, num_cpus=config.ray.num_cpus, include_dashboard=False)
+        cleanup.callback(ray.shutdown)
+        progress(
+            f"starting {config.vllm.num_engines} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)"
+        )
+        engines = launch_engines(model_dir, config, run_dir)  # they load while the actor starts
+        cleanup.callback(stop_engines, engines)
+        policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
+        cleanup.callback(policy.shutdown)
+        urls = wait_for_engines(engines)
+        progress(f"engines ready at {', '.join(urls)}; training {config.train.num_steps} steps")
+        log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
+        cleanup.callback(log.close)
+        asyncio.run(_serve_and_run(config, policy, urls, model_dir, agent_module, rows, log))
+        progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
+
+
+async def _serve_and_run(config, policy, engine_urls, model_dir, agent_module, rows, log) -> None:
+    tito = Tito(engine_urls, model_dir)
+    try:
+        runner = RolloutRunner(tito, agent_module, config)
+        keep = _keep_varied if config.algo.dynamic_filter else None
+        pool = GroupPool(runner, rows, group_size=config.rollout.group_size, depth=config.rollout.queue_depth,
+                         max_lag=config.rollout.max_lag, keep=keep)  # fmt: skip
+        async with pool:
+            await run_steps(config, policy, tito, pool, log)
+    finally:
+        await tito.aclose()
+
+
+def _model_dir(config: Config, run_dir: Path) -> Path:
+    if config.model.path:
+        return Path(config.model.path)
+    from molt.tiny import build_tiny_model
+
+    progress("no --model.path: building the seeded tiny model into the run directory")
+    return build_tiny_model(run_dir / "model", seed=config.train.seed)

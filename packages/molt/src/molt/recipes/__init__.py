@@ -1,0 +1,1 @@
+"""Recipes that ship with molt: agent modules usable as `--agent.module molt.recipes.NAME`."""

@@ -1,0 +1,101 @@
+"""`molt train` end to end on this CPU: vLLM engines, Ray, an FSDP2 actor on 2 gloo ranks, tito, the pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from molt.loop import REQUIRED_METRICS
+
+pytestmark = pytest.mark.slow
+
+MOLT = str(Path(sys.executable).parent / "molt")
+
+
+def engine_processes(marker: str) -> list[int]:
+    """Processes whose command line mentions `marker` (the run's own model directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in command and "vllm" in command:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_short_on_policy_run_with_two_actor_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        MOLT, "train", "--logger.run_dir", str(run_dir), "--train.num_steps", "3", "--actor.num_ranks", "2",
+        "--rollout.prompts_per_step", "4", "--rollout.group_size", "4", "--train.force_on_policy",
+        "--ray.num_cpus", "4",
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+    assert (run_dir / "config.toml").is_file() and (run_dir / "model" / "config.json").is_file()
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for step in steps:
+        assert step.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - step.keys()
+        assert step["train/token_identity"] == 1.0
+        assert step["train/mismatch_kl"] < 1e-3  # float32 engine vs float32 trainer on the same weights
+        assert 0.0 <= step["rollout/reward_mean"] <= 1.0
+    # On policy, every token of step s was sampled by version s - 1: the engine reports the versions the
+    # trainer pushed, so its weights changed at every refit.
+    assert all(step["train/staleness_mean"] == 0.0 for step in steps)
+    assert "step 3/3" in result.stdout
+    assert engine_processes(str(run_dir / "model")) == []  # nothing left behind
+
+
+def test_a_typo_fails_before_anything_starts(tmp_path):
+    args = [MOLT, "train", "--rollout.group_sise", "4"]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "--rollout.group_sise" in result.stderr and "--rollout.group_size" in result.stderr
+
+
+def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
+    """Ctrl-C reaches the whole foreground process group, as a terminal sends it."""
+    run_dir = tmp_path / "run"
+    ray_before = set(ray_processes())
+    args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--train.num_steps", "1000"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)  # fmt: skip
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if line.startswith("step 2/"):
+            break
+    assert process.poll() is None, "".join(output[-50:])
+    assert engine_processes(str(run_dir / "model")), "the engine should be running mid-run"
+    os.killpg(process.pid, signal.SIGINT)
+    rest, _ = process.communicate(timeout=180)
+    assert process.returncode != 0
+    assert engine_processes(str(run_dir / "model")) == [], "".join(output[-20:]) + rest[-3000:]
+    assert set(ray_processes()) <= ray_before, "Ray's raylet or GCS outlived the run"
+
+
+def ray_processes() -> list[int]:
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _comm(p) in ("raylet", "gcs_server")
+    ]
+
+
+def _comm(entry: Path) -> str:
+    try:
+        return (entry / "comm").read_text().strip()
+    except OSError:
+        return ""

@@ -1,0 +1,304 @@
+"""The policy actor: batch layout and logprob alignment, and the FSDP2 actor on real Ray and gloo.
+
+The actor tests share three groups started once for the module (starting a rank imports AutoModel,
+~20 s): 1 rank at temperature 0.7 with every row in one micro-batch, 2 ranks at temperature 0.7 with
+one row per micro-batch (the two compared by the key test), and 1 rank at temperature 1 with lr 1e-2.
+
+Legend: B sequences, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from molt._batch import TrainBatch, collate, shard_rows, shifted_logprobs
+from molt.config import Config
+
+LENGTHS = (7, 11, 9, 6, 10)  # odd row count: the 2-rank shards get an all-masked padding row
+PROMPT_LEN = 4
+
+
+def _sequences(
+    seed: int, advantages, lengths=LENGTHS
+) -> list[tuple[list[int], list[int], list[float], float]]:
+    gen = torch.Generator().manual_seed(seed)
+    sequences = []
+    for length, advantage in zip(lengths, advantages, strict=True):
+        token_ids = torch.randint(4, 100, (length,), generator=gen).tolist()
+        loss_mask = [0] * PROMPT_LEN + [1] * (length - PROMPT_LEN)
+        logprobs = (-3 * torch.rand(length, generator=gen)).tolist()
+        sequences.append((token_ids, loss_mask, logprobs, advantage))
+    return sequences
+
+
+def _hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def _naive_logprobs(model, token_ids: list[int], temperature: float) -> torch.Tensor:
+    """log p(token t | tokens before t) for t >= 1 of one unpadded sequence: [T - 1]."""
+    ids_1T = torch.tensor([token_ids])
+    logits_TV = model(ids_1T).logits[0, :-1] / temperature
+    return torch.log_softmax(logits_TV, dim=-1).gather(-1, ids_1T[0, 1:, None])[:, 0]
+
+
+# --- batch layout ---
+
+
+def test_collate_pads_masks_and_broadcasts_the_advantage():
+    batch = collate(
+        [([5, 6, 7], [0, 1, 1], [0.0, -0.5, -1.5], 2.0), ([8, 9], [0, 1], [-9.0, -0.25], -1.0)], pad_id=3
+    )
+    torch.testing.assert_close(batch.tokens_BT, torch.tensor([[5, 6, 7], [8, 9, 3]]))
+    torch.testing.assert_close(batch.loss_mask_BT, torch.tensor([[0.0, 1, 1], [0, 1, 0]]))
+    torch.testing.assert_close(batch.rollout_logp_BT, torch.tensor([[0.0, -0.5, -1.5], [0, -0.25, 0]]))
+    torch.testing.assert_close(batch.advantages_BT, torch.tensor([[0.0, 2, 2], [0, -1, 0]]))
+    assert batch.num_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("sequences", "message"),
+    [
+        pytest.param([([1, 2], [1, 1], [0.0, 0.0], 1.0)], "loss_mask\\[0\\]", id="first-token-trainable"),
+        pytest.param([([1, 2], [0, 1], [0.0], 1.0)], "one entry per token", id="ragged-lists"),
+        pytest.param([], "at least one", id="empty"),
+    ],
+)
+def test_collate_refuses(sequences, message):
+    with pytest.raises(ValueError, match=message):
+        collate(sequences, pad_id=0)
+
+
+@pytest.mark.parametrize(("num_rows", "world_size"), [(5, 2), (4, 2), (1, 2), (3, 1)])
+def test_shards_are_equal_contiguous_and_rejoin_in_order(num_rows, world_size):
+    batch = collate(_sequences(0, [1.0] * num_rows, lengths=LENGTHS[:num_rows]), pad_id=0)
+    shards = [batch.shard(rank, world_size) for rank in range(world_size)]
+    assert {shard.num_rows for shard in shards} == {math.ceil(num_rows / world_size)}
+    assert all(shard.num_tokens == batch.num_tokens for shard in shards)
+    for name in ("tokens_BT", "loss_mask_BT", "rollout_logp_BT", "advantages_BT"):
+        joined_BT = torch.cat([getattr(shard, name) for shard in shards])
+        torch.testing.assert_close(joined_BT[:num_rows], getattr(batch, name))
+        assert not joined_BT[num_rows:].any()  # padding rows: token 0, nothing trainable
+    assert sum(int(shard.loss_mask_BT.sum()) for shard in shards) == batch.num_tokens
+
+
+def test_shard_rows_refuses_a_rank_outside_the_world():
+    with pytest.raises(ValueError, match="rank must lie"):
+        shard_rows(torch.zeros(2, 3), 2, 2)
+
+
+def test_micro_batches_cover_the_rows_and_keep_the_global_denominator():
+    batch = collate(_sequences(1, [1.0] * 5), pad_id=0)
+    parts = list(batch.micro_batches(2))
+    assert [mb.num_rows for mb in parts] == [2, 2, 1]
+    assert all(mb.num_tokens == batch.num_tokens for mb in parts)
+    torch.testing.assert_close(torch.cat([mb.tokens_BT for mb in parts]), batch.tokens_BT)
+    with pytest.raises(ValueError, match="micro-batch size"):
+        next(batch.micro_batches(0))
+
+
+def test_train_batch_refuses_mismatched_tensors():
+    batch = collate(_sequences(2, [1.0] * 2, lengths=(5, 6)), pad_id=0)
+    with pytest.raises(ValueError, match="advantages_BT must be float32"):
+        TrainBatch(batch.tokens_BT, batch.loss_mask_BT, batch.rollout_logp_BT, batch.advantages_BT[:1], 1)
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(1.0, id="t1"), pytest.param(0.7, id="t0.7")])
+def test_shifted_logprobs_are_the_logprob_of_each_token_given_its_prefix(tiny_model_dir, temperature):
+    model = _hf_model(tiny_model_dir)
+    sequences = _sequences(3, [1.0] * 3, lengths=(6, 9, 4))
+    batch = collate(sequences, pad_id=0)
+    with torch.no_grad():
+        logp_BT = shifted_logprobs(model(batch.tokens_BT).logits, batch.tokens_BT, temperature=temperature)
+    assert not logp_BT[:, 0].any()
+    for row, (token_ids, *_) in enumerate(sequences):
+        expected_T = _naive_logprobs(model, token_ids, temperature)
+        torch.testing.assert_close(logp_BT[row, 1 : len(token_ids)], expected_T, atol=1e-5, rtol=0)
+
+
+# --- the actor on Ray ---
+
+
+def _config(*, temperature: float, micro_batch_size: int, lr: float, warmup_steps: int = 0) -> Config:
+    config = Config()
+    return msgspec.structs.replace(
+        config,
+        actor=msgspec.structs.replace(
+            config.actor, lr=lr, micro_batch_size=micro_batch_size, warmup_steps=warmup_steps, grad_clip=1.0
+        ),
+        rollout=msgspec.structs.replace(config.rollout, temperature=temperature),
+    )
+
+
+GROUPS = {  # name: (num_ranks, config)
+    "one_rank": (1, _config(temperature=0.7, micro_batch_size=8, lr=1e-3)),
+    "two_ranks": (2, _config(temperature=0.7, micro_batch_size=1, lr=1e-3)),
+    "t1": (1, _config(temperature=1.0, micro_batch_size=2, lr=1e-2, warmup_steps=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_dir):
+    """The module's three actor groups, started concurrently on one local Ray."""
+    import ray
+
+    from molt._actor import PolicyGroup
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with ThreadPoolExecutor(len(GROUPS)) as pool:
+        futures = {
+            name: pool.submit(PolicyGroup, tiny_model_dir, config, num_ranks)
+            for name, (num_ranks, config) in GROUPS.items()
+        }
+        started = {name: future.result() for name, future in futures.items()}
+    yield started
+    for group in started.values():
+        group.shutdown()
+    ray.shutdown()
+
+
+def test_the_actor_refuses_parallelism_it_does_not_wire(tiny_model_dir):
+    from molt._actor import PolicyGroup
+
+    config = Config()
+    config = msgspec.structs.replace(config, fsdp=msgspec.structs.replace(config.fsdp, tp_size=2))
+    with pytest.raises(ValueError, match="--fsdp.tp_size 2"):
+        PolicyGroup(tiny_model_dir, config, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "temperature"), [("t1", 1.0), ("one_rank", 0.7), ("two_ranks", 0.7)])
+def test_group_logprobs_equal_a_transformers_forward(groups, tiny_model_dir, name, temperature):
+    model = _hf_model(tiny_model_dir)
+    sequences = _sequences(4, [1.0] * 5)
+    logp_BT = groups[name].logprobs(collate(sequences, pad_id=0))
+    assert logp_BT.shape == (5, max(LENGTHS))
+    for row, (token_ids, *_) in enumerate(sequences):
+        expected_T = _naive_logprobs(model, token_ids, temperature)
+        torch.testing.assert_close(logp_BT[row, 1 : len(token_ids)], expected_T, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
+    one, two = groups["one_rank"], groups["two_ranks"]
+    before = one.full_state()
+    for name, tensor in two.full_state().items():
+        assert torch.equal(tensor, before[name]), f"{name}: the groups must start from the same weights"
+    batch = collate(_sequences(5, [1.5, -1.0, 0.5, -0.25, 2.0]), pad_id=0)
+    gen = torch.Generator().manual_seed(6)
+    # Off-policy old logprobs and uneven correction weights, so that clipping and weighting both act.
+    old_logp_BT = one.logprobs(batch) + 0.3 * torch.randn(batch.tokens_BT.shape, generator=gen)
+    weights_BT = 0.5 + torch.rand(batch.tokens_BT.shape, generator=gen)
+
+    metrics_one = one.train_step(batch, old_logp_BT, weights_BT)
+    metrics_two = two.train_step(batch, old_logp_BT, weights_BT)
+
+    assert set(metrics_one) == {
+        "train/policy_loss",
+        "train/entropy",
+        "train/clip_frac",
+        "train/grad_norm",
+        "train/lr",
+    }
+    assert 0 < metrics_one["train/clip_frac"] < 1
+    assert metrics_one["train/grad_norm"] > 1.0  # so clipping to 1.0 acted, on the global norm
+    for key, value in metrics_one.items():
+        assert metrics_two[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    after_one, after_two = one.full_state(), two.full_state()
+    for name, tensor in after_one.items():
+        assert not torch.equal(tensor, before[name]), f"{name} did not move"
+        torch.testing.assert_close(after_two[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_step_raises_the_logprob_of_positive_advantage_tokens(groups, tiny_model_dir):
+    group = groups["t1"]
+    batch = collate(_sequences(7, [1.0, 1.0, -1.0, -1.0], lengths=(8, 9, 8, 9)), pad_id=0)
+    mask_BT = batch.loss_mask_BT
+    logp_before_BT = group.logprobs(batch)
+    metrics = group.train_step(batch, logp_before_BT, torch.ones_like(logp_before_BT))
+    logp_after_BT = group.logprobs(batch)
+
+    # On-policy (ratio 1), weights 1: the PPO loss is -mean(advantage) over the window's tokens.
+    assert metrics["train/policy_loss"] == pytest.approx(
+        -(batch.advantages_BT.sum() / batch.num_tokens).item()
+    )
+    assert metrics["train/clip_frac"] == 0.0
+    assert metrics["train/lr"] == pytest.approx(0.5e-2)  # the first of two warm-up steps
+    # Entropy of the distribution each trained token was sampled from, as transformers computes it.
+    with torch.no_grad():
+        logits_BTV = _hf_model(tiny_model_dir)(batch.tokens_BT).logits
+    entropy_next_BT = torch.distributions.Categorical(logits=logits_BTV).entropy()
+    entropy_BT = torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0))
+    assert metrics["train/entropy"] == pytest.approx(((entropy_BT * mask_BT).sum() / batch.num_tokens).item())
+
+    change_B = ((logp_after_BT - logp_before_BT) * mask_BT).sum(dim=1) / mask_BT.sum(dim=1)
+    assert (change_B[:2] > 0).all() and (change_B[2:] < 0).all(), change_B
+
+
+@pytest.mark.slow
+def test_reference_logprobs_add_a_kl_term_reported_as_its_token_mean(groups):
+    group = groups["t1"]
+    batch = collate(_sequences(9, [1.0, -1.0], lengths=(8, 9)), pad_id=0)
+    logp_BT = group.logprobs(batch)
+    ref_logp_BT = logp_BT - 0.1 * batch.loss_mask_BT  # log r = ref - logp = -0.1 on every trained token
+    metrics = group.train_step(batch, logp_BT, torch.ones_like(logp_BT), ref_logp_BT)
+    k3 = math.expm1(-0.1) + 0.1  # Schulman's k3 estimator at log r = -0.1
+    assert metrics["train/kl"] == pytest.approx(k3, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_train_step_refuses_a_batch_without_trainable_tokens(groups):
+    batch = collate([([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0)], pad_id=0)
+    with pytest.raises(ValueError, match="at least one trainable token"):
+        groups["t1"].train_step(batch, torch.zeros(1, 3), torch.ones(1, 3))
+
+
+def _engine_sample(url: str, prompt: list[int], temperature: float) -> tuple[list[int], list[float], str]:
+    body = {
+        "token_ids": prompt,
+        "sampling_params": {"max_tokens": 6, "temperature": temperature, "seed": 0, "logprobs": 0},
+    }
+    reply = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+    reply.raise_for_status()
+    choice = reply.json()["choices"][0]
+    logprobs = [item["logprob"] for item in choice["logprobs"]["content"]]
+    return choice["token_ids"], logprobs, choice["weight_versions"][-1]["version"]
+
+
+@pytest.mark.slow
+def test_refit_sends_the_trained_weights_to_a_vllm_engine(groups, tiny_model_dir, tmp_path):
+    """After a step and a refit, the engine samples with the trainer's weights: its processed logprobs
+    (temperature 0.7) equal the 2-rank group's recomputation (DESIGN invariant 3, end to end)."""
+    import refit
+    from molt.vllm_server import VLLMServer
+
+    group = groups["two_ranks"]
+    batch = collate(_sequences(8, [1.0, -1.0, 2.0], lengths=(8, 9, 10)), pad_id=0)
+    logp_BT = group.logprobs(batch)
+    group.train_step(batch, logp_BT, torch.ones_like(logp_BT))
+    prompt = [5, 17, 33, 60, 2, 41]
+    log = tmp_path / "vllm.log"
+    with VLLMServer(
+        tiny_model_dir, extra_args=refit.engine_flags(refit.GLOO_BACKEND), log_path=log
+    ) as server:
+        seconds = group.refit([server.url], version=1)
+        tokens, logprobs, version = _engine_sample(server.url, prompt, 0.7)
+    assert version == "1"
+    assert {"pause", "transfer", "finish", "resume"} <= set(seconds)
+    row = prompt + tokens
+    expected_T = group.logprobs(collate([(row, [0] * len(row), [0.0] * len(row), 0.0)], pad_id=0))[
+        0, len(prompt) :
+    ]
+    torch.testing.assert_close(torch.tensor(logprobs), expected_T, atol=1e-4, rtol=0)
+    initial_T = _naive_logprobs(_hf_model(tiny_model_dir), row, 0.7)[len(prompt) - 1 :]
+    assert (initial_T - expected_T).abs().max() > 1e-3  # the engine no longer serves the initial weights
