@@ -102,3 +102,14 @@ def test_importing_the_cli_imports_no_torch_vllm_or_ray():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_a_run_dir_that_already_holds_a_run_is_refused(tmp_path):
+    from typer.testing import CliRunner
+
+    from molt._cli import app
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    result = CliRunner().invoke(app, ["train", "--logger.run_dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "already holds a run" in result.output

@@ -72,6 +72,9 @@ def train(ctx: typer.Context) -> None:
         return
     config = with_run_dir(config)
     run_dir = Path(config.logger.run_dir)
+    if (run_dir / "metrics.jsonl").exists():
+        typer.echo(f"molt train: --logger.run_dir {run_dir} already holds a run; choose another", err=True)
+        raise typer.Exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(render_toml(config))
     typer.echo(f"run dir: {run_dir}")
