@@ -9,7 +9,7 @@ out or returns a non-finite reward raises here: the pool retries it, then drops 
 from __future__ import annotations
 
 import asyncio
-import inspect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -40,13 +40,6 @@ class Rollout:
         return max(v for s in self.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
 
 
-async def _call(method, *args):
-    """Call a user method that may be plain or async; plain ones run in a thread (they may block)."""
-    if inspect.iscoroutinefunction(method):
-        return await method(*args)
-    return await asyncio.to_thread(method, *args)
-
-
 def _as_messages(observation) -> list[dict]:
     return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
 
@@ -54,15 +47,15 @@ def _as_messages(observation) -> list[dict]:
 class RolloutRunner:
     """The pool's rollout callable: `await runner(row, index) -> Rollout`."""
 
-    def __init__(self, tito: Tito, agent_module, config: Config) -> None:
+    def __init__(self, tito: Tito, agent_module, config: Config, runners: list) -> None:
         if issubclass(agent_module.AgentRunner, ChatAgent):
             raise ValueError(
                 f"--agent.module {config.agent.module}: ChatAgent runners are not served by the training "
                 "loop yet; write the agent as a molt.Env"
             )
         self.tito = tito
-        self.runner_class = agent_module.AgentRunner
         self.config = config
+        self.runners = itertools.cycle(runners)  # Ray actors hosting the Env episodes (molt._runners)
         self.renderer = ChatRenderer(tito.tokenizer)
         self.sampling = {
             "max_tokens": config.rollout.max_new_tokens,
@@ -72,19 +65,19 @@ class RolloutRunner:
 
     async def __call__(self, row: dict, index: int) -> Rollout:
         async with asyncio.timeout(self.config.agent.timeout):
-            rollout = await self._env_episode(self.runner_class(), row)
+            rollout = await self._env_episode(next(self.runners), row)
         if not math.isfinite(rollout.reward):
             raise ValueError(f"the agent returned a non-finite reward ({rollout.reward})")
         if not rollout.sampled:
             raise ValueError("the rollout sampled no token")
         return rollout
 
-    async def _env_episode(self, env, row: dict) -> Rollout:
+    async def _env_episode(self, runner, row: dict) -> Rollout:
         session = self.tito.new_session()
         tokenizer = self.tito.tokenizer
         reward, sampled, info, truncated = 0.0, [], {}, False
         try:
-            observation = await _call(env.reset, row)
+            observation = await runner.reset.remote(session.id, row)
             messages: list[dict] = []
             for _ in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
@@ -99,7 +92,7 @@ class RolloutRunner:
                 closing = self.renderer.closing_ids(generation.token_ids)
                 session.chat.record(messages, None, prompt_ids, reply, closing)
                 messages.append(reply)
-                result: Result = await _call(env.step, reply["content"])
+                result: Result = await runner.step.remote(session.id, reply["content"])
                 reward += result.reward
                 info.update(result.info)
                 observation = result.observation
@@ -107,6 +100,7 @@ class RolloutRunner:
                     break
         finally:
             trajectory = self.tito.end_session(session.id)
+            runner.close.remote(session.id)
         return Rollout(trajectory.segments, reward, sampled, truncated, info)
 
     def _prompt_ids(self, session, messages: list[dict], observation) -> list[int]:

@@ -77,6 +77,8 @@ class Agent(_Group):
     """Seconds one agent run may take before it counts as failed."""
     max_turns: int = 1
     """Most LLM turns per episode of an Env agent."""
+    num_runners: int = 1
+    """Ray actors hosting the agents' environments (each runs many episodes concurrently)."""
 
 
 class Advantage(_Group):

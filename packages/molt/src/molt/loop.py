@@ -25,6 +25,7 @@ from molt._batch import TrainBatch, collate
 from molt._engines import launch_engines, stop_engines, wait_for_engines
 from molt._log import RunLog, progress
 from molt._rollout import Rollout, RolloutRunner
+from molt._runners import launch_runners
 from molt.agent import load_agent
 from molt.config import Config
 from rlestimators import ESTIMATORS, dynamic_filter, rollout_correction
@@ -213,18 +214,19 @@ def train(config: Config) -> None:
         cleanup.callback(stop_engines, engines)
         policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
         cleanup.callback(policy.shutdown)
+        runners = launch_runners(config.agent.module, config.agent.num_runners)
         urls = wait_for_engines(engines)
         progress(f"engines ready at {', '.join(urls)}; training {config.train.num_steps} steps")
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)
-        asyncio.run(_serve_and_run(config, policy, urls, model_dir, agent_module, rows, log))
+        asyncio.run(_serve_and_run(config, policy, urls, model_dir, agent_module, runners, rows, log))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
-async def _serve_and_run(config, policy, engine_urls, model_dir, agent_module, rows, log) -> None:
+async def _serve_and_run(config, policy, engine_urls, model_dir, agent_module, runners, rows, log) -> None:
     tito = Tito(engine_urls, model_dir)
     try:
-        runner = RolloutRunner(tito, agent_module, config)
+        runner = RolloutRunner(tito, agent_module, config, runners)
         keep = _keep_varied if config.algo.dynamic_filter else None
         pool = GroupPool(runner, rows, group_size=config.rollout.group_size, depth=config.rollout.queue_depth,
                          max_lag=config.rollout.max_lag, keep=keep)  # fmt: skip
