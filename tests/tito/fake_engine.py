@@ -33,6 +33,10 @@ class FakeEngine:
     def _build(self) -> FastAPI:
         app = FastAPI()
 
+        @app.get("/health")
+        async def health():
+            return {}
+
         @app.get("/v1/models")
         async def models():
             return {"data": [{"id": "fake", "max_model_len": MAX_MODEL_LEN}]}

@@ -217,3 +217,28 @@ async def test_an_api_key_guards_every_route_but_health(fake_tito):
     sdk = openai.AsyncOpenAI(base_url=session["base_url"], api_key="k", http_client=guarded)
     reply = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content is not None
+
+
+async def test_an_engine_refusal_is_the_clients_error_not_a_dead_engine(client, fake_engine, fake_tito):
+    """An engine 4xx (a sampling value it rejects, say) is a 400 for that request; the engine stays live."""
+    session = await new_session(client)
+    original = fake_engine.reply_for
+
+    def refuse(prompt, max_tokens):
+        from fastapi import HTTPException
+
+        raise HTTPException(400, "bad sampling value")
+
+    fake_engine.reply_for = refuse
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    refused = await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)
+    assert refused.status_code == 400 and "bad sampling value" in refused.json()["error"]["message"]
+    fake_engine.reply_for = original
+    assert all(engine.alive for engine in fake_tito.router.engines)
+    assert (await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)).status_code == 200
+
+
+async def test_health_follows_the_engines(client, fake_engine):
+    assert (await client.get("/health")).status_code == 200
+    fake_engine.app.router.routes = [r for r in fake_engine.app.router.routes if r.path != "/health"]
+    assert (await client.get("/health")).status_code == 503

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import _anthropic as anthropic
 from . import _openai as openai
-from ._engines import EngineUnavailable
+from ._engines import EngineRejected, EngineUnavailable
 from ._protocol import ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
@@ -54,6 +54,33 @@ def _validation_message(error: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+class _Guard:
+    """The API key and the body-size limit, checked before a request reaches a route (plain ASGI: the
+    `@app.middleware` form wraps every request in extra tasks and streams, a measurable cost here)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            refusal = self._refusal(request)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, request: Request) -> JSONResponse | None:
+        if self.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("x-api-key") or request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.removeprefix("Bearer ").encode(), self.api_key.encode()):
+                return _error(request, 401, "missing or wrong API key", "authentication_error")
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            return _error(request, 413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
+        return None
+
+
 def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `tito`'s sessions."""
 
@@ -64,15 +91,7 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
 
     app = FastAPI(title="tito", summary="Token-exact chat capture over vLLM", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("x-api-key") or request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.removeprefix("Bearer "), api_key):
-                return _error(request, 401, "missing or wrong API key", "authentication_error")
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            return _error(request, 413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -81,6 +100,10 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(ProtocolError)
     async def refused(request: Request, error: ProtocolError) -> JSONResponse:
         return _error(request, error.status, error.message, error.kind)
+
+    @app.exception_handler(EngineRejected)
+    async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
+        return _error(request, 400, str(error))
 
     @app.exception_handler(EngineUnavailable)
     async def unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:

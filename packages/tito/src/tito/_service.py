@@ -18,7 +18,7 @@ import httpx
 import msgspec
 
 from ._chat import ChatRenderer, ChatState
-from ._engines import Engine, EngineUnavailable, Generation, Router
+from ._engines import Engine, Generation, Router
 from ._trajectory import Capture, Trajectory
 
 __all__ = ["Session", "Tito"]
@@ -80,11 +80,8 @@ class Tito:
     async def ready(self) -> bool:
         """Whether at least one engine answers (what `/health` reports)."""
         for engine in self.router.engines:
-            try:
-                await engine.max_model_len()
+            if await engine.healthy():
                 return True
-            except EngineUnavailable:
-                continue
         return False
 
     async def sampling(self, session: Session, num_prompt_tokens: int, **params) -> dict:

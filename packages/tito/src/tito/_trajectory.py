@@ -10,8 +10,6 @@ Nothing here tokenizes or detokenizes.
 
 from __future__ import annotations
 
-import copy
-
 import msgspec
 
 __all__ = ["Capture", "Segment", "Trajectory"]
@@ -88,4 +86,9 @@ class Capture:
 
     def trajectory(self) -> Trajectory:
         """A copy of the capture, without a trailing empty segment."""
-        return copy.deepcopy(Trajectory(self.session_id, [s for s in self.segments if s.token_ids]))
+        segments = [
+            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.versions))
+            for s in self.segments
+            if s.token_ids
+        ]
+        return Trajectory(self.session_id, segments)

@@ -41,6 +41,8 @@ class ChatTurn:
         self._first: Generation | None = None
 
     async def start(self, sampling: dict, *, stream: bool) -> None:
+        if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
+            raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
         try:
             self.prompt_ids = self.session.chat.prompt_ids(
                 self.tito.renderer, self.session.capture.tokens, self.messages, self.tools
