@@ -1,0 +1,84 @@
+"""The loop's own pure pieces: the token-identity check, rollout metrics, the dynamic filter, data rows."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+
+from molt._batch import collate
+from molt._rollout import Rollout
+from molt.config import Config, Data
+from molt.loop import _keep_varied, check_token_identity, read_rows, rollout_metrics, staleness_mean
+from tito import Segment
+
+
+def rollout(tokens, mask, versions, reward=1.0, sampled=None) -> Rollout:
+    segment = Segment(tokens, mask, [-0.5 if m else 0.0 for m in mask], versions)
+    trained = [t for t, m in zip(tokens, mask, strict=True) if m]
+    return Rollout([segment], reward, trained if sampled is None else sampled, truncated=False)
+
+
+def batch_of(rollouts):
+    rows = [(s.token_ids, s.loss_mask, s.logprobs, 1.0) for r in rollouts for s in r.segments]
+    return collate(rows, pad_id=0)
+
+
+def test_token_identity_holds_for_the_engines_tokens():
+    rollouts = [
+        rollout([1, 2, 7, 8], [0, 0, 1, 1], [-1, -1, 0, 0]),
+        rollout([1, 3, 9], [0, 0, 1], [-1, -1, 0]),
+    ]
+    check_token_identity(batch_of(rollouts), rollouts)
+
+
+def test_token_identity_violation_is_a_hard_failure():
+    good = rollout([1, 2, 7, 8], [0, 0, 1, 1], [-1, -1, 0, 0])
+    retokenized = rollout([1, 2, 7, 8], [0, 0, 1, 1], [-1, -1, 0, 0], sampled=[7, 5])
+    with pytest.raises(RuntimeError, match="token identity violated in rollout 1"):
+        check_token_identity(batch_of([good, retokenized]), [good, retokenized])
+
+
+def test_rollout_metrics_and_staleness():
+    rollouts = [
+        rollout([1, 7], [0, 1], [-1, 3], reward=1.0),
+        rollout([1, 7, 8], [0, 1, 1], [-1, 2, 3], reward=0.0),
+        rollout([1, 7], [0, 1], [-1, 3], reward=0.0),
+        rollout([1, 7], [0, 1], [-1, 3], reward=0.0),
+    ]
+    metrics = rollout_metrics(rollouts, group_size=2)
+    assert metrics["rollout/reward_mean"] == 0.25
+    assert metrics["rollout/reward_std_in_group"] == pytest.approx(0.25)  # groups (1, 0) and (0, 0)
+    assert metrics["rollout/response_len_mean"] == 1.25
+    assert staleness_mean(rollouts, trainer_version=3) == pytest.approx(1 / 5)  # one of 5 tokens is 1 behind
+
+
+def test_dynamic_filter_rejects_groups_without_signal():
+    class Group:
+        def __init__(self, rewards):
+            self.samples = [rollout([1, 7], [0, 1], [-1, 0], reward=r) for r in rewards]
+
+    assert _keep_varied(Group([1.0, 0.0, 0.0]))
+    assert not _keep_varied(Group([1.0, 1.0, 1.0]))
+    assert not _keep_varied(Group([0.0, 0.0]))
+
+
+def test_rows_come_from_jsonl_reshuffled_each_epoch(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": str(i)}], "i": i}) + "\n"
+                            for i in range(3)))  # fmt: skip
+    config = msgspec.structs.replace(Config(), data=Data(path=str(path), messages_key="prompt"))
+    rows = read_rows(config, agent_module=None)
+    first_epoch = [next(rows) for _ in range(3)]
+    assert sorted(row["i"] for row in first_epoch) == [0, 1, 2]
+    assert all(row["messages"] == [{"role": "user", "content": str(row["i"])}] for row in first_epoch)
+    assert sorted(next(rows)["i"] for _ in range(3)) == [0, 1, 2]  # the next epoch, reshuffled
+
+
+def test_rows_without_the_messages_field_are_refused(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "x"}) + "\n")
+    config = msgspec.structs.replace(Config(), data=Data(path=str(path)))
+    with pytest.raises(ValueError, match="needs a 'messages' field"):
+        next(read_rows(config, agent_module=None))
