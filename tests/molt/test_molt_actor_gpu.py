@@ -1,0 +1,59 @@
+"""The policy actor's GPU path: NeMo AutoModel's own loader (`NeMoAutoModelForCausalLM`) over NCCL.
+
+Runs only with CUDA (the `gpu` marker). One rank, driven without Ray (`PolicyWorker` is a plain class),
+so it runs on a GPU machine that has AutoModel but neither Ray nor vLLM.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+import pytest
+import torch
+
+from molt._batch import collate
+from molt.config import Actor, Config, Rollout
+
+pytestmark = pytest.mark.gpu
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from molt._actor import PolicyWorker
+
+    config = msgspec.structs.replace(
+        Config(), actor=Actor(lr=1e-2, micro_batch_size=2), rollout=Rollout(temperature=0.7)
+    )
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+    assert (
+        type(worker.model).__module__.startswith("nemo_automodel") or next(worker.model.parameters()).is_cuda
+    )
+
+    rows = [([1, 5, 9, 11, 12], [0, 0, 0, 1, 1], [0.0, 0.0, 0.0, -4.0, -4.0], 1.0),
+            ([1, 6, 7, 13], [0, 0, 1, 1], [0.0, 0.0, -4.0, -4.0], -1.0),
+            ([1, 8, 14], [0, 0, 1], [0.0, 0.0, -4.0], 0.5)]  # fmt: skip
+    batch = collate(rows, pad_id=0)
+    logp_BT = worker.logprobs(batch)
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference(batch.tokens_BT).logits[:, :-1] / 0.7
+    expected_BT = torch.log_softmax(logits.float(), -1).gather(-1, batch.tokens_BT[:, 1:, None])[..., 0]
+    mask_BT = batch.loss_mask_BT[:, 1:] > 0
+    torch.testing.assert_close(logp_BT[:, 1:][mask_BT], expected_BT[mask_BT], atol=2e-4, rtol=2e-4)
+
+    metrics = worker.train_step(batch, logp_BT, torch.ones_like(logp_BT))
+    assert metrics["train/grad_norm"] > 0 and metrics["train/lr"] == pytest.approx(1e-2)
+    after_BT = worker.logprobs(batch)
+    advantages_BT = batch.advantages_BT
+    moved_BT = (after_BT - logp_BT)[batch.loss_mask_BT > 0]
+    assert (moved_BT * advantages_BT[batch.loss_mask_BT > 0] > 0).float().mean() > 0.5
+    torch.distributed.destroy_process_group()
