@@ -70,17 +70,24 @@ def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
     run_dir = tmp_path / "run"
     ray_before = set(ray_processes())
     args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--train.num_steps", "1000"]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # fmt: skip
-    output = []
-    for line in process.stdout:
-        output.append(line)
-        if line.startswith("step 2/"):
-            break
-    assert process.poll() is None, "".join(output[-50:])
-    assert engine_processes(str(run_dir / "model")), "the engine should be running mid-run"
-    os.killpg(process.pid, signal.SIGINT)
-    rest, _ = process.communicate(timeout=180)
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # even if this runner ignores Ctrl-C
+    )  # fmt: skip
+    try:
+        output = []
+        for line in process.stdout:
+            output.append(line)
+            if line.startswith("step 2/"):
+                break
+        assert process.poll() is None, "".join(output[-50:])
+        assert engine_processes(str(run_dir / "model")), "the engine should be running mid-run"
+        os.killpg(process.pid, signal.SIGINT)
+        rest, _ = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
     assert process.returncode != 0
     assert engine_processes(str(run_dir / "model")) == [], "".join(output[-20:]) + rest[-3000:]
     assert set(ray_processes()) <= ray_before, "Ray's raylet or GCS outlived the run"
