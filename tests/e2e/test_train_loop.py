@@ -106,3 +106,31 @@ def _comm(entry: Path) -> str:
         return (entry / "comm").read_text().strip()
     except OSError:
         return ""
+
+
+BROKEN_DATA_AGENT = """
+from molt.recipes.copy_word import AgentRunner, dataset as words
+
+
+def dataset(seed):
+    rows = words(seed)
+    for _ in range(6):
+        yield next(rows)
+    raise OSError("the dataset's disk went away")
+"""
+
+
+def test_an_exception_mid_run_stops_everything(tmp_path):
+    """The dataset fails after a few steps: the run exits non-zero, names the cause, and leaves nothing."""
+    agent = tmp_path / "broken_data.py"
+    agent.write_text(BROKEN_DATA_AGENT)
+    run_dir = tmp_path / "run"
+    ray_before = set(ray_processes())
+    args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--agent.module", str(agent),
+            "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert result.returncode != 0
+    assert "the dataset's disk went away" in result.stderr
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1  # it trained before the failure
+    assert engine_processes(str(run_dir / "model")) == []
+    assert set(ray_processes()) <= ray_before

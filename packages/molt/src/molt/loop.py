@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from asyncpool import GroupPool
+from asyncpool import GroupPool, PoolExhausted
 from molt._actor import PolicyGroup
 from molt._batch import TrainBatch, collate
 from molt._engines import launch_engines, stop_engines, wait_for_engines
@@ -231,7 +231,12 @@ async def _serve_and_run(config, policy, engine_urls, model_dir, agent_module, r
         pool = GroupPool(runner, rows, group_size=config.rollout.group_size, depth=config.rollout.queue_depth,
                          max_lag=config.rollout.max_lag, keep=keep)  # fmt: skip
         async with pool:
-            await run_steps(config, policy, tito, pool, log)
+            try:
+                await run_steps(config, policy, tito, pool, log)
+            except PoolExhausted as end:
+                if end.__cause__ is not None:  # the dataset itself failed
+                    raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
+                progress("the dataset is used up; stopping early")
     finally:
         await tito.aclose()
 
