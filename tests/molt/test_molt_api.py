@@ -1,0 +1,17 @@
+"""molt's public names, and that importing molt stays light (no torch, Ray or vLLM)."""
+
+import subprocess
+import sys
+
+import molt
+
+
+def test_public_names_are_pinned():
+    assert sorted(molt.__all__) == ["ChatAgent", "Context", "Env", "Result"]
+    assert all(hasattr(molt, name) for name in molt.__all__)
+
+
+def test_importing_molt_loads_no_heavy_framework():
+    code = "import sys, molt; print(sorted({'torch', 'ray', 'vllm'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr

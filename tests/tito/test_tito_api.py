@@ -1,0 +1,11 @@
+"""tito's public names: a change to this list is a change to the package's contract."""
+
+import tito
+
+
+def test_public_names_are_pinned():
+    assert sorted(tito.__all__) == [
+        "Capture", "ChatRenderer", "ChatState", "EngineUnavailable", "Generation", "Segment", "Session",
+        "Tito", "Trajectory", "create_app",
+    ]  # fmt: skip
+    assert all(hasattr(tito, name) for name in tito.__all__)
