@@ -22,6 +22,7 @@ class FakeEngine:
         self.version = version
         self.script: list[list[int]] = []  # replies to give, in order; then a default reply
         self.prompts: list[list[int]] = []  # every prompt received
+        self.requests: list[dict] = []  # every request body received
         self.app = self._build()
 
     def reply_for(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -45,6 +46,7 @@ class FakeEngine:
         async def generate(request: Request):
             body = await request.json()
             self.prompts.append(body["token_ids"])
+            self.requests.append(body)
             tokens, finish = self.reply_for(body["token_ids"], body["sampling_params"].get("max_tokens", 16))
             spans = [{"version": self.version, "start": 0, "end": len(tokens)}]
             stop = self.eos_id if finish == "stop" else None

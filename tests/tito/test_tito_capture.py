@@ -42,6 +42,7 @@ def test_an_identical_retry_replaces_the_previous_reply_instead_of_duplicating()
     (segment,) = capture.trajectory().segments
     assert segment.token_ids == [1, 2, 9]
     assert segment.loss_mask == [0, 0, 1]
+    assert capture.replies == [[9]]
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from ._chat import ChatRenderer, ChatState
 from ._engines import EngineUnavailable, Generation
+from ._loopback import serve_on_loop
 from ._server import create_app
 from ._service import Session, Tito
 from ._trajectory import Capture, Segment, Trajectory
@@ -17,4 +18,5 @@ __all__ = [
     "Tito",
     "Trajectory",
     "create_app",
+    "serve_on_loop",
 ]

@@ -31,6 +31,7 @@ class Session:
     capture: Capture
     chat: ChatState = field(default_factory=ChatState)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
 
 
 class Tito:
@@ -38,7 +39,10 @@ class Tito:
 
     `engines`: engine base URLs. `model`: the model directory (its tokenizer and chat template are used
     here; engines must serve the same model). `dump`: a JSONL file that receives each ended session's
-    trajectory. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine there).
+    trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
+    trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
+    caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
+    there).
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class Tito:
         served_model_name: str | None = None,
         dump: str | Path | None = None,
         request_timeout: float = 600.0,
+        fixed_sampling: dict | None = None,
         engine_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         from transformers import AutoTokenizer
@@ -59,6 +64,8 @@ class Tito:
         self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
+        self.fixed_sampling = dict(fixed_sampling or {})
+        self.max_tokens_cap = self.fixed_sampling.pop("max_tokens", None)
 
     def new_session(self) -> Session:
         """A session bound to the least-loaded live engine. Ids are 128-bit random."""
@@ -92,9 +99,10 @@ class Tito:
                 f"the conversation is {num_prompt_tokens} tokens, which leaves no room in the model's "
                 f"context of {room + num_prompt_tokens} tokens; shorten it"
             )
-        max_tokens = params.pop("max_tokens", None)
+        asked = params.pop("max_tokens", None)
         params = {key: value for key, value in params.items() if value is not None}
-        return {**params, "max_tokens": min(max_tokens or room, room)}
+        max_tokens = min(limit for limit in (asked, self.max_tokens_cap, room) if limit)
+        return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 
     async def stream_turn(
         self, session: Session, prompt_ids: list[int], sampling: dict, *, stream: bool = True
@@ -114,6 +122,7 @@ class Tito:
             whole = await session.engine.generate(prompt_ids, sampling)
             yield whole
         session.capture.add_sampled(whole.token_ids, whole.logprobs, whole.versions)
+        session.finish_reason = whole.finish_reason
 
     async def generate(self, session: Session, prompt_ids: list[int], **sampling) -> Generation:
         """The Env form: token ids in, sampled token ids (with logprobs and versions) out."""

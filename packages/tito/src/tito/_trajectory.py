@@ -37,6 +37,7 @@ class Capture:
         self.segments: list[Segment] = [Segment()]
         self._turn_start = -1  # where the last turn's prompt ended in the current segment
         self._turn_prompt: list[int] | None = None
+        self.replies: list[list[int]] = []  # each turn's sampled ids as appended; a retried turn's removed
 
     @property
     def tokens(self) -> list[int]:
@@ -55,6 +56,8 @@ class Capture:
             raise ValueError("a turn needs at least one prompt token")
         segment = self.segments[-1]
         if prompt_ids == self._turn_prompt:
+            if len(segment.token_ids) > self._turn_start:  # the retried turn got a reply
+                self.replies.pop()
             self._truncate(self._turn_start)
         elif prompt_ids[: len(segment.token_ids)] != segment.token_ids:
             self.segments.append(segment := Segment())
@@ -74,6 +77,7 @@ class Capture:
                 f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
             )
         segment = self.segments[-1]
+        self.replies.append(list(token_ids))
         segment.token_ids += token_ids
         segment.loss_mask += [1] * len(token_ids)
         segment.logprobs += logprobs

@@ -1,0 +1,45 @@
+"""Serve an ASGI app (tito's) with uvicorn on the caller's running event loop, on loopback.
+
+A program that embeds tito (molt's trainer) keeps its sessions on its own event loop and hands their
+URLs to agents in other processes; serving the app on that same loop avoids locks between two loops.
+The host program keeps Ctrl-C: uvicorn's own signal capture is switched off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import uvicorn
+
+__all__ = ["serve_on_loop"]
+
+
+class _QuietServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # the embedding program decides what Ctrl-C does
+        yield
+
+
+@contextlib.asynccontextmanager
+async def serve_on_loop(app, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """`async with serve_on_loop(app) as url:` serves `app` until the block ends. `port=0`: any free one.
+
+    The app's lifespan is not run: whoever made the app's resources (a `Tito`) closes them.
+    """
+    listening = socket.create_server((host, port))  # bound here: a taken port is an OSError, not an exit
+    server = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    serving = asyncio.create_task(server.serve(sockets=[listening]), name="tito-http")
+    while not server.started:
+        if serving.done():
+            serving.result()
+            raise RuntimeError(f"tito's HTTP server on {host}:{port} stopped before it started")
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://{host}:{listening.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving
+        listening.close()

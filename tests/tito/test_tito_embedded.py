@@ -1,0 +1,48 @@
+"""tito embedded in another program (as molt embeds it): served on the caller's event loop, with sampling
+parameters fixed by the host, over the fake engine (see fake_engine.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import openai
+import pytest
+
+from tito import create_app, serve_on_loop
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+async def test_served_on_the_callers_loop_to_a_real_sdk_client(fake_tito, fake_engine):
+    fake_tito.fixed_sampling = {"temperature": 0.7, "top_p": 0.9}
+    fake_tito.max_tokens_cap = 3
+    fake_engine.script = [[11, 12, 13, 14, 15]]
+    handler = signal.getsignal(signal.SIGINT)
+    async with serve_on_loop(create_app(fake_tito, api_key="k")) as url:
+        assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C stays the host program's
+        session = fake_tito.new_session()
+        client = openai.AsyncOpenAI(base_url=f"{url}/s/{session.id}/v1", api_key="k")
+        reply = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0.0, max_tokens=50
+        )
+        await client.close()
+    assert reply.choices[0].finish_reason == "length"  # capped at 3 tokens, not the 50 asked for
+    assert session.finish_reason == "length"
+    assert session.capture.replies == [[11, 12, 13]]
+    params = fake_engine.requests[-1]["sampling_params"]
+    assert (params["temperature"], params["top_p"], params["max_tokens"]) == (0.7, 0.9, 3)
+
+
+async def test_a_taken_port_is_an_error_not_an_exit(fake_tito):
+    async with serve_on_loop(create_app(fake_tito)) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with pytest.raises(OSError):
+            async with serve_on_loop(create_app(fake_tito), port=port):
+                pass
+        assert not [t for t in asyncio.all_tasks() if t.get_name() == "tito-http" and t.done()]
