@@ -12,7 +12,7 @@ from asyncpool import GroupPool, PoolExhausted, PoolStats
 
 def test_a_rollout_that_raises_is_retried(rollout):
     async def main():
-        pool = GroupPool(rollout, ["a"], group_size=2, depth=1, retries=2)
+        pool = GroupPool(rollout, ["a"], group_size=2, depth=1, retries=2, retry_delay=0)
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -31,7 +31,7 @@ def test_a_rollout_that_raises_is_retried(rollout):
 
 def test_a_rollout_that_keeps_raising_drops_its_group_and_is_logged_once(rollout, caplog):
     async def main():
-        pool = GroupPool(rollout, ["a", "b"], group_size=2, depth=1, retries=1)
+        pool = GroupPool(rollout, ["a", "b"], group_size=2, depth=1, retries=1, retry_delay=0)
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -48,9 +48,31 @@ def test_a_rollout_that_keeps_raising_drops_its_group_and_is_logged_once(rollout
 
     with caplog.at_level(logging.INFO, logger="asyncpool"):
         asyncio.run(main())
-    [error] = [record for record in caplog.records if record.levelno >= logging.ERROR]
-    assert "prompt 0" in error.getMessage()
-    assert error.exc_info is not None and "bad tool call" in error.exc_text
+    [traceback] = [record for record in caplog.records if record.exc_info]  # the first failure's
+    assert "bad tool call" in traceback.exc_text
+    [drop] = [record for record in caplog.records if "dropped" in record.getMessage()]
+    assert "prompt 0" in drop.getMessage() and drop.levelno == logging.WARNING  # a repeat: one line
+
+
+def test_an_instant_failure_backs_off_and_its_traceback_is_logged_once(caplog):
+    attempts: list[float] = []
+
+    async def broken(prompt, index):
+        attempts.append(asyncio.get_running_loop().time())
+        raise KeyError("no such tool")
+
+    async def main():
+        pool = GroupPool(broken, ["a", "b", "c"], group_size=2, depth=3, retries=2, retry_delay=0.05)
+        async with pool:
+            with pytest.raises(PoolExhausted):
+                await pool.take(1)
+        assert (pool.stats.failed, pool.stats.retried) == (3, 12)
+
+    with caplog.at_level(logging.DEBUG, logger="asyncpool"):
+        asyncio.run(main())
+    assert len(attempts) == 18  # 3 prompts x 2 samples x (1 + 2 retries), none more
+    assert attempts[-1] - attempts[0] >= 0.05 + 0.1  # the back-off doubles: 0.05 s, then 0.1 s
+    assert len([record for record in caplog.records if record.exc_info]) == 1
 
 
 def test_keep_that_raises_or_a_malformed_sample_fails_the_group(caplog):

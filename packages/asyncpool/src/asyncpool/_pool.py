@@ -105,14 +105,17 @@ class GroupPool[P, S: _Versioned]:
         max_lag: int = 1,
         keep: Callable[[Group[P, S]], bool] | None = None,
         retries: int = 2,
+        retry_delay: float = 0.1,
     ) -> None:
         for name, value, low in (("group_size", group_size, 1), ("depth", depth, 1)):
             if value < low:
                 raise ValueError(f"GroupPool needs {name} >= {low}, got {value}")
-        for name, value in (("max_lag", max_lag), ("retries", retries)):
+        for name, value in (("max_lag", max_lag), ("retries", retries), ("retry_delay", retry_delay)):
             if value < 0:
                 raise ValueError(f"GroupPool needs {name} >= 0, got {value}")
         self.group_size, self.depth, self.max_lag, self.retries = group_size, depth, max_lag, retries
+        self.retry_delay = retry_delay
+        self._logged_errors: set[tuple] = set()  # kinds of error whose traceback was logged already
         self._rollout, self._keep = rollout, keep
         self._source: Iterator[tuple[int, P]] = enumerate(prompts)
         self._source_done = False
@@ -264,10 +267,25 @@ class GroupPool[P, S: _Versioned]:
                 return _checked(await self._rollout(prompt, index))
             except Exception as err:
                 self._stats.retried += 1
-                logger.warning(
-                    "rollout %d of prompt %d raised on attempt %d: %r", index, prompt_index, attempt, err
-                )
+                what = f"rollout {index} of prompt {prompt_index} raised on attempt {attempt}"
+                self._log_failure(what, err, logging.WARNING, repeat_level=logging.DEBUG)
+                # Back off (doubling) so an agent that fails at once does not spin the loop and the log.
+                await asyncio.sleep(self.retry_delay * 2 ** (attempt - 1))
         return _checked(await self._rollout(prompt, index))  # the last attempt: its error fails the group
+
+    def _log_failure(self, what: str, err: BaseException, level: int, repeat_level: int) -> None:
+        """The first error of each kind (type and raising line) is logged with its traceback at `level`;
+        later ones of that kind in one line at `repeat_level`: `stats` counts them all."""
+        frame = err.__traceback__
+        while frame is not None and frame.tb_next is not None:
+            frame = frame.tb_next
+        where = (frame.tb_frame.f_code.co_filename, frame.tb_lineno) if frame is not None else None
+        kind = (type(err).__qualname__, where)
+        if kind in self._logged_errors:
+            logger.log(repeat_level, "%s: %r", what, err)
+            return
+        self._logged_errors.add(kind)
+        logger.log(level, "%s (errors of this kind are logged once): %r", what, err, exc_info=err)
 
     def _on_done(self, task: asyncio.Task[Group[P, S]]) -> None:
         index = self._running.pop(task)
@@ -275,7 +293,10 @@ class GroupPool[P, S: _Versioned]:
             return
         if (err := task.exception()) is not None:
             self._stats.failed += 1
-            logger.error("group of prompt %d dropped: a rollout failed every attempt", index, exc_info=err)
+            while isinstance(err, BaseExceptionGroup):  # the group's TaskGroup wraps the sample's error
+                err = err.exceptions[0]
+            what = f"group of prompt {index} dropped: a rollout failed every attempt"
+            self._log_failure(what, err, logging.ERROR, repeat_level=logging.WARNING)
         else:
             self._settle(task.result())
         self._fill()
