@@ -2,14 +2,22 @@
 
 The engine returns, per request, the experts each token was routed to (vLLM: base64 `.npy`, shape
 `(num_tokens - 1, num_layers, top_k)`; the last token was never forwarded). `decode_routed_experts`
-turns that into a tensor aligned with the token trace. `RoutingReplay` then makes a transformers MoE
-model use exactly those experts: a forward hook on each top-k router swaps in the recorded indices and
-recomputes their weights from the router's own current logits (softmax, gather, renormalise when the
-router normalises), so gradients still reach the router. Rows marked -1 keep the router's own choice.
+turns that into a tensor aligned with the token trace. `RoutingReplay` then makes an MoE model use
+exactly those experts while the expert weights are recomputed from the router's own current scores,
+so gradients still reach the router. Rows marked -1 keep the router's own choice. Two kinds of router:
+
+- transformers' `*TopKRouter` modules returning `(logits, scores, indices)` (Qwen3-MoE and relatives):
+  a forward hook swaps in the recorded indices and redoes the router's arithmetic on them (softmax,
+  gather, renormalise when the router normalises).
+- NeMo AutoModel's `Gate` (every AutoModel MoE model: DeepSeek-V3, Qwen3-MoE, GLM-4-MoE, ...): the gate
+  itself passes its fresh top-k indices through `self.router_replay.apply(indices)` and gathers its
+  weights from whatever comes back (`nemo_automodel.components.moe.router_replay`). We put a handle of
+  our own in that slot for the duration of a block, so replay works whether or not the model was built
+  with `MoEConfig.enable_routing_replay`, and AutoModel's process-global `RouterReplay` registry (one
+  list for every model built in the process, in construction order) is neither used nor disturbed.
 
 Shapes: `N` tokens as the routers see them (batch × sequence, flattened), `L` MoE layers, `K` top-k,
-`T` tokens of one trace. Supported routers: transformers' `*TopKRouter` modules returning
-`(logits, scores, indices)` (Qwen3-MoE and its relatives). Anything else is refused at construction.
+`T` tokens of one trace. A model with neither kind of router is refused at construction.
 """
 
 from __future__ import annotations
@@ -54,35 +62,54 @@ def decode_routed_experts(
     return experts_TLK
 
 
-def _is_topk_router(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k")
+def _router_kind(module: torch.nn.Module) -> str | None:
+    if type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k"):
+        return "transformers"
+    if hasattr(module, "router_replay") and hasattr(module, "topk"):  # AutoModel's Gate and its subclasses
+        return "automodel"
+    return None
+
+
+class _Tap:
+    """One router's hook into its own top-k choice: record it (`want_NK` None) or replace it."""
+
+    def __init__(self, want_NK: torch.Tensor | None = None) -> None:
+        self.want_NK = want_NK
+        self.seen: list[torch.Tensor] = []
+
+    def apply(self, indices_NK: torch.Tensor) -> torch.Tensor:
+        """The indices the router goes on with (AutoModel's Gate calls this by this name)."""
+        if self.want_NK is None:
+            self.seen.append(indices_NK.detach())
+            return indices_NK
+        if self.want_NK.shape != indices_NK.shape:
+            raise ValueError(
+                f"replay covers {tuple(self.want_NK.shape)} tokens×top_k, the router sees "
+                f"{tuple(indices_NK.shape)}: align the recorded experts with the batch "
+                "(same tokens, same order)"
+            )
+        want_NK = self.want_NK.to(indices_NK.device)
+        return torch.where((want_NK < 0).any(-1, keepdim=True), indices_NK, want_NK)
 
 
 class RoutingReplay:
-    """Record or replay the experts of every top-k router of `model` (in module order = layer order)."""
+    """Record or replay the experts of every router of `model` (in module order = layer order)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for m in model.modules() if _is_topk_router(m)]
+        self.routers = [m for m in model.modules() if _router_kind(m)]
         if not self.routers:
-            raise ValueError(f"{type(model).__name__} has no transformers *TopKRouter module to replay")
+            raise ValueError(
+                f"{type(model).__name__} has no router to replay (transformers *TopKRouter or AutoModel Gate)"
+            )
         self.recorded: torch.Tensor | None = None  # experts_NLK of the last `record()`
 
     @contextmanager
     def record(self) -> Iterator[RoutingReplay]:
         """Within the block, every forward's expert choices are appended to `self.recorded`."""
-        calls: list[list[torch.Tensor]] = [[] for _ in self.routers]
-        hooks = [
-            router.register_forward_hook(
-                lambda _m, _a, out, layer=layer: calls[layer].append(out[2].detach())
-            )
-            for layer, router in enumerate(self.routers)
-        ]
-        try:
+        taps = [_Tap() for _ in self.routers]
+        with self._tapped(taps):
             yield self
-        finally:
-            for hook in hooks:
-                hook.remove()
-        per_layer = [torch.cat(c) for c in calls] if calls[0] else []
+        per_layer = [torch.cat(tap.seen) for tap in taps] if taps[0].seen else []
         self.recorded = torch.stack(per_layer, dim=1) if per_layer else None
 
     @contextmanager
@@ -93,28 +120,36 @@ class RoutingReplay:
             raise ValueError(
                 f"replay has {experts_NLK.shape[1]} layers, the model has {len(self.routers)} routers"
             )
-        hooks = [
-            router.register_forward_hook(lambda m, _a, out, layer=layer: _swap(m, out, experts_NLK[:, layer]))
-            for layer, router in enumerate(self.routers)
-        ]
-        try:
+        with self._tapped([_Tap(experts_NLK[:, layer]) for layer in range(len(self.routers))]):
             yield self
+
+    @contextmanager
+    def _tapped(self, taps: list[_Tap]) -> Iterator[None]:
+        undo = []
+        for router, tap in zip(self.routers, taps, strict=True):
+            if _router_kind(router) == "automodel":
+                undo.append(
+                    lambda router=router, old=router.router_replay: setattr(router, "router_replay", old)
+                )
+                router.router_replay = tap
+            else:
+                hook = router.register_forward_hook(lambda m, _a, out, tap=tap: _swap(m, out, tap))
+                undo.append(hook.remove)
+        try:
+            yield
         finally:
-            for hook in hooks:
-                hook.remove()
+            for fn in undo:
+                fn()
 
 
-def _swap(router: torch.nn.Module, output: tuple, want_NK: torch.Tensor) -> tuple:
+def _swap(router: torch.nn.Module, output: tuple, tap: _Tap) -> tuple | None:
+    """Forward hook of a transformers router: its output with the tap's indices (None: unchanged)."""
     logits_NE, scores_NK, indices_NK = output
-    if want_NK.shape != indices_NK.shape:
-        raise ValueError(
-            f"replay covers {tuple(want_NK.shape)} tokens×top_k, the router sees {tuple(indices_NK.shape)}: "
-            "align the recorded experts with the batch (same tokens, same order)"
-        )
-    want_NK = want_NK.to(indices_NK.device)
-    indices_NK = torch.where((want_NK < 0).any(-1, keepdim=True), indices_NK, want_NK)
+    chosen_NK = tap.apply(indices_NK)
+    if chosen_NK is indices_NK:
+        return None
     # Same arithmetic as the router's forward, on the chosen experts (weights keep their gradient).
-    top_NK = torch.softmax(logits_NE, dim=-1, dtype=torch.float).gather(-1, indices_NK)
+    top_NK = torch.softmax(logits_NE, dim=-1, dtype=torch.float).gather(-1, chosen_NK)
     if getattr(router, "norm_topk_prob", False):
         top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
-    return logits_NE, top_NK.to(scores_NK.dtype), indices_NK
+    return logits_NE, top_NK.to(scores_NK.dtype), chosen_NK
