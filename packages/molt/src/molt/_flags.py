@@ -54,7 +54,7 @@ def _field_docs() -> dict[tuple[str, str], str]:
                 and isinstance(after.value, ast.Constant)
                 and isinstance(after.value.value, str)
             ):
-                docs[node.name, stmt.target.id] = after.value.value.strip()
+                docs[node.name, stmt.target.id] = " ".join(after.value.value.split())  # one line
     return docs
 
 

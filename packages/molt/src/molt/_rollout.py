@@ -1,9 +1,11 @@
 """One rollout: run an agent on one dataset row and return its token-exact trajectory with a reward.
 
 An `Env` episode calls tito in process with prompt token ids (the template rendered here, once, with
-the same continuation rule as tito's chat routes), so its tokens are captured exactly as a chat agent's
-would be. The trajectory is tito's capture; the reward is the agent's. A rollout that raises, times
-out or returns a non-finite reward raises here: the pool retries it, then drops its group and counts it.
+the same renderer and continuation rule as tito's chat routes); a `ChatAgent` episode gets a tito
+session's URLs and talks to it over HTTP with its own SDK. Either way the trajectory is tito's capture
+(several segments if the agent compacted its context) and the reward is the agent's: one rollout, one
+reward. A rollout that raises, times out or returns a non-finite reward raises here, counted by kind in
+`failures`: the pool retries it (a lost rollout, not a lost run), then drops its group and counts it.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from molt.agent import ChatAgent, Result
+from molt.agent import ChatAgent, Context, Result
 from molt.config import Config
-from tito import ChatRenderer, Segment, Tito
+from tito import ChatRenderer, EngineUnavailable, Segment, Tito
 
-__all__ = ["Rollout", "RolloutRunner"]
+__all__ = ["Rollout", "RolloutRunner", "check_agent"]
 
 
 @dataclass
@@ -44,44 +46,83 @@ def _as_messages(observation) -> list[dict]:
     return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
 
 
-class RolloutRunner:
-    """The pool's rollout callable: `await runner(row, index) -> Rollout`."""
+def check_agent(config: Config, agent_module) -> None:
+    """Refuse, before anything starts, an agent form the data settings cannot serve."""
+    if issubclass(agent_module.AgentRunner, ChatAgent) and not config.data.apply_chat_template:
+        raise ValueError(
+            f"--agent.module {config.agent.module} is a ChatAgent: it sends chat messages, which tito "
+            "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
+            "text) serves only Env agents"
+        )
 
-    def __init__(self, tito: Tito, agent_module, config: Config, runners: list) -> None:
-        if issubclass(agent_module.AgentRunner, ChatAgent):
-            raise ValueError(
-                f"--agent.module {config.agent.module}: ChatAgent runners are not served by the training "
-                "loop yet; write the agent as a molt.Env"
-            )
+
+class RolloutRunner:
+    """The pool's rollout callable: `await runner(row, index) -> Rollout`.
+
+    `hosts`: where the agents run (`molt._runners`). `chat_url`, `api_key`: tito's HTTP address for
+    ChatAgent episodes (tito served on this event loop); not needed for an Env.
+    """
+
+    def __init__(
+        self, tito: Tito, config: Config, hosts: list, *, chat_url: str = "", api_key: str = ""
+    ) -> None:
         self.tito = tito
         self.config = config
-        self.runners = itertools.cycle(runners)  # Ray actors hosting the Env episodes (molt._runners)
+        self.hosts = itertools.cycle(hosts)
+        self.chat_url, self.api_key = chat_url, api_key
         self.renderer = ChatRenderer(tito.tokenizer)
         self.sampling = {
             "max_tokens": config.rollout.max_new_tokens,
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
         }
+        self.failures = {"raised": 0, "timed_out": 0, "nonfinite_reward": 0}  # logged as agent/<kind>
 
     async def __call__(self, row: dict, index: int) -> Rollout:
-        async with asyncio.timeout(self.config.agent.timeout):
-            rollout = await self._env_episode(next(self.runners), row)
+        episode = self._chat_episode if self.chat_url else self._env_episode
+        try:
+            async with asyncio.timeout(self.config.agent.timeout):
+                rollout = await episode(next(self.hosts), row)
+        except TimeoutError:
+            self.failures["timed_out"] += 1
+            raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
+        except EngineUnavailable:
+            raise
+        except Exception:
+            self.failures["raised"] += 1
+            raise
         if not math.isfinite(rollout.reward):
+            self.failures["nonfinite_reward"] += 1
             raise ValueError(f"the agent returned a non-finite reward ({rollout.reward})")
         if not rollout.sampled:
-            raise ValueError("the rollout sampled no token")
+            raise ValueError("the rollout sampled no token: the agent made no request to the model")
         return rollout
 
-    async def _env_episode(self, runner, row: dict) -> Rollout:
+    async def _chat_episode(self, host, row: dict) -> Rollout:
+        """A ChatAgent episode: the agent's SDK talks to this session's URLs; tito captures every turn."""
+        session = self.tito.new_session()
+        url = f"{self.chat_url}/s/{session.id}"
+        ctx = Context(base_url=f"{url}/v1", session_url=url, model=self.tito.model_name, api_key=self.api_key)
+        try:
+            result: Result = await host.run(ctx, row)
+        finally:
+            replies = session.capture.replies
+            trajectory = self.tito.end_session(session.id)
+        sampled = [token for reply in replies for token in reply]
+        truncated = session.finish_reason == "length"
+        return Rollout(trajectory.segments, float(result.reward), sampled, truncated, dict(result.info))
+
+    async def _env_episode(self, host, row: dict) -> Rollout:
         session = self.tito.new_session()
         tokenizer = self.tito.tokenizer
+        tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
         reward, sampled, info, truncated = 0.0, [], {}, False
         try:
-            observation = await runner.reset.remote(session.id, row)
+            observation = await host.reset(session.id, row)
             messages: list[dict] = []
             for _ in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
-                prompt_ids = self._prompt_ids(session, messages, observation)
+                prompt_ids = self._prompt_ids(session, messages, tools, observation)
                 generation = await self.tito.generate(session, prompt_ids, **self.sampling)
                 sampled += generation.token_ids
                 truncated = generation.finish_reason == "length"
@@ -90,9 +131,9 @@ class RolloutRunner:
                     "content": tokenizer.decode(generation.token_ids, skip_special_tokens=True),
                 }
                 closing = self.renderer.closing_ids(generation.token_ids)
-                session.chat.record(messages, None, prompt_ids, reply, closing)
+                session.chat.record(messages, tools, prompt_ids, reply, closing)
                 messages.append(reply)
-                result: Result = await runner.step.remote(session.id, reply["content"])
+                result: Result = await host.step(session.id, reply["content"])
                 reward += result.reward
                 info.update(result.info)
                 observation = result.observation
@@ -100,14 +141,14 @@ class RolloutRunner:
                     break
         finally:
             trajectory = self.tito.end_session(session.id)
-            runner.close.remote(session.id)
+            await host.close(session.id)
         return Rollout(trajectory.segments, reward, sampled, truncated, info)
 
-    def _prompt_ids(self, session, messages: list[dict], observation) -> list[int]:
+    def _prompt_ids(self, session, messages: list[dict], tools, observation) -> list[int]:
         """The chat template is applied exactly once: here by default, or already in the data
         (`--data.apply_chat_template false`: the observation is rendered text, tokenized as it is)."""
         if self.config.data.apply_chat_template:
-            return session.chat.prompt_ids(self.renderer, session.capture.tokens, messages, None)
+            return session.chat.prompt_ids(self.renderer, session.capture.tokens, messages, tools)
         if not isinstance(observation, str):
             raise ValueError("with --data.apply_chat_template false an Env observation must be rendered text")
         closing = session.chat.closing if session.capture.tokens else []

@@ -1,50 +1,86 @@
-"""Agent runners placed by Ray: actors that host the user's `Env` episodes.
+"""Agent hosts placed by Ray: actors that run the user's agents, away from the trainer's event loop.
 
-The framework's side of an Env episode (rendering, sampling through tito, capture) stays on the
-trainer's event loop; the user's side (`reset`, `step`: scoring, tools, sandboxes) runs in these actors,
-so a slow or heavy environment never blocks generation, and runners can live on other machines. One
-actor hosts many episodes at once (an async actor; plain methods run in its threads).
+For an `Env`, the framework's side of an episode (rendering, sampling through tito, capture) stays on
+the trainer's event loop and the user's side (`reset`, `step`: scoring, tools, sandboxes) runs here. A
+`ChatAgent` runs here whole and talks to tito over HTTP like any SDK program. Either way a slow or heavy
+agent never blocks generation, and hosts can live on other machines. One actor hosts many episodes at
+once (an async actor; plain methods run in its threads).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
-from molt.agent import Result, load_agent
+from molt.agent import Context, Result, load_agent
 
-__all__ = ["EnvRunner", "launch_runners"]
+__all__ = ["AgentHost", "RemoteHost", "launch_hosts"]
 
-
-async def call_user(method, *args):
-    """Call a user method that may be plain or async; plain ones run in a thread (they may block)."""
-    if inspect.iscoroutinefunction(method):
-        return await method(*args)
-    return await asyncio.to_thread(method, *args)
+MAX_AGENT_THREADS = 256  # plain (blocking) agents running at once in one host
 
 
-class EnvRunner:
+class AgentHost:
     """Episodes of the agent module's `AgentRunner` (a fresh instance each), keyed by episode id."""
 
     def __init__(self, agent_module: str) -> None:
         self.runner_class = load_agent(agent_module).AgentRunner
         self.episodes: dict[str, object] = {}
+        # asyncio's default pool has cpu_count + 4 threads: too few for blocking SDK agents.
+        self.threads = ThreadPoolExecutor(MAX_AGENT_THREADS, thread_name_prefix="agent")
 
     async def reset(self, episode: str, row: dict):
         env = self.episodes[episode] = self.runner_class()
-        return await call_user(env.reset, row)
+        return await self._call_user(env.reset, row)
 
     async def step(self, episode: str, action: str) -> Result:
-        return await call_user(self.episodes[episode].step, action)
+        return await self._call_user(self.episodes[episode].step, action)
 
     async def close(self, episode: str) -> None:
         self.episodes.pop(episode, None)
 
+    async def run(self, ctx: Context, row: dict) -> Result:
+        """A whole ChatAgent episode."""
+        return await self._call_user(self.runner_class().run, ctx, row)
 
-def launch_runners(agent_module: str, num_runners: int) -> list:
-    remote = ray.remote(num_cpus=0)(EnvRunner)
-    runners = [remote.remote(agent_module) for _ in range(num_runners)]
-    ray.get([runner.__ray_ready__.remote() for runner in runners])  # a broken agent module fails here
-    return runners
+    async def _call_user(self, method, *args):
+        """Call a user method that may be plain or async; plain ones run in a thread (they may block)."""
+        if inspect.iscoroutinefunction(method):
+            return await method(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.threads, method, *args)
+
+
+class RemoteHost:
+    """An `AgentHost` Ray actor, awaited like a local one. A cancelled call cancels the remote task."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    async def reset(self, episode: str, row: dict):
+        return await self._call(self.actor.reset.remote(episode, row))
+
+    async def step(self, episode: str, action: str) -> Result:
+        return await self._call(self.actor.step.remote(episode, action))
+
+    async def close(self, episode: str) -> None:
+        await self._call(self.actor.close.remote(episode))
+
+    async def run(self, ctx: Context, row: dict) -> Result:
+        return await self._call(self.actor.run.remote(ctx, row))
+
+    @staticmethod
+    async def _call(ref):
+        try:
+            return await ref
+        except asyncio.CancelledError:  # a timeout or the pool closing: stop the agent's work too
+            ray.cancel(ref)
+            raise
+
+
+def launch_hosts(agent_module: str, num_hosts: int) -> list[RemoteHost]:
+    remote = ray.remote(num_cpus=0)(AgentHost)
+    actors = [remote.remote(agent_module) for _ in range(num_hosts)]
+    ray.get([actor.__ray_ready__.remote() for actor in actors])  # a broken agent module fails here
+    return [RemoteHost(actor) for actor in actors]

@@ -44,7 +44,11 @@ class Result:
 
 @dataclass(frozen=True)
 class Context:
-    """Where a ChatAgent's SDK client points: one tito session, captured token by token."""
+    """Where a ChatAgent's SDK client points: one tito session, captured token by token.
+
+    The run's `--rollout.temperature` and `--rollout.top_p` apply to every request whatever the agent
+    asks (the trainer's logprobs assume them), and `--rollout.max_new_tokens` caps each reply.
+    """
 
     base_url: str  # OpenAI SDK: OpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
     session_url: str  # Anthropic SDK: Anthropic(base_url=ctx.session_url, api_key=ctx.api_key)
@@ -77,6 +81,8 @@ def load_agent(module: str):
         path = Path(module)
         if not path.is_file():
             raise ValueError(f"--agent.module {module!r}: no such file")
+        if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as for a script
+            sys.path.insert(0, str(path.resolve().parent))
         spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
         loaded = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = loaded

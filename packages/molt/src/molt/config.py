@@ -61,7 +61,8 @@ class Data(_Group):
     path: str = ""
     """JSONL file, one row of chat messages plus task fields per line; empty = the agent's generated rows."""
     apply_chat_template: bool = True
-    """true: molt renders each row's messages with the chat template once; false: the agent (or tito) does."""
+    """true: rows hold chat messages (and optional tools), rendered once at generation (Env: by molt,
+    ChatAgent: by tito, the same renderer); false: rows hold text already rendered (Env agents only)."""
     messages_key: str = "messages"
     """Key of the chat-message list in each dataset row."""
     seed: int = 0
@@ -74,7 +75,7 @@ class Agent(_Group):
     module: str = "molt.recipes.copy_word"
     """File path or importable module name that exports AgentRunner."""
     timeout: float = 60.0
-    """Seconds one agent run may take before it counts as failed."""
+    """Seconds one rollout may take; past it the rollout is lost (counted in agent/timed_out) and retried."""
     max_turns: int = 1
     """Most LLM turns per episode of an Env agent."""
     num_runners: int = 1

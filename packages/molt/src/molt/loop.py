@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import random
+import secrets
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +25,12 @@ from molt._actor import PolicyGroup
 from molt._batch import TrainBatch, collate
 from molt._engines import launch_engines, stop_engines, wait_for_engines
 from molt._log import RunLog, progress
-from molt._rollout import Rollout, RolloutRunner
-from molt._runners import launch_runners
-from molt.agent import load_agent
+from molt._rollout import Rollout, RolloutRunner, check_agent
+from molt._runners import launch_hosts
+from molt.agent import ChatAgent, load_agent
 from molt.config import Config
 from rlestimators import ESTIMATORS, dynamic_filter, rollout_correction
-from tito import Tito
+from tito import Tito, create_app, serve_on_loop
 
 __all__ = ["REQUIRED_METRICS", "run_steps", "train"]
 
@@ -43,7 +44,9 @@ REQUIRED_METRICS = frozenset({
 })  # fmt: skip
 
 
-async def run_steps(config: Config, policy: PolicyGroup, tito: Tito, pool: GroupPool, log: RunLog) -> None:
+async def run_steps(
+    config: Config, policy: PolicyGroup, tito: Tito, pool: GroupPool, runner: RolloutRunner, log: RunLog
+) -> None:
     """The algorithm: take groups, recompute logprobs, advantages, correction, loss and step, refit, log."""
     estimator = ESTIMATORS[config.algo.advantage.estimator]
     engine_urls = [engine.url for engine in tito.router.engines]
@@ -58,12 +61,7 @@ async def run_steps(config: Config, policy: PolicyGroup, tito: Tito, pool: Group
         rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids_R = torch.arange(len(groups)).repeat_interleave(config.rollout.group_size)
         advantages_R = estimator(rewards_R, group_ids_R)  # --algo.advantage.estimator
-        sequences = [  # one row per segment; a rollout's segments share its advantage
-            (s.token_ids, s.loss_mask, s.logprobs, adv)
-            for r, adv in zip(rollouts, advantages_R.tolist(), strict=True)
-            for s in r.segments
-        ]
-        batch = collate(sequences, pad_id=pad_id)
+        batch = collate(segment_rows(rollouts, advantages_R), pad_id=pad_id)
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
 
         train_started = time.monotonic()
@@ -93,6 +91,7 @@ async def run_steps(config: Config, policy: PolicyGroup, tito: Tito, pool: Group
             "train/advantage_abs_mean": advantages_R.abs().mean().item(),
             "train/zero_advantage_frac": (advantages_R == 0).float().mean().item(),
             **{f"pool/{k}": float(v) for k, v in pool.stats.metrics("").items()},
+            **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
             "timing/generation": generation_s,
             "timing/policy_train": train_s,
             "timing/broadcast": broadcast_s,
@@ -101,13 +100,33 @@ async def run_steps(config: Config, policy: PolicyGroup, tito: Tito, pool: Group
 
 
 async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
-    """`pool.take`, but a run whose every engine has stopped answering fails instead of waiting forever."""
+    """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering
+    or when group after group fails (an agent that always raises)."""
+    failed_before = pool.stats.failed
     taking = asyncio.ensure_future(pool.take(num_groups))
-    while not (await asyncio.wait({taking}, timeout=5.0))[0]:
+    while not (await asyncio.wait({taking}, timeout=1.0))[0]:
+        problem = None
         if not any(engine.alive for engine in tito.router.engines):
+            problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
+        elif (failed := pool.stats.failed - failed_before) >= max(8, 2 * num_groups):
+            problem = (
+                f"{failed} groups failed every attempt while waiting for {num_groups}: the agent keeps "
+                "failing (its first traceback is logged above)"
+            )
+        if problem:
             taking.cancel()
-            raise RuntimeError("no vLLM engine is answering; stopping (see engine-*.log in the run dir)")
+            raise RuntimeError(f"{problem}; stopping")
     return taking.result()
+
+
+def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tuple]:
+    """Training rows: one per segment (a compacted episode has several); a rollout's segments share its
+    advantage, so a rollout counts once in its group's baseline whatever its number of segments."""
+    return [
+        (s.token_ids, s.loss_mask, s.logprobs, advantage)
+        for rollout, advantage in zip(rollouts, advantages_R.tolist(), strict=True)
+        for s in rollout.segments
+    ]
 
 
 def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
@@ -202,6 +221,7 @@ def train(config: Config) -> None:
     random.seed(config.train.seed)
     with contextlib.ExitStack() as cleanup:
         agent_module = load_agent(config.agent.module)
+        check_agent(config, agent_module)
         rows = read_rows(config, agent_module)
         model_dir = _model_dir(config, run_dir)
         progress("starting Ray")
@@ -214,29 +234,34 @@ def train(config: Config) -> None:
         cleanup.callback(stop_engines, engines)
         policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
         cleanup.callback(policy.shutdown)
-        runners = launch_runners(config.agent.module, config.agent.num_runners)
+        hosts = launch_hosts(config.agent.module, config.agent.num_runners)
         urls = wait_for_engines(engines)
         progress(f"engines ready at {', '.join(urls)}; training {config.train.num_steps} steps")
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)
-        asyncio.run(_serve_and_run(config, policy, urls, model_dir, agent_module, runners, rows, log))
+        chat = issubclass(agent_module.AgentRunner, ChatAgent)
+        asyncio.run(_serve_and_run(config, policy, urls, model_dir, hosts, rows, log, chat=chat))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
-async def _serve_and_run(config, policy, engine_urls, model_dir, agent_module, runners, rows, log) -> None:
-    tito = Tito(engine_urls, model_dir)
+async def _serve_and_run(config, policy, engine_urls, model_dir, hosts, rows, log, *, chat: bool) -> None:
+    """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps`."""
+    rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
+    fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
+    tito = Tito(engine_urls, model_dir, served_model_name="policy", fixed_sampling=fixed)
+    api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
-        runner = RolloutRunner(tito, agent_module, config, runners)
-        keep = _keep_varied if config.algo.dynamic_filter else None
-        pool = GroupPool(runner, rows, group_size=config.rollout.group_size, depth=config.rollout.queue_depth,
-                         max_lag=config.rollout.max_lag, keep=keep)  # fmt: skip
-        async with pool:
-            try:
-                await run_steps(config, policy, tito, pool, log)
-            except PoolExhausted as end:
-                if end.__cause__ is not None:  # the dataset itself failed
-                    raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
-                progress("the dataset is used up; stopping early")
+        async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
+            runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
+            keep = _keep_varied if config.algo.dynamic_filter else None
+            pool = GroupPool(runner, rows, group_size=rollout.group_size, depth=rollout.queue_depth,
+                             max_lag=rollout.max_lag, keep=keep, retry_delay=0.5)  # fmt: skip
+            async with pool:
+                await run_steps(config, policy, tito, pool, runner, log)
+    except PoolExhausted as end:
+        if end.__cause__ is not None:  # the dataset itself failed
+            raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
+        progress("the dataset is used up; stopping early")
     finally:
         await tito.aclose()
 

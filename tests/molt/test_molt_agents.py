@@ -1,0 +1,158 @@
+"""Both agent forms on the real vLLM CPU server: one data path, compaction, and agent failures.
+
+The agents run in local `AgentHost`s (the Ray actor class, called in process) and tito serves on the
+test's event loop, as in `molt train`; the Ray placement itself is covered by the end-to-end runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+from asyncpool import GroupPool
+from molt._batch import collate
+from molt._rollout import RolloutRunner, check_agent
+from molt._runners import AgentHost
+from molt.agent import load_agent
+from molt.config import Agent, Config, Data, Rollout
+from molt.loop import check_token_identity, segment_rows
+from tito import Tito, create_app, serve_on_loop
+
+EXAMPLES = Path(__file__).parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the examples' shared rows (arithmetic.py), as `load_agent` does
+
+
+def config(**agent) -> Config:
+    return msgspec.structs.replace(
+        Config(),
+        agent=msgspec.structs.replace(Agent(), **agent),
+        rollout=msgspec.structs.replace(Rollout(), max_new_tokens=12, temperature=1.0),
+    )
+
+
+async def episodes(engine_url, model_dir, module: str, rows: list[dict], cfg: Config, *, chat: bool):
+    """Run one rollout per row through `RolloutRunner`, as the pool would; errors are returned."""
+    fixed = {"temperature": 1.0, "top_p": 1.0, "max_tokens": cfg.rollout.max_new_tokens}
+    tito = Tito([engine_url], model_dir, served_model_name="policy", fixed_sampling=fixed)
+    async with serve_on_loop(create_app(tito, api_key="key")) as url:
+        runner = RolloutRunner(tito, cfg, [AgentHost(module)], chat_url=url if chat else "", api_key="key")
+        results = await asyncio.gather(*(runner(row, 0) for row in rows), return_exceptions=True)
+    await tito.aclose()
+    return results, runner
+
+
+def prompt_of(rollout) -> list[int]:
+    first = rollout.segments[0]
+    return first.token_ids[: first.loss_mask.index(1)]
+
+
+def test_both_forms_give_the_engine_identical_prompt_tokens(tiny_model_dir, vllm_server):
+    from arithmetic import SYSTEM, dataset
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [next(dataset(seed)) for seed in range(3)]  # system turn + question + tools
+    cfg = config(max_turns=1)
+    env, _ = asyncio.run(episodes(vllm_server.url, tiny_model_dir, str(EXAMPLES / "calculator_env.py"), rows,
+                                  cfg, chat=False))  # fmt: skip
+    sdk, _ = asyncio.run(episodes(vllm_server.url, tiny_model_dir, str(EXAMPLES / "openai_agent.py"), rows,
+                                  cfg, chat=True))  # fmt: skip
+    for row, env_rollout, sdk_rollout in zip(rows, env, sdk, strict=True):
+        assert prompt_of(env_rollout) == prompt_of(sdk_rollout)
+        text = tokenizer.decode(prompt_of(env_rollout))
+        assert SYSTEM in text and '"name": "calculator"' in text and row["messages"][1]["content"] in text
+
+
+def test_a_chat_agent_needs_the_template_applied_by_molt():
+    agent = load_agent(str(EXAMPLES / "openai_agent.py"))
+    cfg = msgspec.structs.replace(config(), data=Data(apply_chat_template=False))
+    with pytest.raises(ValueError, match="ChatAgent.*apply_chat_template false"):
+        check_agent(cfg, agent)
+    check_agent(cfg, load_agent(str(EXAMPLES / "math_env.py")))  # an Env may take rendered rows
+
+
+def test_a_compacting_agent_trains_as_one_rollout_with_several_segments(tiny_model_dir, vllm_server):
+    from compacting_agent import dataset
+
+    rows = [next(dataset(0)), next(dataset(1))]
+    (first, second), _ = asyncio.run(episodes(vllm_server.url, tiny_model_dir,
+                                              str(EXAMPLES / "compacting_agent.py"), rows, config(),
+                                              chat=True))  # fmt: skip
+    assert len(first.segments) == 3  # every compaction rewrote the prefix: a new segment per turn
+    trained = [t for s in first.segments for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
+    assert first.sampled == trained
+    advantages_R = torch.tensor([0.5, -0.5])
+    rows_out = segment_rows([first, second], advantages_R)
+    assert len(rows_out) == len(first.segments) + len(second.segments)
+    assert [advantage for *_, advantage in rows_out] == [0.5] * 3 + [-0.5] * len(second.segments)
+    check_token_identity(collate(rows_out, pad_id=0), [first, second])
+
+
+AGENTS = """
+import asyncio, itertools
+from molt import ChatAgent, Env, Result
+calls = itertools.count()
+
+class Raises(Env):
+    def step(self, action):
+        raise RuntimeError("the sandbox crashed")
+
+class Hangs(Env):
+    async def step(self, action):
+        await asyncio.sleep(60)
+
+class NotFinite(Env):
+    def step(self, action):
+        return Result(reward=float("nan"))
+
+class Flaky(Env):  # the first two episodes raise
+    def step(self, action):
+        if next(calls) < 2:
+            raise ConnectionError("the tool server hiccuped")
+        return Result(reward=1.0)
+
+AgentRunner = {kind}
+"""
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "counted"),
+    [
+        pytest.param("Raises", "the sandbox crashed", "raised", id="raises"),
+        pytest.param("Hangs", "ran past --agent.timeout", "timed_out", id="hangs"),
+        pytest.param("NotFinite", "non-finite reward", "nonfinite_reward", id="non-finite"),
+    ],
+)
+def test_a_failing_agent_loses_its_rollout_and_is_counted(tiny_model_dir, vllm_server, tmp_path, kind,
+                                                          error, counted):  # fmt: skip
+    module = tmp_path / "agent.py"
+    module.write_text(AGENTS.format(kind=kind))
+    row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
+    (result,), runner = asyncio.run(episodes(vllm_server.url, tiny_model_dir, str(module), [row],
+                                             config(timeout=1.0), chat=False))  # fmt: skip
+    assert isinstance(result, Exception) and error in str(result)
+    assert runner.failures[counted] == 1 and sum(runner.failures.values()) == 1
+
+
+def test_the_pool_retries_a_lost_rollout_and_the_run_goes_on(tiny_model_dir, vllm_server, tmp_path):
+    module = tmp_path / "agent.py"
+    module.write_text(AGENTS.format(kind="Flaky"))
+    rows = iter([{"messages": [{"role": "user", "content": f"copy the word: {w}"}]} for w in ("fox", "cat")])
+
+    async def main():
+        tito = Tito([vllm_server.url], tiny_model_dir, fixed_sampling={"max_tokens": 4})
+        runner = RolloutRunner(tito, config(), [AgentHost(str(module))])
+        async with GroupPool(runner, rows, group_size=2, depth=2, retry_delay=0.01) as pool:
+            groups = await pool.take(2)
+        await tito.aclose()
+        return groups, pool.stats, runner.failures
+
+    groups, stats, failures = asyncio.run(main())
+    assert [len(group.samples) for group in groups] == [2, 2]  # whole groups, every reward from a success
+    assert all(sample.reward == 1.0 for group in groups for sample in group.samples)
+    assert stats.retried == failures["raised"] == 2 and stats.failed == 0
