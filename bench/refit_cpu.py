@@ -85,7 +85,7 @@ def main() -> None:
             worker = engine.worker_timings()[0]
             seconds = dict(stats.seconds, engine_recv=worker["recv_s"], engine_load=worker["load_s"])
             seconds["total"] = sum(
-                v for k, v in stats.seconds.items() if k not in ("check", "connect", "gather_pack")
+                v for k, v in stats.seconds.items() if k not in ("check", "connect", "gather_pack", "send")
             )
             for name, value in seconds.items():
                 rows.setdefault(name, []).append(value)
@@ -98,7 +98,8 @@ def main() -> None:
     print(f"{'phase':<28} {'seconds':>9}")
     labels = {
         "check": "check names/shapes (HTTP)", "pause": "pause (mode=keep)", "start": "start (init reload)",
-        "transfer": "transfer (trainer wall)", "gather_pack": "  trainer: gather + pack",
+        "transfer": "transfer (trainer wall)", "send": "  trainer: gather+pack+bcast",
+        "gather_pack": "    of which gather + pack",
         "engine_recv": "  engine: receiving", "engine_load": "  engine: load_weights",
         "finish": "finish (finalize reload)", "reset_prefix_cache": "reset prefix cache", "resume": "resume",
         "total": "total (pause..resume)",
@@ -106,6 +107,8 @@ def main() -> None:
     for key, label in labels.items():
         print(f"{label:<28} {statistics.median(rows[key]):>9.4f}")
     print(f"{'raw gloo broadcast, 1 buffer':<28} {raw:>9.4f}   (same bytes, same run)")
+    send, transfer = statistics.median(rows["send"]), statistics.median(rows["transfer"])
+    print(f"throughput vs raw broadcast: send {raw / send:.2f}x, transfer phase {raw / transfer:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,12 +14,12 @@ without vLLM (bench/refit_pack.py runs there). It refuses nothing; validation li
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["ParamSpec", "plan_buckets", "pack_bucket", "unpack_bucket", "bucket_nbytes"]
+__all__ = ["ParamSpec", "plan_buckets", "pack_bucket", "packed_buckets", "unpack_bucket", "bucket_nbytes"]
 
 
 class ParamSpec(NamedTuple):
@@ -64,14 +64,54 @@ def bucket_nbytes(specs: Sequence[ParamSpec], bucket: range) -> int:
 def pack_bucket(buffer_N: torch.Tensor, tensors: Iterable[torch.Tensor]) -> int:
     """Copy `tensors` back to back into the uint8 `buffer_N`; returns the number of bytes written.
 
-    One `torch.cat(..., out=)` into a reused buffer: no allocation per bucket (on a loaded CPU a fresh
-    cat cost up to 10x a copy, see FACTS), and one batched kernel instead of a copy per tensor (on an
-    H200 per-tensor copies were host-bound at a third of cat's rate, bench/refit_pack.py).
+    On a GPU: one `torch.cat(..., out=)` into a reused buffer, one batched kernel instead of a copy per
+    tensor (per-tensor copies were host-bound at a third of cat's rate on an H200, bench/refit_pack.py).
+    On a CPU: one plain memcpy per tensor on the calling thread (numpy). torch's CPU copy (and cat, which
+    copies input by input) splits every tensor over its OpenMP threads, and on a loaded machine each
+    such split waits for a preempted thread: ~7 ms per 256 KiB tensor on the 2-core CI VM, a tenth of
+    memcpy's rate over a small model (bench/refit_cpu.py).
     """
-    flats = [tensor.contiguous().view(-1).view(torch.uint8) for tensor in tensors]
+    flats = [tensor.detach().contiguous().view(-1).view(torch.uint8) for tensor in tensors]
     num_bytes = sum(flat.numel() for flat in flats)
-    torch.cat(flats, out=buffer_N[:num_bytes])
+    if buffer_N.device.type != "cpu":
+        torch.cat(flats, out=buffer_N[:num_bytes])
+        return num_bytes
+    import numpy as np
+
+    out_N, offset = buffer_N.numpy(), 0
+    for flat in flats:
+        np.copyto(out_N[offset : offset + flat.numel()], flat.numpy())
+        offset += flat.numel()
     return num_bytes
+
+
+def packed_buckets(
+    stream: Iterator[tuple[str, torch.Tensor]],
+    specs: Sequence[ParamSpec],
+    plan: Sequence[range],
+    buffers: Sequence[torch.Tensor],
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Take each bucket's tensors from `stream` (gathering them) and pack it into the next of `buffers`.
+
+    Yields `(index, payload_N)`, a view of `buffers[index % len(buffers)]`: the caller must be done with
+    a buffer (its send complete) before asking for the bucket that reuses it. At most one bucket of
+    gathered tensors is alive at a time. A stream that disagrees with `specs` raises `ValueError`.
+    """
+    for index, bucket in enumerate(plan):
+        tensors = []
+        for i in bucket:
+            name, tensor = next(stream)
+            spec = specs[i]
+            if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                raise ValueError(
+                    f"the parameter stream disagrees with its specs: expected {spec}, got {name} "
+                    f"{tensor.dtype} {tuple(tensor.shape)}"
+                )
+            tensors.append(tensor)
+        buffer_N = buffers[index % len(buffers)]
+        num_bytes = pack_bucket(buffer_N, [t.to(buffer_N.device) for t in tensors])
+        del tensors
+        yield index, buffer_N[:num_bytes]
 
 
 def unpack_bucket(buffer_N: torch.Tensor, specs: Sequence[ParamSpec]) -> list[tuple[str, torch.Tensor]]:

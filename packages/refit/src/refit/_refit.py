@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from refit._buckets import ParamSpec, bucket_nbytes, pack_bucket, plan_buckets
+from refit._buckets import ParamSpec, bucket_nbytes, packed_buckets, plan_buckets
 from refit._engine import NCCL_BACKEND, Engine
 from refit._gather import FullParams
 
@@ -188,24 +188,17 @@ class _Run:
     def _send(self, params: FullParams, specs: list[ParamSpec], plan: list[range]) -> None:
         """Gather, pack and send bucket by bucket; two buffers so packing overlaps the previous send."""
         device = "cuda" if any(e.backend == NCCL_BACKEND for e in self.live) else "cpu"
-        size = max((bucket_nbytes(specs, b) for b in plan), default=0)
-        buffers_2N = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+        buffers_2N = _send_buffers(device, max((bucket_nbytes(specs, b) for b in plan), default=0))
         pending: dict[Engine, list] = {}
-        stream = iter(params)
         self.seconds["gather_pack"] = 0.0
-        for index, bucket in enumerate(plan):
-            buffer_N = buffers_2N[index % 2]
-            began, tensors = time.perf_counter(), []
-            for i in bucket:  # at most one bucket of gathered parameters is alive at a time
-                name, tensor = next(stream)
-                _check_item(specs[i], name, tensor)
-                tensors.append(tensor.to(device))
-            offset = pack_bucket(buffer_N, tensors)
-            del tensors
+        began = started = time.perf_counter()
+        for index, payload_N in packed_buckets(iter(params), specs, plan, buffers_2N):
             self.seconds["gather_pack"] += time.perf_counter() - began
-            self._wait(pending)  # bucket index-1 is out, so bucket index-2's buffer was free to reuse
-            pending = {e: self._try_send(e, index, buffer_N[:offset]) for e in self.live}
+            self._wait(pending)  # bucket index-1 is out, so bucket index+1 may reuse its buffer
+            pending = {e: self._try_send(e, index, payload_N) for e in self.live}
+            began = time.perf_counter()
         self._wait(pending)
+        self.seconds["send"] = time.perf_counter() - started  # gather + pack + broadcast, all buckets
 
     def _try_send(self, engine: Engine, index: int, payload_N: torch.Tensor) -> list:
         try:
@@ -223,9 +216,14 @@ class _Run:
                 self.fail(engine, "transfer", exc)
 
 
-def _check_item(spec: ParamSpec, name: str, tensor: torch.Tensor) -> None:
-    if name != spec.name or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-        raise ValueError(
-            f"the parameter stream disagrees with its specs: expected {spec}, got {name} {tensor.dtype} "
-            f"{tuple(tensor.shape)}"
-        )
+_HOST_BUFFERS: list[torch.Tensor] = []
+
+
+def _send_buffers(device: str, num_bytes: int) -> list[torch.Tensor]:
+    """Two bucket buffers. Host ones are kept between refits: fresh host memory is paid for again in
+    page faults on every first write (~25K faults for two 50 MiB buffers), GPU memory is not kept."""
+    if device != "cpu":
+        return [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    if not _HOST_BUFFERS or _HOST_BUFFERS[0].numel() < num_bytes:
+        _HOST_BUFFERS[:] = [torch.empty(num_bytes, dtype=torch.uint8) for _ in range(2)]
+    return _HOST_BUFFERS
