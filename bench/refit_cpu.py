@@ -25,19 +25,23 @@ import refit
 from refit._transport import broadcast, join_gloo_group
 
 
-def _raw_peer(rank: int, port: int, num_bytes: int, rounds: int) -> None:
+def _raw_peer(port: int, num_bytes: int, rounds: int, fresh: bool) -> None:
     group = join_gloo_group("127.0.0.1", port, 1, 2, 120)
     buffer = torch.empty(num_bytes, dtype=torch.uint8)
     for _ in range(rounds + 1):
-        broadcast(group, buffer).wait()
+        broadcast(group, torch.empty(num_bytes, dtype=torch.uint8) if fresh else buffer).wait()
 
 
-def raw_gloo_broadcast(num_bytes: int, rounds: int) -> float:
-    """Median seconds to broadcast one `num_bytes` buffer to one peer process over gloo."""
+def raw_gloo_broadcast(num_bytes: int, rounds: int, *, fresh: bool) -> float:
+    """Median seconds to broadcast one `num_bytes` buffer to one peer process over gloo.
+
+    `fresh`: the peer receives into newly allocated memory every time (as the engine must: layerwise
+    reload keeps views of its buckets), so the page faults of first touch are in the time.
+    """
     from molt.vllm_server import free_port
 
     port = free_port()
-    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(0, port, num_bytes, rounds))
+    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(port, num_bytes, rounds, fresh))
     peer.start()
     group = join_gloo_group("127.0.0.1", port, 0, 2, 120)
     buffer = torch.ones(num_bytes, dtype=torch.uint8)
@@ -90,7 +94,8 @@ def main() -> None:
             for name, value in seconds.items():
                 rows.setdefault(name, []).append(value)
         engine.close()
-    raw = raw_gloo_broadcast(stats.num_bytes, args.rounds)
+    raw = raw_gloo_broadcast(stats.num_bytes, args.rounds, fresh=False)
+    raw_fresh = raw_gloo_broadcast(stats.num_bytes, args.rounds, fresh=True)
 
     size_mib = stats.num_bytes / 2**20
     print(f"model: tiny Qwen3 hidden={args.hidden} layers={args.layers} fp32, {size_mib:.1f} MiB")
@@ -100,15 +105,18 @@ def main() -> None:
         "check": "check names/shapes (HTTP)", "pause": "pause (mode=keep)", "start": "start (init reload)",
         "transfer": "transfer (trainer wall)", "send": "  trainer: gather+pack+bcast",
         "gather_pack": "    of which gather + pack",
-        "engine_recv": "  engine: receiving", "engine_load": "  engine: load_weights",
+        "engine_recv": "  engine: receiver thread", "engine_load": "  engine: load_weights (sum)",
         "finish": "finish (finalize reload)", "reset_prefix_cache": "reset prefix cache", "resume": "resume",
         "total": "total (pause..resume)",
     }  # fmt: skip
     for key, label in labels.items():
         print(f"{label:<28} {statistics.median(rows[key]):>9.4f}")
     print(f"{'raw gloo broadcast, 1 buffer':<28} {raw:>9.4f}   (same bytes, same run)")
+    print(f"{'  into fresh memory':<28} {raw_fresh:>9.4f}   (the receiver allocates it each time)")
     send, transfer = statistics.median(rows["send"]), statistics.median(rows["transfer"])
     print(f"throughput vs raw broadcast: send {raw / send:.2f}x, transfer phase {raw / transfer:.2f}x")
+    fresh = f"send {raw_fresh / send:.2f}x, transfer phase {raw_fresh / transfer:.2f}x"
+    print(f"  vs raw into fresh memory:  {fresh}")
 
 
 if __name__ == "__main__":

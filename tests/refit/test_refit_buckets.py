@@ -7,6 +7,7 @@ import torch
 
 import refit
 from refit import ParamSpec, pack_bucket, plan_buckets, unpack_bucket
+from refit._buckets import bucket_nbytes, packed_buckets
 
 
 def test_public_names_are_pinned():
@@ -68,6 +69,28 @@ def test_pack_reads_non_contiguous_tensors_by_value():
     pack_bucket(buffer, [base.t()])
     ((_, got),) = unpack_bucket(buffer, [ParamSpec("t", torch.float32, (4, 3))])
     torch.testing.assert_close(got, base.t().contiguous(), rtol=0, atol=0)
+
+
+def test_packed_buckets_alternate_two_buffers_and_hold_every_byte_in_order():
+    named = _named_tensors()
+    specs = _specs(named)
+    plan = plan_buckets(specs, 100)
+    buffers = [torch.empty(max(bucket_nbytes(specs, b) for b in plan), dtype=torch.uint8) for _ in range(2)]
+    sent = []
+    for index, payload in packed_buckets(iter(named), specs, plan, buffers):
+        assert payload.data_ptr() == buffers[index % 2].data_ptr()
+        sent.append(payload.clone())
+    expected = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in named])
+    assert torch.equal(torch.cat(sent), expected)
+
+
+def test_packed_buckets_refuse_a_stream_that_disagrees_with_its_specs():
+    named = _named_tensors()
+    specs = _specs(named)
+    swapped = [named[1], named[0], *named[2:]]
+    buffers = [torch.empty(4096, dtype=torch.uint8)] * 2
+    with pytest.raises(ValueError, match="disagrees with its specs"):
+        list(packed_buckets(iter(swapped), specs, plan_buckets(specs, 100), buffers))
 
 
 def test_plan_refuses_a_non_positive_bucket_size():

@@ -3,7 +3,8 @@
 `update_weights(engines, full_params(model), version=v)` pauses every engine (keeping in-flight
 requests), streams the full parameters in bounded buckets through vLLM's weight-transfer API (vLLM's
 NCCL backend on GPU, our `refit_gloo` backend on CPU), labels them `v`, clears the prefix cache and
-resumes. `decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in transformers.
+resumes. `decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in
+transformers and NeMo AutoModel MoE models.
 See README.md.
 """
 

@@ -8,7 +8,8 @@ its own lifecycle (`/start_weight_update`, `/update_weights`, `/finish_weight_up
 
 Why a backend of our own: vLLM's built-in backends are CUDA-only. This one receives the same buckets
 the sender packs for vLLM's NCCL engine (`refit._buckets`), over a gloo group, each bucket preceded by
-a header (its index, or -1 = the trainer aborted). It reloads layer by layer
+a header (its index, or -1 = the trainer aborted), on a receiver thread that stays up to two buckets
+ahead of the loads. It reloads layer by layer
 (`initialize_layerwise_reload` → `load_weights` → `finalize_layerwise_reload`), because on the CPU
 build a plain `load_weights` fails half way (weights are repacked for oneDNN).
 
@@ -22,6 +23,8 @@ only `embed_tokens`, so the CPU build's packed copy of a tied `lm_head` is rebui
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,21 +106,44 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise
 
     def _receive(self, specs: list[ParamSpec], bucket_bytes: int) -> None:
-        header = torch.zeros(1, dtype=torch.int64)
-        for index, bucket in enumerate(plan_buckets(specs, bucket_bytes)):
-            began = time.perf_counter()
-            broadcast(self.group, header).wait()
-            if int(header) == ABORT:
-                raise RuntimeError(f"refit_gloo: the trainer aborted the transfer before bucket {index}")
-            assert int(header) == index, f"bucket {int(header)} arrived, expected {index}"
-            # A fresh buffer per bucket: layerwise reload keeps views of it until the layer is complete,
-            # which may be several buckets later.
-            payload_N = torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8)
-            broadcast(self.group, payload_N).wait()
-            loaded = time.perf_counter()
-            self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
-            self.last_timings["recv_s"] += loaded - began
-            self.last_timings["load_s"] += time.perf_counter() - loaded
+        """Load bucket k while a thread already receives bucket k+1: the trainer's broadcasts never
+        wait for a load, so small buckets pipeline packing, the wire and the reload."""
+        plan = plan_buckets(specs, bucket_bytes)
+        inbox: queue.Queue = queue.Queue(maxsize=2)  # received, not yet loaded: at most two buckets
+        receiver = threading.Thread(target=self._receive_into, args=(specs, plan, inbox), daemon=True)
+        receiver.start()
+        try:
+            for bucket in plan:
+                payload_N = inbox.get()
+                if isinstance(payload_N, BaseException):
+                    raise payload_N
+                began = time.perf_counter()
+                self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
+                self.last_timings["load_s"] += time.perf_counter() - began
+        except BaseException:  # take (and drop) the rest, so the trainer's stream still completes
+            while receiver.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    inbox.get(timeout=0.1)
+            raise
+        receiver.join()
+
+    def _receive_into(self, specs: list[ParamSpec], plan: list[range], inbox: queue.Queue) -> None:
+        """Receiver thread: every bucket (or the error that stopped it) goes into `inbox`, in order."""
+        began, header = time.perf_counter(), torch.zeros(1, dtype=torch.int64)
+        try:
+            for index, bucket in enumerate(plan):
+                broadcast(self.group, header).wait()
+                if int(header) == ABORT:
+                    raise RuntimeError(f"refit_gloo: the trainer aborted the transfer before bucket {index}")
+                assert int(header) == index, f"bucket {int(header)} arrived, expected {index}"
+                # A fresh buffer per bucket: layerwise reload keeps views of it until the layer is
+                # complete, which may be several buckets later.
+                payload_N = torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8)
+                broadcast(self.group, payload_N).wait()
+                inbox.put(payload_N)
+        except BaseException as exc:
+            inbox.put(exc)
+        self.last_timings["recv_s"] = time.perf_counter() - began
 
     def finish_weight_update(self) -> None:
         began = time.perf_counter()
