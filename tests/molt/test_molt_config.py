@@ -225,6 +225,8 @@ def test_none_and_tuple_and_negative_values():
     assert resolve(["--algo.correction.token_bounds", "0.25, 4"]).algo.correction.token_bounds == (0.25, 4.0)
     assert resolve(["--algo.kl.coef", "-0.5"]).algo.kl.coef == -0.5
     assert resolve(["--actor.lr", "3e-6"]).actor.lr == 3e-6
+    assert resolve(["--vllm.urls", "http://a:1, http://b:2"]).vllm.urls == ["http://a:1", "http://b:2"]
+    assert resolve(["--vllm.urls", ""]).vllm.urls == []
 
 
 def test_last_repeated_flag_wins():
@@ -234,6 +236,7 @@ def test_last_repeated_flag_wins():
 def test_render_toml_round_trips(tmp_path):
     args = ["--algo.loss.dual_clip", "3", "--data.messages_key", 'say "hi"\\\x7f é', "--actor.lr", "1e-05"]
     args += ["--algo.correction.seq_bounds", "0.9,1.1", "--train.force_on_policy", "--ray.num_cpus", "2"]
+    args += ["--vllm.urls", "http://a:1,http://b:2"]
     config = resolve(args)
     text = render_toml(config)
     tomllib.loads(text)

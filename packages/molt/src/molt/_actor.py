@@ -21,7 +21,6 @@ Legend: B sequences, T tokens, V vocabulary.
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -30,15 +29,10 @@ import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
 from molt.config import Config
+from molt.vllm_server import free_port
 from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss
 
 __all__ = ["PolicyGroup", "PolicyWorker"]
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _check_parallelism(config: Config) -> None:
@@ -284,7 +278,7 @@ class PolicyGroup:
         self.num_ranks = num_ranks
         self.on_gpu = torch.cuda.is_available()
         self.master_addr = ray.util.get_node_ip_address()
-        port = _free_port(self.master_addr)
+        port = free_port(self.master_addr)
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
         # a copy of the working directory, which has no virtual environment. CPU: one thread per rank;
         # under contention that beat two threads (FACTS).

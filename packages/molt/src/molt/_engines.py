@@ -15,7 +15,7 @@ import ray
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
-__all__ = ["EngineActor", "launch_engines", "stop_engines", "wait_for_engines"]
+__all__ = ["EngineActor", "check_attached", "launch_engines", "stop_engines", "wait_for_engines"]
 
 
 class EngineActor:
@@ -77,6 +77,18 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
 def wait_for_engines(actors: list) -> list[str]:
     """Wait until every engine answers `/health`; their base URLs, in order."""
     return ray.get([actor.url.remote() for actor in actors])
+
+
+def check_attached(urls: list[str]) -> list[str]:
+    """`--vllm.urls`: servers someone else started; each must answer `/health` now."""
+    import httpx
+
+    for url in urls:
+        try:
+            httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
+        except httpx.HTTPError as error:
+            raise ValueError(f"--vllm.urls {url}: the server does not answer /health ({error})") from error
+    return [url.rstrip("/") for url in urls]
 
 
 def stop_engines(actors: list) -> None:

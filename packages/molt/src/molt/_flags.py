@@ -72,9 +72,10 @@ def _leaves() -> dict[str, _Leaf]:
             if _is_group(field.type):
                 walk(field.type, f"{prefix}{field.name}.")
             else:
-                leaves[prefix + field.name] = _Leaf(
-                    field.type, field.default, docs.get((cls.__name__, field.name), "")
-                )
+                has_factory = field.default_factory is not msgspec.NODEFAULT  # a mutable default: []
+                default = field.default_factory() if has_factory else field.default
+                doc = docs.get((cls.__name__, field.name), "")
+                leaves[prefix + field.name] = _Leaf(field.type, default, doc)
 
     walk(Config, "")
     return leaves
@@ -97,6 +98,8 @@ def type_name(tp: Any) -> str:
         return "|".join(type_name(arg) for arg in get_args(tp))
     if get_origin(tp) is tuple:
         return ",".join(type_name(arg) for arg in get_args(tp))
+    if get_origin(tp) is list:
+        return f"{type_name(get_args(tp)[0])},..."
     return tp.__name__
 
 
@@ -106,8 +109,8 @@ def _flag_value(value: Any) -> str:
         return "none"
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, tuple):
-        return ",".join(_flag_value(item) for item in value)
+    if isinstance(value, tuple | list):
+        return ",".join(_flag_value(item) for item in value) or '""'
     if value == "":
         return '""'
     return str(value)
@@ -141,6 +144,8 @@ def _coerce(raw: str, tp: Any) -> Any:
         return _BOOLS.get(raw.lower(), raw)
     if get_origin(tp) is tuple:
         return [part.strip() for part in raw.split(",")]
+    if get_origin(tp) is list:  # comma-separated; "" is the empty list
+        return [part.strip() for part in raw.split(",") if part.strip()]
     return raw
 
 

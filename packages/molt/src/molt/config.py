@@ -196,6 +196,9 @@ class VLLM(_Group):
 
     num_engines: int = 1
     """Number of vLLM engines."""
+    urls: list[str] = []
+    """Running vLLM servers to use instead of starting engines (flags: molt.vllm_server + refit's); the
+    run first pushes its initial weights into them. The other --vllm.* engine flags are then unused."""
     tensor_parallel_size: int = 1
     """Tensor parallelism per engine."""
     data_parallel_size: int = 1

@@ -23,7 +23,7 @@ import torch
 from asyncpool import GroupPool, PoolExhausted
 from molt._actor import PolicyGroup
 from molt._batch import TrainBatch, collate
-from molt._engines import launch_engines, stop_engines, wait_for_engines
+from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
 from molt._log import RunLog, progress
 from molt._rollout import Rollout, RolloutRunner, check_agent
 from molt._runners import launch_hosts
@@ -156,6 +156,7 @@ def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float
         "rollout/reward_std_in_group": std_in_group.item(),
         "rollout/response_len_mean": sum(len(r.sampled) for r in rollouts) / len(rollouts),
         "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
+        "rollout/segments_mean": sum(len(r.segments) for r in rollouts) / len(rollouts),  # >1: compaction
         **{key: sum(values) / len(values) for key, values in infos.items()},
     }
 
@@ -227,15 +228,17 @@ def train(config: Config) -> None:
         progress("starting Ray")
         ray.init(address=config.ray.address or None, num_cpus=config.ray.num_cpus, include_dashboard=False)
         cleanup.callback(ray.shutdown)
-        progress(
-            f"starting {config.vllm.num_engines} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)"
-        )
-        engines = launch_engines(model_dir, config, run_dir)  # they load while the actor starts
+        attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
+        num_new = 0 if attached else config.vllm.num_engines
+        progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
+        engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
         cleanup.callback(stop_engines, engines)
         policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
         cleanup.callback(policy.shutdown)
         hosts = launch_hosts(config.agent.module, config.agent.num_runners)
-        urls = wait_for_engines(engines)
+        urls = attached or wait_for_engines(engines)
+        if attached:  # they may hold another run's weights: this run starts from its own, as version 0
+            policy.refit(urls, 0)
         progress(f"engines ready at {', '.join(urls)}; training {config.train.num_steps} steps")
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)

@@ -11,6 +11,7 @@ stops one server process and waits until it answers `/health`.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,11 +25,19 @@ from pathlib import Path
 __all__ = ["VLLMServer", "engine_args", "free_port"]
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a server started next. Drawn below Linux's ephemeral range
+    (32768 and up), from which every outgoing connection takes its local port: a port from that range can
+    be taken by someone's HTTP client between this check and the server's bind."""
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port found on {host} in 20000-32767")
 
 
 def engine_args(

@@ -1,0 +1,54 @@
+"""Every example in `examples/` trains for a few steps with `molt train` on the tiny model.
+
+The tiny model answers arithmetic with noise, so rewards stay near 0: what is checked is that each agent
+form runs the whole loop (Ray-placed agent hosts, tito over HTTP for the ChatAgents, token identity,
+refit) and logs what it should. The runs share one engine (`--vllm.urls`), as runs of a sweep may: each
+pushes its own initial weights first, which the mismatch check below would catch if it did not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MOLT = str(Path(sys.executable).parent / "molt")
+EXAMPLES = Path(__file__).parents[2] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("example", "extra"),
+    [
+        pytest.param("math_env.py", [], id="math-env"),
+        pytest.param("calculator_env.py", ["--agent.max_turns", "3"], id="calculator-env"),
+        pytest.param("openai_agent.py", [], id="openai-agent"),
+        pytest.param("anthropic_agent.py", [], id="anthropic-agent"),
+        pytest.param("compacting_agent.py", [], id="compacting-agent"),
+    ],
+)
+def test_example_trains(tmp_path, tiny_model_dir, molt_engine, example, extra):
+    run_dir = tmp_path / "run"
+    args = [
+        MOLT, "train", "--agent.module", str(EXAMPLES / example), "--logger.run_dir", str(run_dir),
+        "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
+        "--train.num_steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+        "--rollout.max_new_tokens", "24", "--ray.num_cpus", "2", "--logger.tensorboard", "false", *extra,
+    ]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert step["train/token_identity"] == 1.0
+        assert step["train/mismatch_kl"] < 1e-3
+        assert step["pool/failed"] == 0 and step["agent/raised"] == 0
+        if example == "compacting_agent.py":
+            assert step["rollout/segments_mean"] == 3.0  # three turns, each after a compaction
+        else:
+            assert step["rollout/segments_mean"] == 1.0
