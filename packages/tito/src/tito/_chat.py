@@ -63,6 +63,8 @@ class ChatRenderer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer
+        self._closing: dict[int | None, list[int]] = {}
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
         rendered = self.render(probe, None, add_generation_prompt=False)
         # The text the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
@@ -74,13 +76,17 @@ class ChatRenderer:
         )
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # The tokenizers backend itself: the transformers call around it costs more than the encoding.
+        return self.backend.encode(text, add_special_tokens=False).ids
 
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:
         """Tokens that end an assistant turn after what the engine sampled (e.g. "\\n" after an EOS)."""
-        tail = self.tokenizer.decode(sampled_ids[-1:], skip_special_tokens=False) if sampled_ids else ""
-        rest = self.turn_end[len(tail) :] if tail and self.turn_end.startswith(tail) else self.turn_end
-        return self.encode(rest) if rest else []
+        last = sampled_ids[-1] if sampled_ids else None
+        if last not in self._closing:  # it depends on the last sampled token only
+            tail = self.tokenizer.decode([last], skip_special_tokens=False) if last is not None else ""
+            rest = self.turn_end[len(tail) :] if tail and self.turn_end.startswith(tail) else self.turn_end
+            self._closing[last] = self.encode(rest) if rest else []
+        return list(self._closing[last])
 
 
 @dataclass
@@ -88,9 +94,9 @@ class ChatState:
     """What a session's chat turns have covered so far, to recognise a continuation or a retry."""
 
     messages: list[dict] = field(default_factory=list)  # last prompt messages + the reply we returned
+    known_keys: list[tuple] = field(default_factory=list)  # the message keys of `messages`
     tools_key: str = ""
     closing: list[int] = field(default_factory=list)
-    last_prompt_keys: list[tuple] | None = None
     last_prompt_ids: list[int] = field(default_factory=list)
 
     def prompt_ids(
@@ -98,14 +104,14 @@ class ChatState:
     ) -> list[int]:
         """The full prompt of this turn: the trace plus new tokens, or a fresh render on a rewrite."""
         keys = [_message_key(m) for m in messages]
-        tools_key = json.dumps(tools or [], sort_keys=True)
-        if tools_key == self.tools_key and keys == self.last_prompt_keys:
+        num_known = len(self.known_keys)
+        same_tools = _tools_key(tools) == self.tools_key
+        if same_tools and num_known and keys == self.known_keys[:-1]:
             return self.last_prompt_ids  # an identical retry: Capture drops the previous reply
-        known = [_message_key(m) for m in self.messages]
-        if tools_key == self.tools_key and known and len(keys) > len(known) and keys[: len(known)] == known:
+        if same_tools and num_known and len(keys) > num_known and keys[:num_known] == self.known_keys:
             # Render the known turns as remembered, so only the new messages' rendering matters.
             old = renderer.render(self.messages, tools, add_generation_prompt=False)
-            new = renderer.render(self.messages + messages[len(known) :], tools, add_generation_prompt=True)
+            new = renderer.render(self.messages + messages[num_known:], tools, add_generation_prompt=True)
             if new.startswith(old):
                 return trace + self.closing + renderer.encode(new[len(old) :])
         return renderer.encode(renderer.render(messages, tools, add_generation_prompt=True))
@@ -120,10 +126,14 @@ class ChatState:
     ) -> None:
         """Remember the turn just served: its prompt, and the assistant message the client received."""
         self.messages = [*messages, reply]
-        self.tools_key = json.dumps(tools or [], sort_keys=True)
+        self.known_keys = [_message_key(m) for m in self.messages]
+        self.tools_key = _tools_key(tools)
         self.closing = closing
-        self.last_prompt_keys = [_message_key(m) for m in messages]
         self.last_prompt_ids = list(prompt_ids)
+
+
+def _tools_key(tools: list[dict] | None) -> str:
+    return json.dumps(tools, sort_keys=True) if tools else ""
 
 
 @dataclass

@@ -13,6 +13,8 @@ import json
 import time
 from typing import Any, Literal
 
+import msgspec
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, parse_arguments
@@ -172,8 +174,9 @@ def usage(num_prompt: int, num_completion: int) -> dict:
 
 def chat_completion(
     request_id: str, model: str, parsed: ParsedReply, engine_reason: str | None, counts: tuple[int, int]
-) -> dict:
-    return {
+) -> Response:
+    """The reply, encoded here: FastAPI's own encoding of a returned dict walks every value first."""
+    body = {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -188,6 +191,7 @@ def chat_completion(
         ],
         "usage": usage(*counts),
     }
+    return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None = None, **extra) -> str:
@@ -201,7 +205,7 @@ def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None = No
         "choices": choices,
         **extra,
     }
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {msgspec.json.encode(body).decode()}\n\n"
 
 
 def stream_tool_deltas(parsed: ParsedReply) -> list[dict]:
