@@ -1,4 +1,4 @@
-"""The `molt` command: `molt train [--config FILE.toml] [--group.field VALUE ...]`.
+"""The `molt` command: `molt train [--config FILE.toml] [--group.field VALUE ...]`, `molt plot RUN_DIR`.
 
 Typer parses only the command name. The dotted flags are one per config field, which click cannot know, so
 `train` takes its arguments raw, `molt._flags.resolve` turns them into a validated Config (every error before
@@ -10,6 +10,7 @@ imported only once a run starts.
 
 import os
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import typer
@@ -84,3 +85,19 @@ def train(ctx: typer.Context) -> None:
     from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
 
     run_training(config)
+
+
+@app.command()
+def plot(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds metrics.jsonl).")],
+    out: Annotated[Path | None, typer.Option(help="PNG to write; default RUN_DIR/plot.png.")] = None,
+) -> None:
+    """Plot a run's reward, response length and stage timings over steps into a PNG."""
+    from molt._plot import plot_run
+
+    try:
+        written = plot_run(run_dir, out)
+    except ValueError as error:
+        typer.echo(f"molt plot: {error}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {written}")

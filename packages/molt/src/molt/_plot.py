@@ -1,0 +1,70 @@
+"""`molt plot RUN_DIR`: one PNG of a run's reward, response length and stage timings over steps.
+
+It reads only `metrics.jsonl`, so it works on a finished run, a stopped one, or one still training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["plot_run"]
+
+PANELS = (
+    ("reward", ["rollout/reward_mean", "eval/reward_mean"]),
+    ("response length (tokens)", ["rollout/response_len_mean"]),
+    (
+        "seconds per step",
+        ["timing/generation", "timing/policy_train", "timing/broadcast", "timing/step_total"],
+    ),
+)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir} has no metrics.jsonl: is it a molt run directory?")
+    steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not steps:
+        raise ValueError(f"{path} has no step yet")
+    return steps
+
+
+def smooth(values: list[float], weight: float = 0.8) -> list[float]:
+    """Exponential moving average, as TensorBoard's smoothing slider (0 = raw)."""
+    out, last = [], values[0]
+    for value in values:
+        last = weight * last + (1 - weight) * value
+        out.append(last)
+    return out
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the run's PNG (default `RUN_DIR/plot.png`) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    steps = read_metrics(run_dir)
+    figure, axes = plt.subplots(len(PANELS), 1, figsize=(8, 9), sharex=True)
+    for axis, (title, names) in zip(axes, PANELS, strict=True):
+        for name in names:
+            points = [(s["step"], s[name]) for s in steps if name in s]
+            if not points:
+                continue
+            x, y = zip(*points, strict=True)
+            line = axis.plot(x, y, alpha=0.35 if len(x) > 10 else 1.0, label=name)[0]
+            if len(x) > 10:
+                axis.plot(x, smooth(list(y)), color=line.get_color(), label=f"{name} (smoothed)")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("optimizer step")
+    figure.suptitle(str(run_dir.name))
+    figure.tight_layout()
+    out = Path(out) if out else run_dir / "plot.png"
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
