@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from molt._plot import read_metrics
+
 MOLT = str(Path(sys.executable).parent / "molt")
 
 
@@ -16,11 +18,13 @@ def test_plot_writes_a_png_of_the_run(tmp_path):
          "timing/policy_train": 0.5, "timing/broadcast": 0.1, "timing/step_total": 1.7}
         for s in range(1, 31)
     ]  # fmt: skip
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    resumed = steps[20:]  # a run resumed from step 20 logs steps 21.. again
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps + resumed))
     result = subprocess.run([MOLT, "plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     png = (tmp_path / "plot.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert [s["step"] for s in read_metrics(tmp_path)] == list(range(1, 31))
 
 
 def test_plot_of_a_directory_without_a_run_says_so(tmp_path):
