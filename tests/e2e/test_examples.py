@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import molt
+
 pytestmark = pytest.mark.slow
 
 MOLT = str(Path(sys.executable).parent / "molt")
@@ -38,7 +40,8 @@ def test_example_trains(tmp_path, tiny_model_dir, molt_engine, example, extra):
         MOLT, "train", "--agent.module", str(EXAMPLES / example), "--logger.run_dir", str(run_dir),
         "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
         "--train.num_steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-        "--rollout.max_new_tokens", "24", "--ray.num_cpus", "2", "--logger.tensorboard", "false", *extra,
+        "--rollout.max_new_tokens", "24", "--ray.num_cpus", "2", "--logger.tensorboard", "false",
+        "--train.rollout_dump_dir", str(run_dir / "rollouts"), *extra,
     ]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -52,3 +55,8 @@ def test_example_trains(tmp_path, tiny_model_dir, molt_engine, example, extra):
             assert step["rollout/segments_mean"] == 3.0  # three turns, each after a compaction
         else:
             assert step["rollout/segments_mean"] == 1.0
+    records = list(molt.read_rollouts(run_dir / "rollouts"))  # 2 steps x 2 groups x 2 samples
+    assert [r.step for r in records] == [1] * 4 + [2] * 4
+    for step in steps:
+        rewards = [r.reward for r in records if r.step == step["step"]]
+        assert sum(rewards) / len(rewards) == pytest.approx(step["rollout/reward_mean"])

@@ -4,6 +4,7 @@ Importing molt loads no torch, Ray or vLLM (the `molt` command starts instantly)
 `molt.loop.train`, imports them when a run starts.
 """
 
+from molt._dumps import RolloutRecord, read_rollouts
 from molt.agent import ChatAgent, Context, Env, Result
 
-__all__ = ["ChatAgent", "Context", "Env", "Result"]
+__all__ = ["ChatAgent", "Context", "Env", "Result", "RolloutRecord", "read_rollouts"]

@@ -252,7 +252,7 @@ class Train(_Group):
     routing_replay: bool = False
     """Replay the engines' MoE routing in the trainer (R3)."""
     rollout_dump_dir: str = ""
-    """Directory for JSONL dumps of every rollout; empty = no dumps."""
+    """Directory for JSONL dumps of every trained rollout (read with molt.read_rollouts); empty = none."""
 
 
 class Eval(_Group):

@@ -23,6 +23,7 @@ import torch
 from asyncpool import GroupPool, PoolExhausted
 from molt._actor import PolicyGroup
 from molt._batch import TrainBatch, collate
+from molt._dumps import write_rollouts
 from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
 from molt._log import RunLog, progress
 from molt._rollout import Rollout, RolloutRunner, check_agent
@@ -57,6 +58,8 @@ async def run_steps(
         groups = await take(pool, config.rollout.prompts_per_step, tito)  # whole groups, completion order
         generation_s = time.monotonic() - started
         rollouts: list[Rollout] = [sample for group in groups for sample in group.samples]
+        if config.train.rollout_dump_dir:
+            write_rollouts(Path(config.train.rollout_dump_dir), step, groups)
 
         rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids_R = torch.arange(len(groups)).repeat_interleave(config.rollout.group_size)

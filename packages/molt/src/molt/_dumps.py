@@ -1,0 +1,66 @@
+"""Rollout dumps (`--train.rollout_dump_dir`): every trained rollout as one JSON line, and their reader.
+
+One file per optimizer step, `step_000001.jsonl`, ..., each line a `RolloutRecord`: the step that trained
+it, its group (the dataset row's index in the prompt stream) and its sample index in the group, the
+reward, what the agent logged in `info`, whether the last turn hit the token limit, and the token-exact
+trajectory (tito's segments: token ids, loss mask, engine logprobs, weight versions per token). The
+decoded text is not stored; decode `token_ids` with the run's tokenizer (`<run_dir>/model`).
+
+    for record in molt.read_rollouts("runs/my-run/rollouts"):
+        print(record.step, record.reward, sum(sum(s.loss_mask) for s in record.segments))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+__all__ = ["RolloutRecord", "read_rollouts", "write_rollouts"]
+
+
+class Segment(msgspec.Struct):
+    """tito's `Segment` as read back (tito itself is not imported: `import molt` stays light)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]  # 1 = sampled by the engine
+    logprobs: list[float]  # the engine's, 0.0 where loss_mask is 0
+    versions: list[int]  # the weight version that sampled each token, -1 where loss_mask is 0
+
+
+class RolloutRecord(msgspec.Struct):
+    step: int
+    group: int
+    sample: int
+    reward: float
+    truncated: bool
+    info: dict[str, float]
+    segments: list[Segment]
+
+
+def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
+    """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts); returns the file."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    path = dump_dir / f"step_{step:06d}.jsonl"
+    encoder = msgspec.json.Encoder()
+    with path.open("wb") as out:
+        for group in groups:
+            for index, rollout in enumerate(group.samples):
+                segments = [Segment(**msgspec.structs.asdict(s)) for s in rollout.segments]
+                record = RolloutRecord(step, group.prompt_index, index, rollout.reward, rollout.truncated,
+                                       rollout.info, segments)  # fmt: skip
+                out.write(encoder.encode(record) + b"\n")
+    return path
+
+
+def read_rollouts(dump_dir: str | Path) -> Iterator[RolloutRecord]:
+    """Every record under `dump_dir`, step by step, in the order they were trained."""
+    decoder = msgspec.json.Decoder(RolloutRecord)
+    paths = sorted(Path(dump_dir).glob("step_*.jsonl"))
+    if not paths:
+        raise ValueError(f"{dump_dir} holds no rollout dump (step_*.jsonl)")
+    for path in paths:
+        with path.open("rb") as lines:
+            for line in lines:
+                yield decoder.decode(line)
