@@ -27,7 +27,11 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
 @pytest.mark.parametrize(
     ("example", "extra"),
     [
-        pytest.param("math_env.py", [], id="math-env"),
+        pytest.param(
+            "math_env.py",
+            ["--eval.every", "2", "--eval.num_prompts", "2", "--eval.n", "2", "--eval.k", "2"],
+            id="math-env",
+        ),  # fmt: skip
         pytest.param("calculator_env.py", ["--agent.max_turns", "3"], id="calculator-env"),
         pytest.param("openai_agent.py", [], id="openai-agent"),
         pytest.param("anthropic_agent.py", [], id="anthropic-agent"),
@@ -55,6 +59,9 @@ def test_example_trains(tmp_path, tiny_model_dir, molt_engine, example, extra):
             assert step["rollout/segments_mean"] == 3.0  # three turns, each after a compaction
         else:
             assert step["rollout/segments_mean"] == 1.0
+    if "--eval.every" in extra:  # evaluated after step 2 only
+        assert "eval/pass@k" not in steps[0] and 0.0 <= steps[1]["eval/pass@k"] <= 1.0
+        assert steps[1]["eval/failed"] == 0.0
     records = list(molt.read_rollouts(run_dir / "rollouts"))  # 2 steps x 2 groups x 2 samples
     assert [r.step for r in records] == [1] * 4 + [2] * 4
     for step in steps:

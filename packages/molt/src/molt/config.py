@@ -256,16 +256,20 @@ class Train(_Group):
 
 
 class Eval(_Group):
-    """Evaluation (pass@k)."""
+    """Evaluation on held-out rows: pass@k from n samples per prompt, logged as eval/*."""
 
     every: int = 0
-    """Evaluate every this many optimizer steps; 0 = never."""
+    """Evaluate after every this many optimizer steps (and after the last); 0 = never."""
     path: str = ""
-    """JSONL evaluation rows; empty = the training rows."""
+    """JSONL evaluation rows; empty = the agent module's eval_dataset(seed), else dataset(other seed)."""
+    num_prompts: int = 32
+    """Evaluation prompts per evaluation (the first ones of the set)."""
     n: int = 4
     """Samples per evaluation prompt."""
     k: int = 1
     """k of the reported pass@k (k <= n)."""
+    pass_reward: float = 1.0
+    """A sample passes when its reward is at least this."""
 
 
 class Ckpt(_Group):
@@ -374,6 +378,10 @@ def validate(config: Config) -> Config:
         )
     if config.fsdp.cp_size > 1 and not _cuda_available():
         raise ConfigError("--fsdp.cp_size > 1 (context parallelism) runs only on CUDA: pass --fsdp.cp_size 1")
+    if config.eval.every and not 1 <= config.eval.k <= config.eval.n:
+        raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
+    if config.eval.every < 0 or config.eval.num_prompts < 1:
+        raise ConfigError("--eval.every must be >= 0 and --eval.num_prompts >= 1")
     if config.actor.lr <= 0:
         raise ConfigError(f"--actor.lr must be > 0, got {config.actor.lr}")
     if config.train.num_steps < 1:

@@ -25,6 +25,7 @@ from molt._actor import PolicyGroup
 from molt._batch import TrainBatch, collate
 from molt._dumps import write_rollouts
 from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
+from molt._eval import eval_rows, evaluate
 from molt._log import RunLog, progress
 from molt._rollout import Rollout, RolloutRunner, check_agent
 from molt._runners import launch_hosts
@@ -46,7 +47,13 @@ REQUIRED_METRICS = frozenset({
 
 
 async def run_steps(
-    config: Config, policy: PolicyGroup, tito: Tito, pool: GroupPool, runner: RolloutRunner, log: RunLog
+    config: Config,
+    policy: PolicyGroup,
+    tito: Tito,
+    pool: GroupPool,
+    runner: RolloutRunner,
+    log: RunLog,
+    eval_rows: list[dict],
 ) -> None:
     """The algorithm: take groups, recompute logprobs, advantages, correction, loss and step, refit, log."""
     estimator = ESTIMATORS[config.algo.advantage.estimator]
@@ -83,6 +90,10 @@ async def run_steps(
         pool.version = step  # groups older than max_lag versions are dropped from now on
         broadcast_s = time.monotonic() - broadcast_started
 
+        every, last = config.eval.every, config.train.num_steps
+        evaluating = every and (step % every == 0 or step == last)  # --eval.every, with the new weights
+        eval_metrics = await evaluate(runner, eval_rows, config) if evaluating else {}
+
         log.step(step, {
             **rollout_metrics(rollouts, config.rollout.group_size),
             **train_metrics,
@@ -98,6 +109,7 @@ async def run_steps(
             "timing/generation": generation_s,
             "timing/policy_train": train_s,
             "timing/broadcast": broadcast_s,
+            **eval_metrics,
             "timing/step_total": time.monotonic() - started,
         })  # fmt: skip
 
@@ -227,6 +239,7 @@ def train(config: Config) -> None:
         agent_module = load_agent(config.agent.module)
         check_agent(config, agent_module)
         rows = read_rows(config, agent_module)
+        evaluation = eval_rows(config, agent_module) if config.eval.every else []
         model_dir = _model_dir(config, run_dir)
         progress("starting Ray")
         ray.init(address=config.ray.address or None, num_cpus=config.ray.num_cpus, include_dashboard=False)
@@ -246,11 +259,14 @@ def train(config: Config) -> None:
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        asyncio.run(_serve_and_run(config, policy, urls, model_dir, hosts, rows, log, chat=chat))
+        run = _serve_and_run(config, policy, urls, model_dir, hosts, rows, evaluation, log, chat=chat)
+        asyncio.run(run)
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
-async def _serve_and_run(config, policy, engine_urls, model_dir, hosts, rows, log, *, chat: bool) -> None:
+async def _serve_and_run(
+    config, policy, engine_urls, model_dir, hosts, rows, evaluation, log, *, chat: bool
+) -> None:
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps`."""
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
@@ -263,7 +279,7 @@ async def _serve_and_run(config, policy, engine_urls, model_dir, hosts, rows, lo
             pool = GroupPool(runner, rows, group_size=rollout.group_size, depth=rollout.queue_depth,
                              max_lag=rollout.max_lag, keep=keep, retry_delay=0.5)  # fmt: skip
             async with pool:
-                await run_steps(config, policy, tito, pool, runner, log)
+                await run_steps(config, policy, tito, pool, runner, log, evaluation)
     except PoolExhausted as end:
         if end.__cause__ is not None:  # the dataset itself failed
             raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
