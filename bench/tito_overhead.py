@@ -243,8 +243,8 @@ def profile_round(pool, server: ThreadServer, app: TimedApp, args) -> str:
 
 
 PROFILED = (  # tito's request path and the libraries it spends time in, for the cumulative view
-    r"tito/_|httpcore/_async/connection_pool|httpx/_client.py.*\(send\)|starlette/middleware/base"
-    r"|jinja2/environment.py.*\(render\)|tokenization_utils_tokenizers.*_encode_plus|copy.py.*deepcopy"
+    r"tito/_|aiohttp/client.py.*\(_request\)|starlette/middleware/base"
+    r"|jinja2/environment.py.*\(render\)|'tokenizers.Tokenizer' objects"
     r"|fastapi/routing.py.*serialize_response|uvicorn/protocols/http/httptools_impl.py.*\(send\)"
 )
 
