@@ -302,3 +302,39 @@ def test_refit_sends_the_trained_weights_to_a_vllm_engine(groups, tiny_model_dir
     torch.testing.assert_close(torch.tensor(logprobs), expected_T, atol=1e-4, rtol=0)
     initial_T = _naive_logprobs(_hf_model(tiny_model_dir), row, 0.7)[len(prompt) - 1 :]
     assert (initial_T - expected_T).abs().max() > 1e-3  # the engine no longer serves the initial weights
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_the_update_exactly_on_another_rank_count_and_exports(
+    groups, tiny_model_dir, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from molt._checkpoint import export, write_loop_state
+
+    two, one = groups["two_ranks"], groups["one_rank"]
+    batch = collate(_sequences(8, [1.0, -0.5, 0.25, 2.0, -1.0]), pad_id=0)
+
+    def step(group):
+        old_logp_BT = group.logprobs(batch)
+        return group.train_step(batch, old_logp_BT, torch.ones_like(old_logp_BT))
+
+    step(two)  # Adam's moments and the schedule are now off their initial values
+    two.save(tmp_path / "ckpt")
+    write_loop_state(tmp_path / "ckpt", 1, [], tiny_model_dir)
+    saved = two.full_state()
+    metrics_two, after_two = step(two), two.full_state()
+
+    one.load(tmp_path / "ckpt")  # one rank reads what two ranks wrote
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in one.full_state().items())
+    metrics_one, after_one = step(one), one.full_state()
+    for key, value in metrics_two.items():
+        assert metrics_one[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for name, tensor in after_two.items():
+        torch.testing.assert_close(after_one[name], tensor, atol=1e-6, rtol=0, msg=name)
+
+    exported = AutoModelForCausalLM.from_pretrained(export(tmp_path / "ckpt", tmp_path / "hf"))
+    written = {path.name for path in (tmp_path / "hf").iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= written
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, saved[name]), name

@@ -250,6 +250,18 @@ class PolicyWorker:
         stats = refit.update_weights(engines, refit.full_params(self.model), version=version)
         return None if stats is None else dict(stats.seconds)
 
+    def save(self, path: str) -> None:
+        """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""
+        from molt._checkpoint import save_actor
+
+        save_actor(self.model, self.optimizer, self.scheduler, Path(path), rank=self.rank)
+
+    def load(self, path: str) -> None:
+        """Read the model, optimizer and schedule from a checkpoint (any number of ranks wrote it)."""
+        from molt._checkpoint import load_actor
+
+        load_actor(self.model, self.optimizer, self.scheduler, Path(path))
+
     def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
         """Full (gathered) parameters, all or `names`, on rank 0 (None elsewhere); call on every rank."""
         import refit
@@ -343,6 +355,15 @@ class PolicyGroup:
         backend = refit.NCCL_BACKEND if self.on_gpu else refit.GLOO_BACKEND
         host = trainer_host or self.master_addr
         return self._each("refit", *[(list(engine_urls), backend, version, host)] * self.num_ranks)[0]
+
+    def save(self, path: str | Path) -> None:
+        """Checkpoint the model, optimizer and schedule into `path` (each rank writes its shards)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._each("save", *[(str(path),)] * self.num_ranks)
+
+    def load(self, path: str | Path) -> None:
+        """Restore the model, optimizer and schedule from a checkpoint written by `save`."""
+        self._each("load", *[(str(path),)] * self.num_ranks)
 
     def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """Full parameters (all, or `names`) gathered from the shards."""

@@ -1,4 +1,5 @@
-"""The `molt` command: `molt train [--config FILE.toml] [--group.field VALUE ...]`, `molt plot RUN_DIR`.
+"""The `molt` command: `molt train [--config FILE.toml] [--group.field VALUE ...]`, `--resume RUN_DIR`,
+`molt export CHECKPOINT OUT_DIR`, `molt plot RUN_DIR`.
 
 Typer parses only the command name. The dotted flags are one per config field, which click cannot know, so
 `train` takes its arguments raw, `molt._flags.resolve` turns them into a validated Config (every error before
@@ -22,13 +23,18 @@ __all__ = ["app"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 
-_USAGE = "Usage: molt train [--config FILE.toml] [--group.field VALUE ...] [--print-config]"
+_USAGE = (
+    "Usage: molt train [--config FILE.toml] [--group.field VALUE ...] [--print-config]\n"
+    "       molt train --resume RUN_DIR [--group.field VALUE ...]"
+)
 _SYNTAX = """\
 Every option is a dotted flag on the typed config (molt/config.py): --group.field VALUE or
 --group.field=VALUE. Precedence: defaults < --config FILE.toml < flags. Booleans take true/false/1/0/yes/no
 (a bare boolean flag means true), optional values take none, pairs are comma separated (0.5,2.0).
 
   --config FILE.toml    settings from a TOML file, in the format --print-config writes
+  --resume RUN_DIR      continue a run from its newest checkpoint (--ckpt.every), with its config.toml;
+                        flags given here override it (e.g. --train.num_steps to train longer)
   --print-config        print the resolved config as TOML and exit without training
   --help                show this message and exit"""
 
@@ -63,8 +69,12 @@ def train(ctx: typer.Context) -> None:
         typer.echo(train_help())
         return
     print_config = "--print-config" in args
+    args = [arg for arg in args if arg != "--print-config"]
+    resume_dir = _take_resume(args)
     try:
-        config = resolve([arg for arg in args if arg != "--print-config"])
+        if resume_dir is not None:  # the run's own config, then the flags given now
+            args = ["--config", str(resume_dir / "config.toml"), *args, "--logger.run_dir", str(resume_dir)]
+        config = resolve(args)
     except ConfigError as error:
         typer.echo(f"molt train: {error}", err=True)
         raise typer.Exit(2) from None
@@ -73,8 +83,15 @@ def train(ctx: typer.Context) -> None:
         return
     config = with_run_dir(config)
     run_dir = Path(config.logger.run_dir)
-    if (run_dir / "metrics.jsonl").exists():
-        typer.echo(f"molt train: --logger.run_dir {run_dir} already holds a run; choose another", err=True)
+    if resume_dir is None and (run_dir / "metrics.jsonl").exists():
+        typer.echo(
+            f"molt train: --logger.run_dir {run_dir} already holds a run; choose another, or continue it "
+            f"with molt train --resume {run_dir}",
+            err=True,
+        )
+        raise typer.Exit(2)
+    if resume_dir is not None and not (Path(config.ckpt.dir) / "latest").is_file():
+        typer.echo(f"molt train: --resume {resume_dir}: no checkpoint in {config.ckpt.dir}", err=True)
         raise typer.Exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(render_toml(config))
@@ -84,7 +101,36 @@ def train(ctx: typer.Context) -> None:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
 
-    run_training(config)
+    run_training(config, resume=resume_dir is not None)
+
+
+def _take_resume(args: list[str]) -> Path | None:
+    """Remove `--resume RUN_DIR` from `args` and return the run directory (it must hold a run)."""
+    for index, arg in enumerate(args):
+        if arg == "--resume" or arg.startswith("--resume="):
+            value = arg.partition("=")[2] or (args[index + 1] if index + 1 < len(args) else "")
+            del args[index : index + (1 if "=" in arg else 2)]
+            if not (Path(value) / "config.toml").is_file():
+                typer.echo(f"molt train: --resume {value!r}: not a run directory (no config.toml)", err=True)
+                raise typer.Exit(2)
+            return Path(value)
+    return None
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint (step_NNNNNN) or a checkpoints dir.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face model directory.")],
+) -> None:
+    """Write a checkpoint's policy as a Hugging Face safetensors directory (transformers and vLLM load it)."""
+    from molt._checkpoint import export as export_checkpoint
+
+    try:
+        written = export_checkpoint(checkpoint, out_dir)
+    except ValueError as error:
+        typer.echo(f"molt export: {error}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {written}")
 
 
 @app.command()

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import math
+import zlib
 from dataclasses import dataclass, field
 
 from molt.agent import ChatAgent, Context, Result
@@ -82,7 +84,7 @@ class RolloutRunner:
         episode = self._chat_episode if self.chat_url else self._env_episode
         try:
             async with asyncio.timeout(self.config.agent.timeout):
-                rollout = await episode(next(self.hosts), row)
+                rollout = await episode(next(self.hosts), row, index)
         except TimeoutError:
             self.failures["timed_out"] += 1
             raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
@@ -98,7 +100,7 @@ class RolloutRunner:
             raise ValueError("the rollout sampled no token: the agent made no request to the model")
         return rollout
 
-    async def _chat_episode(self, host, row: dict) -> Rollout:
+    async def _chat_episode(self, host, row: dict, index: int) -> Rollout:
         """A ChatAgent episode: the agent's SDK talks to this session's URLs; tito captures every turn."""
         session = self.tito.new_session()
         url = f"{self.chat_url}/s/{session.id}"
@@ -112,7 +114,14 @@ class RolloutRunner:
         truncated = session.finish_reason == "length"
         return Rollout(trajectory.segments, float(result.reward), sampled, truncated, dict(result.info))
 
-    async def _env_episode(self, host, row: dict) -> Rollout:
+    def _seed(self, row: dict, index: int, turn: int) -> int | None:
+        """--rollout.seed_requests: a seed from the row's content, the sample index and the turn."""
+        if not self.config.rollout.seed_requests:
+            return None
+        key = json.dumps([self.config.train.seed, row, index, turn], sort_keys=True, default=str)
+        return zlib.crc32(key.encode())
+
+    async def _env_episode(self, host, row: dict, index: int) -> Rollout:
         session = self.tito.new_session()
         tokenizer = self.tito.tokenizer
         tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
@@ -120,10 +129,11 @@ class RolloutRunner:
         try:
             observation = await host.reset(session.id, row)
             messages: list[dict] = []
-            for _ in range(self.config.agent.max_turns):
+            for turn in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
                 prompt_ids = self._prompt_ids(session, messages, tools, observation)
-                generation = await self.tito.generate(session, prompt_ids, **self.sampling)
+                seed = self._seed(row, index, turn)
+                generation = await self.tito.generate(session, prompt_ids, **self.sampling, seed=seed)
                 sampled += generation.token_ids
                 truncated = generation.finish_reason == "length"
                 reply = {

@@ -238,6 +238,9 @@ class Rollout(_Group):
     """Most policy versions a group's oldest token may lag the trainer."""
     partial_rollout: bool = True
     """Keep in-flight requests across weight refits (their tokens mix versions)."""
+    seed_requests: bool = False
+    """Seed each Env request from --train.seed, its row, sample and turn: the same weights sample the same
+    tokens again (reproducible runs and resumes)."""
 
 
 class Train(_Group):

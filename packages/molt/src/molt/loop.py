@@ -16,6 +16,7 @@ import random
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from asyncpool import GroupPool, PoolExhausted
 from molt._actor import PolicyGroup
 from molt._batch import TrainBatch, collate
+from molt._checkpoint import latest, restore_rng, step_dir, write_loop_state
 from molt._dumps import write_rollouts
 from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
 from molt._eval import eval_rows, evaluate
@@ -46,25 +48,35 @@ REQUIRED_METRICS = frozenset({
 })  # fmt: skip
 
 
-async def run_steps(
-    config: Config,
-    policy: PolicyGroup,
-    tito: Tito,
-    pool: GroupPool,
-    runner: RolloutRunner,
-    log: RunLog,
-    eval_rows: list[dict],
-) -> None:
+@dataclass
+class Run:
+    """The parts `run_steps` drives, started by `train`."""
+
+    policy: PolicyGroup
+    tito: Tito
+    pool: GroupPool
+    runner: RolloutRunner
+    rows: RowStream
+    log: RunLog
+    model_dir: Path
+    eval_rows: list[dict]
+    first_step: int = 1  # > 1 when resuming from a checkpoint
+
+
+async def run_steps(config: Config, run: Run) -> None:
     """The algorithm: take groups, recompute logprobs, advantages, correction, loss and step, refit, log."""
+    policy, pool, runner = run.policy, run.pool, run.runner
     estimator = ESTIMATORS[config.algo.advantage.estimator]
-    engine_urls = [engine.url for engine in tito.router.engines]
-    pad_id = tito.tokenizer.pad_token_id
+    engine_urls = [engine.url for engine in run.tito.router.engines]
+    pad_id = run.tito.tokenizer.pad_token_id
     correction = config.algo.correction
-    for step in range(1, config.train.num_steps + 1):
+    last = config.train.num_steps
+    for step in range(run.first_step, last + 1):
         started = time.monotonic()
-        groups = await take(pool, config.rollout.prompts_per_step, tito)  # whole groups, completion order
+        groups = await take(pool, config.rollout.prompts_per_step, run.tito)  # whole, completion order
         generation_s = time.monotonic() - started
         rollouts: list[Rollout] = [sample for group in groups for sample in group.samples]
+        run.rows.mark_trained(groups)
         if config.train.rollout_dump_dir:
             write_rollouts(Path(config.train.rollout_dump_dir), step, groups)
 
@@ -90,11 +102,11 @@ async def run_steps(
         pool.version = step  # groups older than max_lag versions are dropped from now on
         broadcast_s = time.monotonic() - broadcast_started
 
-        every, last = config.eval.every, config.train.num_steps
+        every = config.eval.every
         evaluating = every and (step % every == 0 or step == last)  # --eval.every, with the new weights
-        eval_metrics = await evaluate(runner, eval_rows, config) if evaluating else {}
+        eval_metrics = await evaluate(runner, run.eval_rows, config) if evaluating else {}
 
-        log.step(step, {
+        run.log.step(step, {
             **rollout_metrics(rollouts, config.rollout.group_size),
             **train_metrics,
             "train/kl": train_metrics.get("train/kl", 0.0),
@@ -112,6 +124,9 @@ async def run_steps(
             **eval_metrics,
             "timing/step_total": time.monotonic() - started,
         })  # fmt: skip
+        every = config.ckpt.every
+        if every and (step % every == 0 or step == last):  # --ckpt.every: actor, optimizer, loop state
+            await asyncio.to_thread(save_checkpoint, config, run, step)
 
 
 async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
@@ -217,14 +232,42 @@ def read_rows(config: Config, agent_module) -> Iterator[dict]:
             yield {**row, "messages": row[key]}
 
 
+class RowStream:
+    """The dataset rows as the pool draws them. It remembers each drawn row's position in the stream
+    (the pool numbers rows in the order it draws them), so a checkpoint records which rows were trained
+    and a resumed run skips exactly those: rows in flight at the checkpoint are drawn again."""
+
+    def __init__(self, rows: Iterator[dict], *, skip: list[int] = ()) -> None:
+        self.rows, self.skip = rows, set(skip)
+        self.positions: list[int] = []  # pool prompt index -> position in the stream
+        self.trained: list[int] = list(skip)
+
+    def __iter__(self) -> Iterator[dict]:
+        for position, row in enumerate(self.rows):
+            if position not in self.skip:
+                self.positions.append(position)
+                yield row
+
+    def mark_trained(self, groups) -> None:
+        self.trained += [self.positions[group.prompt_index] for group in groups]
+
+
+def save_checkpoint(config: Config, run: Run, step: int) -> None:
+    path = step_dir(config.ckpt.dir, step)
+    run.policy.save(path)  # every rank writes its shards
+    write_loop_state(path, step, run.rows.trained, run.model_dir)  # last: marks the checkpoint complete
+    progress(f"checkpoint of step {step} in {path}")
+
+
 def _keep_varied(group) -> bool:
     """--algo.dynamic_filter (DAPO): a group whose rewards are all equal has no gradient; backfill it."""
     rewards_S = torch.tensor([sample.reward for sample in group.samples])
     return bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all())
 
 
-def train(config: Config) -> None:
-    """`molt train`: set up, run `run_steps`, and tear everything down on any exit."""
+def train(config: Config, *, resume: bool = False) -> None:
+    """`molt train`: set up, run `run_steps`, and tear everything down on any exit. `resume`: continue
+    from the newest checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
     import ray
 
     run_dir = Path(config.logger.run_dir)
@@ -235,10 +278,11 @@ def train(config: Config) -> None:
         )
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
+    checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
     with contextlib.ExitStack() as cleanup:
         agent_module = load_agent(config.agent.module)
         check_agent(config, agent_module)
-        rows = read_rows(config, agent_module)
+        rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
         model_dir = _model_dir(config, run_dir)
         progress("starting Ray")
@@ -251,21 +295,27 @@ def train(config: Config) -> None:
         cleanup.callback(stop_engines, engines)
         policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
         cleanup.callback(policy.shutdown)
+        first_step = 1
+        if checkpoint is not None:
+            policy.load(checkpoint)
+            restore_rng(state)
+            first_step = state.step + 1
+            progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
         hosts = launch_hosts(config.agent.module, config.agent.num_runners)
         urls = attached or wait_for_engines(engines)
-        if attached:  # they may hold another run's weights: this run starts from its own, as version 0
-            policy.refit(urls, 0)
-        progress(f"engines ready at {', '.join(urls)}; training {config.train.num_steps} steps")
+        if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
+            policy.refit(urls, first_step - 1)
+        progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        run = _serve_and_run(config, policy, urls, model_dir, hosts, rows, evaluation, log, chat=chat)
-        asyncio.run(run)
+        parts = (policy, urls, model_dir, hosts, rows, evaluation, log, first_step)
+        asyncio.run(_serve_and_run(config, *parts, chat=chat))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
 async def _serve_and_run(
-    config, policy, engine_urls, model_dir, hosts, rows, evaluation, log, *, chat: bool
+    config, policy, engine_urls, model_dir, hosts, rows, evaluation, log, first_step, *, chat: bool
 ) -> None:
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps`."""
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
@@ -278,8 +328,10 @@ async def _serve_and_run(
             keep = _keep_varied if config.algo.dynamic_filter else None
             pool = GroupPool(runner, rows, group_size=rollout.group_size, depth=rollout.queue_depth,
                              max_lag=rollout.max_lag, keep=keep, retry_delay=0.5)  # fmt: skip
+            pool.version = first_step - 1  # the engines' weights, pushed before the pool starts
             async with pool:
-                await run_steps(config, policy, tito, pool, runner, log, evaluation)
+                run = Run(policy, tito, pool, runner, rows, log, model_dir, evaluation, first_step)
+                await run_steps(config, run)
     except PoolExhausted as end:
         if end.__cause__ is not None:  # the dataset itself failed
             raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__

@@ -1,0 +1,114 @@
+"""Checkpoints (`--ckpt.every`), `molt train --resume RUN_DIR`, and `molt export`.
+
+A checkpoint is a directory `<ckpt.dir>/step_000010/` holding:
+- `actor/`: the policy's model and optimizer as a torch.distributed.checkpoint (every rank writes its own
+  shards, and a run with another number of ranks can load it);
+- `scheduler.pt`: the learning-rate schedule's state;
+- `loop.json`: the loop's state (`LoopState`: the step, which rows were trained, the driver's RNG);
+- `model/`: the model's config and tokenizer, so that `molt export` needs nothing else.
+`<ckpt.dir>/latest` names the newest complete checkpoint; it is written last, so a run stopped while
+saving resumes from the one before.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import msgspec
+import torch
+
+__all__ = ["LoopState", "export", "latest", "load_actor", "save_actor", "write_loop_state"]
+
+LATEST = "latest"
+
+
+class LoopState(msgspec.Struct):
+    step: int  # the last optimizer step the checkpoint includes (= the engines' weight version)
+    trained_rows: list[int]  # positions in the row stream of every group trained so far
+    torch_rng: list[int]
+    python_rng: list
+
+
+def step_dir(ckpt_dir: str | Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"step_{step:06d}"
+
+
+def save_actor(model, optimizer, scheduler, path: Path, *, rank: int) -> None:
+    """Every rank: write its shards of the model and optimizer; rank 0 also the scheduler."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "actor"))
+    if rank == 0:
+        torch.save(scheduler.state_dict(), path / "scheduler.pt")
+
+
+def load_actor(model, optimizer, scheduler, path: Path) -> None:
+    """Every rank: read its shards of the model and optimizer (resharded as needed) and the scheduler."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path / "actor"))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+
+
+def write_loop_state(path: Path, step: int, trained_rows: list[int], model_dir: Path) -> None:
+    """The driver's part of a checkpoint; then `latest` points at it (the checkpoint is complete)."""
+    state = LoopState(
+        step=step,
+        trained_rows=sorted(trained_rows),
+        torch_rng=torch.get_rng_state().tolist(),
+        python_rng=json.loads(json.dumps(random.getstate())),
+    )
+    (path / "loop.json").write_bytes(msgspec.json.encode(state))
+    model_copy = path / "model"
+    model_copy.mkdir(exist_ok=True)
+    for item in Path(model_dir).iterdir():  # config and tokenizer files, not the weights
+        if item.is_file() and item.suffix in {".json", ".txt", ".model", ".jinja"}:
+            shutil.copy2(item, model_copy / item.name)
+    (path.parent / LATEST).write_text(path.name + "\n")
+
+
+def latest(ckpt_dir: str | Path) -> tuple[Path, LoopState]:
+    """The newest complete checkpoint under `ckpt_dir` and its loop state."""
+    pointer = Path(ckpt_dir) / LATEST
+    if not pointer.is_file():
+        raise ValueError(f"{ckpt_dir} holds no complete checkpoint: was the run started with --ckpt.every?")
+    path = Path(ckpt_dir) / pointer.read_text().strip()
+    state = msgspec.json.decode((path / "loop.json").read_bytes(), type=LoopState)
+    return path, state
+
+
+def restore_rng(state: LoopState) -> None:
+    torch.set_rng_state(torch.tensor(state.torch_rng, dtype=torch.uint8))
+    version, internal, gauss = state.python_rng
+    random.setstate((version, tuple(internal), gauss))
+
+
+def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """`molt export`: a checkpoint's policy weights as a Hugging Face directory (safetensors, config,
+    tokenizer) that transformers and vLLM load. Runs in one process, with no process group."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = Path(checkpoint)
+    if (checkpoint / LATEST).is_file():  # a run's checkpoint directory: take its newest
+        checkpoint, _ = latest(checkpoint)
+    if not (checkpoint / "actor").is_dir() or not (checkpoint / "model" / "config.json").is_file():
+        raise ValueError(f"{checkpoint} is not a molt checkpoint (no actor/ and model/config.json)")
+    config = AutoConfig.from_pretrained(checkpoint / "model")
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint / "actor"))
+    model.load_state_dict(state["model"])
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    AutoTokenizer.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
+    return out_dir
