@@ -8,8 +8,8 @@ its own lifecycle (`/start_weight_update`, `/update_weights`, `/finish_weight_up
 
 Why a backend of our own: vLLM's built-in backends are CUDA-only. This one receives the same buckets
 the sender packs for vLLM's NCCL engine (`refit._buckets`), over a gloo group, each bucket preceded by
-a header (its index, or -1 = the trainer aborted), on a receiver thread that stays up to two buckets
-ahead of the loads. It reloads layer by layer
+a header (its index, or -1 = the trainer aborted), on a receiver thread that runs ahead of the
+loads. It reloads layer by layer
 (`initialize_layerwise_reload` → `load_weights` → `finalize_layerwise_reload`), because on the CPU
 build a plain `load_weights` fails half way (weights are repacked for oneDNN).
 
@@ -106,10 +106,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise
 
     def _receive(self, specs: list[ParamSpec], bucket_bytes: int) -> None:
-        """Load bucket k while a thread already receives bucket k+1: the trainer's broadcasts never
-        wait for a load, so small buckets pipeline packing, the wire and the reload."""
+        """Load buckets as a thread receives them. The receiver never waits for a load, so the
+        trainer's broadcasts never do either and small buckets pipeline packing, wire and reload.
+        Its price: received buckets may pile up, at most the refit's bytes (CPU engines only)."""
         plan = plan_buckets(specs, bucket_bytes)
-        inbox: queue.Queue = queue.Queue(maxsize=2)  # received, not yet loaded: at most two buckets
+        inbox: queue.SimpleQueue = queue.SimpleQueue()  # received, not yet loaded
         receiver = threading.Thread(target=self._receive_into, args=(specs, plan, inbox), daemon=True)
         receiver.start()
         try:
@@ -120,14 +121,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 began = time.perf_counter()
                 self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
                 self.last_timings["load_s"] += time.perf_counter() - began
-        except BaseException:  # take (and drop) the rest, so the trainer's stream still completes
-            while receiver.is_alive():
-                with contextlib.suppress(queue.Empty):
-                    inbox.get(timeout=0.1)
-            raise
-        receiver.join()
+        finally:  # after a load error the receiver still takes the rest: the trainer's stream completes
+            receiver.join()
 
-    def _receive_into(self, specs: list[ParamSpec], plan: list[range], inbox: queue.Queue) -> None:
+    def _receive_into(self, specs: list[ParamSpec], plan: list[range], inbox: queue.SimpleQueue) -> None:
         """Receiver thread: every bucket (or the error that stopped it) goes into `inbox`, in order."""
         began, header = time.perf_counter(), torch.zeros(1, dtype=torch.int64)
         try:
