@@ -113,7 +113,7 @@ def test_context_parallelism_needs_cuda(monkeypatch):
     with pytest.raises(ConfigError, match=r"--fsdp\.cp_size"):
         resolve(["--fsdp.cp_size", "2"])
     monkeypatch.setattr(molt.config, "_cuda_available", lambda: True)
-    assert resolve(["--fsdp.cp_size", "2"]).fsdp.cp_size == 2
+    assert resolve(["--fsdp.cp_size", "2", "--actor.num_ranks", "2"]).fsdp.cp_size == 2
 
 
 def test_force_on_policy_derives_strict_on_policy_and_allows_no_correction():
@@ -203,14 +203,14 @@ def test_ill_typed_toml_value_names_the_file_and_the_flag(tmp_path):
     ],
 )
 def test_bool_values(text, value):
-    assert resolve(["--train.routing_replay", text]).train.routing_replay is value
-    assert resolve([f"--train.routing_replay={text}"]).train.routing_replay is value
+    assert resolve(["--actor.freeze_moe_router", text]).actor.freeze_moe_router is value
+    assert resolve([f"--actor.freeze_moe_router={text}"]).actor.freeze_moe_router is value
 
 
 def test_bare_bool_flag_means_true():
-    assert resolve(["--train.routing_replay"]).train.routing_replay is True
-    config = resolve(["--train.routing_replay", "--algo.dynamic_filter", "--rollout.group_size", "4"])
-    assert (config.train.routing_replay, config.algo.dynamic_filter, config.rollout.group_size) == (
+    assert resolve(["--actor.freeze_moe_router"]).actor.freeze_moe_router is True
+    config = resolve(["--actor.freeze_moe_router", "--algo.dynamic_filter", "--rollout.group_size", "4"])
+    assert (config.actor.freeze_moe_router, config.algo.dynamic_filter, config.rollout.group_size) == (
         True,
         True,
         4,

@@ -11,9 +11,11 @@ FSDP's gradient averaging undone (`_sum_gradients_over_ranks`), the summed gradi
 the global token mean, so the update does not depend on the number of ranks or micro-batches.
 Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
 
-Refuses: tensor, context or expert parallelism (`--fsdp.tp_size/cp_size/ep_size` > 1). They need
-rank-to-data mapping by data-parallel coordinate, metric reduction over the data-parallel group only,
-CP's sequence sharding, and a tiny model that can be split; none of that is wired or tested yet.
+Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (dp * cp + c) * tp + t),
+with EP groups carved out of them. Rows are sharded by the data-parallel coordinate: the TP ranks of one
+DP group see the same rows, and their identical metric sums are counted once. Refuses context
+parallelism (`--fsdp.cp_size` > 1): its sequence split over CP ranks is not wired. On CPU the actor runs
+data parallelism only (TP and EP go through AutoModel's CUDA loader; see `_check_parallelism`).
 No KL reference model exists yet: a KL loss term runs only when the caller passes reference logprobs.
 
 Legend: B sequences, T tokens, V vocabulary.
@@ -35,14 +37,29 @@ from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss
 __all__ = ["PolicyGroup", "PolicyWorker"]
 
 
-def _check_parallelism(config: Config) -> None:
+def _check_parallelism(config: Config, num_ranks: int, *, on_gpu: bool) -> None:
     fsdp = config.fsdp
-    if (fsdp.tp_size, fsdp.cp_size, fsdp.ep_size) != (1, 1, 1):
+    if fsdp.cp_size > 1:
         raise ValueError(
-            f"the policy actor runs FSDP2 data parallelism only; got --fsdp.tp_size {fsdp.tp_size} "
-            f"--fsdp.cp_size {fsdp.cp_size} --fsdp.ep_size {fsdp.ep_size}: pass 1 for each "
-            "(tensor, context and expert parallelism are not wired into the actor yet)"
+            f"--fsdp.cp_size {fsdp.cp_size}: the actor does not split sequences over context-parallel ranks "
+            "yet (each would train the whole row, scaling its gradient by cp_size); pass --fsdp.cp_size 1"
         )
+    if not on_gpu and (fsdp.tp_size, fsdp.ep_size) != (1, 1):
+        raise ValueError(
+            f"the CPU actor runs FSDP2 data parallelism only; got --fsdp.tp_size {fsdp.tp_size} "
+            f"--fsdp.ep_size {fsdp.ep_size}: pass 1 for each (tensor and expert parallelism go through "
+            "AutoModel's CUDA loader)"
+        )
+    if num_ranks % (fsdp.tp_size * fsdp.cp_size) or num_ranks % fsdp.ep_size:
+        raise ValueError(
+            f"{num_ranks} actor ranks do not split into --fsdp.tp_size {fsdp.tp_size} x --fsdp.cp_size "
+            f"{fsdp.cp_size} x data parallel, or into --fsdp.ep_size {fsdp.ep_size} expert groups"
+        )
+
+
+def _replicas(config: Config) -> int:
+    """Ranks that share one data-parallel coordinate, hence the same rows (module docstring)."""
+    return config.fsdp.tp_size * config.fsdp.cp_size
 
 
 def _distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
@@ -57,9 +74,16 @@ def _distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_g
         # On CPU everything already lives in host memory: --fsdp.offload only matters on GPU.
         offload_policy=CPUOffloadPolicy() if config.fsdp.offload and on_gpu else None,
     )
+    fsdp = config.fsdp
+    sizes = ParallelismSizes(
+        dp_size=world_size // _replicas(config),
+        tp_size=fsdp.tp_size,
+        cp_size=fsdp.cp_size,
+        ep_size=fsdp.ep_size,
+    )
     return DistributedSetup.build(
         strategy=strategy,
-        parallelism_sizes=ParallelismSizes(dp_size=world_size),
+        parallelism_sizes=sizes,
         activation_checkpointing=config.actor.activation_checkpointing,
         world_size=world_size,
     )
@@ -107,9 +131,9 @@ class PolicyWorker:
     def __init__(
         self, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str, config: Config
     ) -> None:
-        _check_parallelism(config)
-        self.rank, self.config = rank, config
         on_gpu = torch.cuda.is_available()
+        _check_parallelism(config, world_size, on_gpu=on_gpu)
+        self.rank, self.config = rank, config
         if on_gpu:
             torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
@@ -133,8 +157,12 @@ class PolicyWorker:
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
 
     def _logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
         # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
-        return self.model(input_ids=tokens_BT.to(self.device), use_cache=False).logits
+        logits_BTV = self.model(input_ids=tokens_BT.to(self.device), use_cache=False).logits
+        # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
+        return logits_BTV.full_tensor() if isinstance(logits_BTV, DTensor) else logits_BTV
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -235,7 +263,8 @@ class PolicyWorker:
                 totals[name] = totals[name] + value if name in totals else value
         sums_K = torch.stack(list(totals.values()))  # K metrics, float32 on this rank's device
         dist.all_reduce(sums_K)  # SUM over ranks
-        metrics = dict(zip(totals, (sums_K / batch.num_tokens).tolist(), strict=True))
+        counted = batch.num_tokens * _replicas(self.config)  # the TP ranks of a DP group hold equal sums
+        metrics = dict(zip(totals, (sums_K / counted).tolist(), strict=True))
         metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
         return metrics
 
@@ -284,11 +313,13 @@ class PolicyGroup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        _check_parallelism(config)
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-        self.num_ranks = num_ranks
         self.on_gpu = torch.cuda.is_available()
+        _check_parallelism(config, num_ranks, on_gpu=self.on_gpu)
+        self.num_ranks = num_ranks
+        self.replicas = _replicas(config)  # rank r holds data-parallel shard r // replicas
+        self.dp_size = num_ranks // self.replicas
         self.master_addr = ray.util.get_node_ip_address()
         port = free_port(self.master_addr)
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
@@ -317,8 +348,8 @@ class PolicyGroup:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of every row of `batch`, [B, T], in row order."""
-        shards = [(batch.shard(rank, self.num_ranks),) for rank in range(self.num_ranks)]
-        return torch.cat(self._each("logprobs", *shards))[: batch.num_rows]
+        shards = [(batch.shard(rank // self.replicas, self.dp_size),) for rank in range(self.num_ranks)]
+        return torch.cat(self._each("logprobs", *shards)[:: self.replicas])[: batch.num_rows]
 
     def train_step(
         self,
@@ -333,15 +364,15 @@ class PolicyGroup:
                 raise ValueError(f"{name} must be {tuple(batch.tokens_BT.shape)}, got {tuple(tensor.shape)}")
         if batch.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
-        world = self.num_ranks
+        world = self.dp_size
         shards = [
             (
-                batch.shard(rank, world),
-                shard_rows(old_logp_BT, rank, world),
-                shard_rows(correction_weights_BT, rank, world),
-                None if ref_logp_BT is None else shard_rows(ref_logp_BT, rank, world),
+                batch.shard(dp, world),
+                shard_rows(old_logp_BT, dp, world),
+                shard_rows(correction_weights_BT, dp, world),
+                None if ref_logp_BT is None else shard_rows(ref_logp_BT, dp, world),
             )
-            for rank in range(world)
+            for dp in (rank // self.replicas for rank in range(self.num_ranks))
         ]
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 

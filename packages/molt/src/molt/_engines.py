@@ -52,6 +52,7 @@ def engine_extra_args(config: Config) -> list[str]:
         args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
         args += ["--enable-expert-parallel"] if vllm.enable_expert_parallel else []
         args += [] if vllm.cuda_graphs else ["--enforce-eager"]
+        args += ["--enable-return-routed-experts"] if config.train.routing_replay else []  # R3's routes
         if vllm.mtp_num_speculative_tokens:
             spec = f'{{"method": "mtp", "num_speculative_tokens": {vllm.mtp_num_speculative_tokens}}}'
             args += ["--speculative-config", spec]

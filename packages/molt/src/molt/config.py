@@ -6,7 +6,8 @@ is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults <
 flags (`molt._flags.resolve`).
 
 `validate` refuses combinations that would train silently wrong (asynchrony without importance correction,
-DESIGN invariant 2; a group baseline over groups of one) and fills derived values. It imports nothing heavy:
+DESIGN invariant 2; a group baseline over groups of one; parallel sizes that do not split the
+actor's ranks, or that the CPU build cannot run) and fills derived values. It imports nothing heavy:
 this module is loaded by `molt --help`, so the Literal types below restate rlestimators' names instead of
 importing them (rlestimators imports torch); a test checks the two agree.
 """
@@ -347,6 +348,47 @@ def _on_policy(config: Config) -> Config:
     return msgspec.structs.replace(config, rollout=rollout)
 
 
+def _check_parallelism(config: Config) -> None:
+    """Parallel sizes the config alone decides: each >= 1, the actor's ranks split into DP x CP x TP
+    with EP carved out of them (AutoModel's mesh), and what the CPU build cannot run."""
+    fsdp, vllm, ranks = config.fsdp, config.vllm, config.actor.num_ranks
+    sizes = {"--fsdp.tp_size": fsdp.tp_size, "--fsdp.ep_size": fsdp.ep_size, "--fsdp.cp_size": fsdp.cp_size,
+             "--actor.num_ranks": ranks, "--actor.micro_batch_size": config.actor.micro_batch_size,
+             "--vllm.num_engines": vllm.num_engines, "--vllm.tensor_parallel_size": vllm.tensor_parallel_size,
+             "--vllm.data_parallel_size": vllm.data_parallel_size}  # fmt: skip
+    for flag, size in sizes.items():
+        if size < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {size}")
+    if fsdp.cp_size > 1 and not _cuda_available():
+        raise ConfigError(
+            "--fsdp.cp_size > 1 (context parallelism) runs only on CUDA: pass --fsdp.cp_size 1 "
+            "(it also needs unpacked sequences; molt trains right-padded rows, one sequence each)"
+        )
+    if ranks % (fsdp.tp_size * fsdp.cp_size):
+        raise ConfigError(
+            f"--actor.num_ranks {ranks} must be a multiple of --fsdp.tp_size {fsdp.tp_size} x --fsdp.cp_size "
+            f"{fsdp.cp_size}: the data-parallel size is num_ranks / (tp_size x cp_size)"
+        )
+    if ranks % fsdp.ep_size:
+        raise ConfigError(
+            f"--fsdp.ep_size {fsdp.ep_size} must divide --actor.num_ranks {ranks}: expert-parallel groups "
+            "are carved out of the actor's ranks"
+        )
+    engine_parallel = vllm.tensor_parallel_size * vllm.data_parallel_size > 1 or vllm.enable_expert_parallel
+    if not vllm.urls and (engine_parallel or vllm.mtp_num_speculative_tokens) and not _cuda_available():
+        raise ConfigError(
+            "--vllm.tensor_parallel_size, --vllm.data_parallel_size, --vllm.enable_expert_parallel and "
+            "--vllm.mtp_num_speculative_tokens need CUDA engines; the CPU engine runs one process without "
+            "speculation: leave them at their defaults"
+        )
+    if config.train.routing_replay and not _cuda_available():
+        raise ConfigError(
+            "--train.routing_replay needs engines that capture routed experts, which the vLLM CPU build "
+            "cannot (routes come from vLLM's GPU model runner): drop --train.routing_replay, or use "
+            "--actor.freeze_moe_router"
+        )
+
+
 def validate(config: Config) -> Config:
     """The config with derived values filled; a refused combination raises `ConfigError` naming its flags."""
     if config.rollout.prompts_per_step < 1:
@@ -379,12 +421,16 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
         )
-    if config.fsdp.cp_size > 1 and not _cuda_available():
-        raise ConfigError("--fsdp.cp_size > 1 (context parallelism) runs only on CUDA: pass --fsdp.cp_size 1")
+    _check_parallelism(config)
     if config.eval.every and not 1 <= config.eval.k <= config.eval.n:
         raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
     if config.eval.every < 0 or config.eval.num_prompts < 1:
         raise ConfigError("--eval.every must be >= 0 and --eval.num_prompts >= 1")
+    if config.ray.address and config.ray.num_cpus is not None:
+        raise ConfigError(
+            "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
+            "drop one of the two"
+        )
     if config.actor.lr <= 0:
         raise ConfigError(f"--actor.lr must be > 0, got {config.actor.lr}")
     if config.train.num_steps < 1:

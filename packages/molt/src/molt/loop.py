@@ -28,6 +28,7 @@ from molt._checkpoint import latest, restore_rng, step_dir, write_loop_state
 from molt._dumps import write_rollouts
 from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
 from molt._eval import eval_rows, evaluate
+from molt._guards import check_launch
 from molt._log import RunLog, progress
 from molt._rollout import Rollout, RolloutRunner, check_agent
 from molt._runners import launch_hosts
@@ -288,6 +289,7 @@ def train(config: Config, *, resume: bool = False) -> None:
         progress("starting Ray")
         ray.init(address=config.ray.address or None, num_cpus=config.ray.num_cpus, include_dashboard=False)
         cleanup.callback(ray.shutdown)
+        check_launch(config, model_dir)  # heads, experts, GPUs: before any engine or actor starts
         attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
         num_new = 0 if attached else config.vllm.num_engines
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
