@@ -153,7 +153,7 @@ def groups(tiny_model_dir):
 
     from molt._actor import PolicyGroup
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     with ThreadPoolExecutor(len(GROUPS)) as pool:
         futures = {
             name: pool.submit(PolicyGroup, tiny_model_dir, config, num_ranks)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import msgspec
@@ -106,7 +107,9 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     config = AutoConfig.from_pretrained(checkpoint / "model")
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint / "actor"), no_dist=True)  # one process reads all shards
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(checkpoint / "actor"), no_dist=True)
     model.load_state_dict(state["model"])
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)

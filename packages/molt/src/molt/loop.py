@@ -287,7 +287,10 @@ def train(config: Config, *, resume: bool = False) -> None:
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
         model_dir = _model_dir(config, run_dir)
         progress("starting Ray")
-        ray.init(address=config.ray.address or None, num_cpus=config.ray.num_cpus, include_dashboard=False)
+        if config.ray.address:  # join that cluster; otherwise a fresh local Ray, never one found running here
+            ray.init(address=config.ray.address, include_dashboard=False)
+        else:
+            ray.init(address="local", num_cpus=config.ray.num_cpus, include_dashboard=False)
         cleanup.callback(ray.shutdown)
         check_launch(config, model_dir)  # heads, experts, GPUs: before any engine or actor starts
         attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
