@@ -104,8 +104,29 @@ def test_parallel_sizes_must_split_the_ranks(with_cuda, args, flags):
 
 def test_parallel_sizes_that_split_are_accepted_on_cuda(with_cuda):
     args = ["--actor.num_ranks", "8", "--fsdp.tp_size", "2", "--fsdp.cp_size", "2", "--fsdp.ep_size", "8"]
-    config = resolve(args + ["--train.routing_replay", "--vllm.tensor_parallel_size", "4"])
+    config = resolve(args + ["--actor.freeze_moe_router", "--vllm.tensor_parallel_size", "4"])
     assert (config.fsdp.tp_size, config.fsdp.cp_size, config.fsdp.ep_size) == (2, 2, 8)
+
+
+def test_routing_replay_is_refused_until_the_loop_replays_routes(with_cuda):
+    _refused(["--train.routing_replay"], ["--train.routing_replay", "not wired", "--actor.freeze_moe_router"])
+
+
+def test_freezing_the_moe_router_freezes_every_gate_and_refuses_a_dense_model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from molt._actor import freeze_moe_routers
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    assert freeze_moe_routers(model) == 2
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(".mlp.gate." in name for name in frozen)
+    assert any(".mlp.experts." in name for name, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="no router"):
+        freeze_moe_routers(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
 
 
 def _model(tmp_path, **fields) -> str:

@@ -108,6 +108,18 @@ def _load_model(model_dir: str, config: Config, world_size: int, device: torch.d
     return parallelize_model(model, setup.mesh_context)  # one rank: left unsharded by AutoModel
 
 
+def freeze_moe_routers(model: torch.nn.Module) -> int:
+    """--actor.freeze_moe_router: no router (MoE gate) weight trains, so the experts a token is sent to
+    move only through the rest of the model (the coarser alternative to routing replay). Returns the
+    number of routers; a dense model is refused."""
+    import refit
+
+    routers = refit.RoutingReplay(model).routers  # transformers *TopKRouter or AutoModel Gate; raises if none
+    for router in routers:
+        router.requires_grad_(False)
+    return len(routers)
+
+
 def _sum_gradients_over_ranks(model: torch.nn.Module) -> None:
     """Make FSDP2 sum gradients over data-parallel ranks instead of averaging them.
 
@@ -146,6 +158,8 @@ class PolicyWorker:
         self.model = _load_model(str(model_dir), config, world_size, self.device)
         self.model.train()
         _sum_gradients_over_ranks(self.model)
+        if config.actor.freeze_moe_router:
+            freeze_moe_routers(self.model)
         actor = config.actor
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay

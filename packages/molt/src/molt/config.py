@@ -387,6 +387,11 @@ def _check_parallelism(config: Config) -> None:
             "cannot (routes come from vLLM's GPU model runner): drop --train.routing_replay, or use "
             "--actor.freeze_moe_router"
         )
+    if config.train.routing_replay:  # refit.RoutingReplay exists; the loop does not carry routes to it yet
+        raise ConfigError(
+            "--train.routing_replay is not wired into the training loop yet (the engines' routes are not "
+            "replayed in the actor): use --actor.freeze_moe_router"
+        )
 
 
 def validate(config: Config) -> Config:
