@@ -1,0 +1,211 @@
+"""The policy actor on two GPUs: data and expert parallelism give the one-GPU update (a small Qwen3-MoE).
+
+One global batch, one `train_step`, three layouts of the same seeded MoE checkpoint: one GPU, data
+parallel 2 (FSDP2 over both GPUs), and data parallel 2 with expert parallel 2 (each GPU holds half the
+experts, tokens travel between them). Each layout runs in its own processes, one per GPU, driven without
+Ray: `PolicyWorker` is a plain class, and each process sees only its GPU (`CUDA_VISIBLE_DEVICES`, as Ray
+sets it), so the worker's `cuda:0` is its own device.
+
+What "the same update" means, per parameter dtype. The first AdamW step moves each weight by about
+lr * sign(gradient), so rounding noise in a near-zero gradient flips a whole step: the update is compared
+by direction (cosine and sign agreement), while scale bugs show up in the pre-clip gradient norm, the
+loss metrics and the logprobs after the step, compared directly. fp32 must agree to rounding; bf16 to
+bf16's precision (8 mantissa bits, relative spacing 2**-8). The router's auxiliary loss is off: it is a
+per-batch statistic of routing, so it differs between one GPU's batch and each half (not an error).
+
+Legend: B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from molt._batch import collate, shard_rows
+from molt.config import FSDP, Actor, Config, Model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+LENGTHS = (9, 14, 7, 12, 10, 16)  # even: both data-parallel ranks get real rows only
+PROMPT_LEN = 4
+LR = 1e-2  # large against bf16's spacing, so a rounded update still moves every weight
+LAYOUTS = {"one_gpu": (1, 1), "dp2": (2, 1), "dp2_ep2": (2, 2)}  # name -> (GPUs, ep_size)
+# dtype -> (metric rtol, min update cosine, max sign disagreement, logprob drift / step change)
+TOLERANCE = {"float32": (1e-4, 0.9999, 1e-4, 1e-3), "bfloat16": (2e-2, 0.95, 0.03, 0.1)}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_tiny_moe(out_dir: Path, dtype: str) -> Path:
+    """A seeded Qwen3-MoE (8 experts, top 2, 2 layers) next to molt.tiny's tokenizer."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from molt.tiny import build_tiny_model
+
+    build_tiny_model(out_dir)  # the tokenizer and generation config; the dense weights are replaced
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0,
+        decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        dtype=dtype,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out_dir)
+    return out_dir
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for length, advantage in zip(LENGTHS, (1.5, -1.0, 0.5, -0.25, 2.0, -1.5), strict=True):
+        token_ids = torch.randint(8, 100, (length,), generator=gen).tolist()
+        loss_mask = [0] * PROMPT_LEN + [1] * (length - PROMPT_LEN)
+        rows.append((token_ids, loss_mask, [0.0] * length, advantage))
+    batch = collate(rows, pad_id=0)
+    weights_BT = 0.5 + torch.rand(batch.tokens_BT.shape, generator=gen)  # uneven correction weights
+    return batch, weights_BT
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(param.to_local().shape if hasattr(param, "to_local") else param.shape)
+
+
+def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, ep_size: int, out: str) -> None:
+    """One GPU's part of one layout: logprobs, one train step, logprobs again; saves what it saw."""
+    import torch.distributed as dist
+
+    from molt._actor import PolicyWorker
+
+    config = msgspec.structs.replace(
+        Config(),
+        model=Model(dtype=dtype),
+        actor=Actor(lr=LR, micro_batch_size=2, num_ranks=world_size),
+        fsdp=FSDP(ep_size=ep_size),
+    )
+    worker = PolicyWorker(rank, world_size, "127.0.0.1", port, model_dir, config)
+    experts = {  # the mesh axes an expert weight is split over, its local and global shapes
+        name: (getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None), _local_shape(p), p.shape)
+        for name, p in worker.model.named_parameters()
+        if "experts" in name
+    }
+    batch, weights_BT = _batch()
+    shard = batch.shard(rank, world_size)
+    before = worker.full_state()
+    logp_BT = worker.logprobs(shard)  # on-policy: each layout's own logprobs, ratio 1
+    metrics = worker.train_step(shard, logp_BT, shard_rows(weights_BT, rank, world_size))
+    after_logp_BT = worker.logprobs(shard)
+    after = worker.full_state()
+    result = dict(logp_BT=logp_BT, after_logp_BT=after_logp_BT, metrics=metrics, experts=experts)
+    result.update(model_class=type(worker.model).__module__, before=before, after=after)
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _run_layout(model_dir: Path, dtype: str, num_gpus: int, ep_size: int, out: Path) -> dict:
+    """Start one process per GPU, each seeing only its own GPU; return rank 0's result with the
+    logprobs of the whole batch (shards rejoined in row order)."""
+    out.mkdir()
+    port, context = _free_port(), mp.get_context("spawn")
+    processes, visible = [], os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for rank in range(num_gpus):
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # inherited by the child at start
+            args = (rank, num_gpus, port, str(model_dir), dtype, ep_size, str(out))
+            processes.append(context.Process(target=_rank, args=args))
+            processes[-1].start()
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    for process in processes:
+        process.join(timeout=300)
+    codes = [process.exitcode for process in processes]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    assert codes == [0] * num_gpus, f"{out.name}: rank exit codes {codes}"
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(num_gpus)]
+    num_rows = len(LENGTHS)
+    result = ranks[0]
+    for key in ("logp_BT", "after_logp_BT"):
+        result[key] = torch.cat([r[key] for r in ranks])[:num_rows]
+    result["rank_experts"] = [r["experts"] for r in ranks]
+    return result
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def layouts(request, tmp_path_factory):
+    """The three layouts' results for one parameter dtype."""
+    dtype = request.param
+    root = tmp_path_factory.mktemp(f"moe-{dtype}")
+    model_dir = build_tiny_moe(root / "model", dtype)
+    runs = {name: _run_layout(model_dir, dtype, n, ep, root / name) for name, (n, ep) in LAYOUTS.items()}
+    return dtype, runs
+
+
+def test_the_moe_loads_through_automodel_and_expert_parallel_splits_the_experts(layouts):
+    _, runs = layouts
+    assert all(run["model_class"].startswith("nemo_automodel") for run in runs.values())
+    for rank_experts in runs["dp2_ep2"]["rank_experts"]:
+        assert rank_experts, "no expert parameters found"
+        for name, (axes, local, full) in rank_experts.items():
+            print(f"\n{name}: mesh axes {axes}, local {local}, global {tuple(full)}")
+            assert "ep" in (axes or ()) and local[0] * 2 == full[0] == 8, f"{name}: {axes} {local} {full}"
+
+
+def _update_agreement(one: dict, two: dict) -> tuple[float, float]:
+    """Cosine of the two updates over all parameters, and the fraction of weights moved in opposite
+    directions (among those either layout moved)."""
+
+    def delta(run: dict) -> torch.Tensor:
+        return torch.cat(
+            [(run["after"][n].float() - run["before"][n].float()).flatten() for n in one["after"]]
+        )
+
+    delta_one, delta_two = delta(one), delta(two)
+    cosine = torch.nn.functional.cosine_similarity(delta_one, delta_two, dim=0).item()
+    moved = (delta_one != 0) | (delta_two != 0)
+    flipped = (delta_one.sign() != delta_two.sign()) & moved
+    return cosine, (flipped.sum() / moved.sum()).item()
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2_ep2"])
+def test_two_gpus_give_the_one_gpu_update(layouts, layout):
+    dtype, runs = layouts
+    one, two = runs["one_gpu"], runs[layout]
+    metric_rtol, min_cosine, max_flipped, max_drift = TOLERANCE[dtype]
+    assert one["before"].keys() == two["before"].keys()
+    for name, tensor in one["before"].items():
+        assert torch.equal(two["before"][name], tensor), f"{name}: the layouts start from different weights"
+
+    cosine, flipped = _update_agreement(one, two)
+    mask_BT = _batch()[0].loss_mask_BT > 0
+    step_change = (one["after_logp_BT"] - one["logp_BT"])[mask_BT].norm().item()
+    drift = (two["after_logp_BT"] - one["after_logp_BT"])[mask_BT].norm().item()
+    print(
+        f"\n{dtype} {layout} vs one GPU: update cosine {cosine:.6f}, opposite moves {flipped:.2e}, "
+        f"logprob drift {drift:.3e} / step change {step_change:.3e}, metrics "
+        + ", ".join(f"{k} {one['metrics'][k]:.6g}|{two['metrics'][k]:.6g}" for k in one["metrics"])
+    )
+    for key, value in one["metrics"].items():
+        assert two["metrics"][key] == pytest.approx(value, rel=metric_rtol, abs=1e-6), key
+    assert one["metrics"]["train/grad_norm"] > 0
+    assert cosine >= min_cosine and flipped <= max_flipped
+    assert drift <= max_drift * step_change
