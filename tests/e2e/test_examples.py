@@ -49,6 +49,7 @@ def test_example_trains(tmp_path, tiny_model_dir, molt_engine, example, extra):
     ]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "reference policy" not in result.stderr  # no --algo.kl.coef: no reference group at all
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:

@@ -6,11 +6,19 @@ import json
 
 import msgspec
 import pytest
+import torch
 
 from molt._batch import collate
 from molt._rollout import Rollout
 from molt.config import Config, Data
-from molt.loop import _keep_varied, check_token_identity, read_rows, rollout_metrics, staleness_mean
+from molt.loop import (
+    _keep_varied,
+    check_token_identity,
+    read_rows,
+    rollout_metrics,
+    rollout_sums,
+    staleness_mean,
+)
 from tito import Segment
 
 
@@ -82,3 +90,10 @@ def test_rows_without_the_messages_field_are_refused(tmp_path):
     config = msgspec.structs.replace(Config(), data=Data(path=str(path)))
     with pytest.raises(ValueError, match="needs a 'messages' field"):
         next(read_rows(config, agent_module=None))
+
+
+def test_rollout_sums_add_each_rollouts_segments():
+    one = rollout([1, 7], [0, 1], [-1, 0])
+    two = Rollout(one.segments * 2, 1.0, [7, 7], truncated=False)  # a compacted rollout: two rows
+    values_BT = torch.tensor([[0.5, 1.0], [2.0, 0.0], [0.25, 0.25]])  # rows: one, two (x2)
+    assert rollout_sums(values_BT, [one, two]).tolist() == [1.5, 2.5]

@@ -34,7 +34,7 @@ from molt._rollout import Rollout, RolloutRunner, check_agent
 from molt._runners import launch_hosts
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config
-from rlestimators import ESTIMATORS, dynamic_filter, rollout_correction
+from rlestimators import ESTIMATORS, dynamic_filter, kl, rollout_correction
 from tito import Tito, create_app, serve_on_loop
 
 __all__ = ["REQUIRED_METRICS", "run_steps", "train"]
@@ -62,6 +62,7 @@ class Run:
     model_dir: Path
     eval_rows: list[dict]
     first_step: int = 1  # > 1 when resuming from a checkpoint
+    reference: PolicyGroup | None = None  # --algo.kl.coef != 0: the frozen initial policy
 
 
 async def run_steps(config: Config, run: Run) -> None:
@@ -70,7 +71,7 @@ async def run_steps(config: Config, run: Run) -> None:
     estimator = ESTIMATORS[config.algo.advantage.estimator]
     engine_urls = [engine.url for engine in run.tito.router.engines]
     pad_id = run.tito.tokenizer.pad_token_id
-    correction = config.algo.correction
+    correction, kl_cfg = config.algo.correction, config.algo.kl
     last = config.train.num_steps
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
@@ -89,12 +90,23 @@ async def run_steps(config: Config, run: Run) -> None:
 
         train_started = time.monotonic()
         old_logp_BT = await asyncio.to_thread(policy.logprobs, batch)  # trainer's logprobs, current weights
+        ref_logp_BT = None
+        if run.reference is not None:  # --algo.kl.coef: the frozen reference policy's logprobs
+            ref_logp_BT = await asyncio.to_thread(run.reference.logprobs, batch)
+            kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_cfg.kind) * batch.loss_mask_BT
+            kl_metric = (kl_BT.sum() / batch.loss_mask_BT.sum()).item()  # per trained token
+            if kl_cfg.in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
+                rewards_R = rewards_R - kl_cfg.coef * rollout_sums(kl_BT, rollouts)
+                advantages_R = estimator(rewards_R, group_ids_R)
+                batch = collate(segment_rows(rollouts, advantages_R), pad_id=pad_id)  # same rows
+                ref_logp_BT = None
         weights_BT, _, correction_metrics = rollout_correction(  # engine vs trainer mismatch (invariant 2)
             old_logp_BT, batch.rollout_logp_BT, batch.loss_mask_BT, mode=correction.mode,
             token_cap=correction.token_cap, token_bounds=correction.token_bounds,
             seq_bounds=correction.seq_bounds,
         )  # fmt: skip
-        train_metrics = await asyncio.to_thread(policy.train_step, batch, old_logp_BT, weights_BT)
+        step_args = (batch, old_logp_BT, weights_BT, ref_logp_BT)  # ref: the KL loss term, if any
+        train_metrics = await asyncio.to_thread(policy.train_step, *step_args)
         train_s = time.monotonic() - train_started
 
         broadcast_started = time.monotonic()
@@ -110,7 +122,7 @@ async def run_steps(config: Config, run: Run) -> None:
         run.log.step(step, {
             **rollout_metrics(rollouts, config.rollout.group_size),
             **train_metrics,
-            "train/kl": train_metrics.get("train/kl", 0.0),
+            "train/kl": kl_metric if run.reference is not None else 0.0,
             "train/mismatch_kl": correction_metrics["mismatch_kl"],
             "train/seq_masked_frac": correction_metrics["seq_masked_frac"],
             "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
@@ -148,6 +160,13 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
             taking.cancel()
             raise RuntimeError(f"{problem}; stopping")
     return taking.result()
+
+
+def rollout_sums(values_BT: torch.Tensor, rollouts: list[Rollout]) -> torch.Tensor:
+    """Each rollout's sum of `values_BT` over its rows (one row per segment, in `segment_rows` order)."""
+    rows_per_rollout = torch.tensor([len(r.segments) for r in rollouts])
+    owner_B = torch.arange(len(rollouts)).repeat_interleave(rows_per_rollout)
+    return torch.zeros(len(rollouts)).index_add_(0, owner_B, values_BT.sum(dim=1).float())
 
 
 def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tuple]:
@@ -300,6 +319,11 @@ def train(config: Config, *, resume: bool = False) -> None:
         cleanup.callback(stop_engines, engines)
         policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
         cleanup.callback(policy.shutdown)
+        reference = None
+        if config.algo.kl.coef != 0:  # the initial weights, frozen (a resumed run reloads them the same way)
+            progress("starting the reference policy (--algo.kl.coef)")
+            reference = PolicyGroup(model_dir, config, config.actor.num_ranks)
+            cleanup.callback(reference.shutdown)
         first_step = 1
         if checkpoint is not None:
             policy.load(checkpoint)
@@ -314,13 +338,13 @@ def train(config: Config, *, resume: bool = False) -> None:
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        parts = (policy, urls, model_dir, hosts, rows, evaluation, log, first_step)
+        parts = (policy, reference, urls, model_dir, hosts, rows, evaluation, log, first_step)
         asyncio.run(_serve_and_run(config, *parts, chat=chat))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
 async def _serve_and_run(
-    config, policy, engine_urls, model_dir, hosts, rows, evaluation, log, first_step, *, chat: bool
+    config, policy, reference, engine_urls, model_dir, hosts, rows, evaluation, log, first_step, *, chat: bool
 ) -> None:
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps`."""
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
@@ -335,7 +359,7 @@ async def _serve_and_run(
                              max_lag=rollout.max_lag, keep=keep, retry_delay=0.5)  # fmt: skip
             pool.version = first_step - 1  # the engines' weights, pushed before the pool starts
             async with pool:
-                run = Run(policy, tito, pool, runner, rows, log, model_dir, evaluation, first_step)
+                run = Run(policy, tito, pool, runner, rows, log, model_dir, evaluation, first_step, reference)
                 await run_steps(config, run)
     except PoolExhausted as end:
         if end.__cause__ is not None:  # the dataset itself failed
