@@ -167,7 +167,7 @@ def test_the_moe_loads_through_automodel_and_expert_parallel_splits_the_experts(
         assert rank_experts, "no expert parameters found"
         for name, (axes, local, full) in rank_experts.items():
             print(f"\n{name}: mesh axes {axes}, local {local}, global {tuple(full)}")
-            assert "ep" in (axes or ()) and local[0] * 2 == full[0] == 8, f"{name}: {axes} {local} {full}"
+            assert "ep" in [getattr(axis, "value", axis) for axis in axes or ()] and local[0] * 2 == full[0] == 8, f"{name}: {axes} {local} {full}"
 
 
 def _update_agreement(one: dict, two: dict) -> tuple[float, float]:
