@@ -24,6 +24,7 @@ def test_a_kl_penalty_starts_a_frozen_reference(tmp_path, tiny_model_dir, molt_e
         "--rollout.group_size", "4", "--train.force_on_policy", "--ray.num_cpus", "2",
         "--logger.tensorboard", "false", "--algo.kl.coef", "0.5",
         "--algo.kl.in_reward", str(in_reward).lower(),
+        "--algo.entropy_coef", "0.1",  # moves the policy even while every reward is still 0
     ]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
