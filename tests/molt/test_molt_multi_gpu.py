@@ -40,7 +40,7 @@ PROMPT_LEN = 4
 LR = 1e-2  # large against bf16's spacing, so a rounded update still moves every weight
 LAYOUTS = {"one_gpu": (1, 1), "dp2": (2, 1), "dp2_ep2": (2, 2)}  # name -> (GPUs, ep_size)
 # dtype -> (metric rtol, min update cosine, max sign disagreement, logprob drift / step change)
-TOLERANCE = {"float32": (1e-4, 0.9999, 1e-4, 1e-3), "bfloat16": (2e-2, 0.95, 0.03, 0.1)}
+TOLERANCE = {"float32": (1e-4, 0.999, 1e-4, 1e-3), "bfloat16": (2e-2, 0.95, 0.03, 0.1)}
 
 
 def _free_port() -> int:
@@ -167,7 +167,8 @@ def test_the_moe_loads_through_automodel_and_expert_parallel_splits_the_experts(
         assert rank_experts, "no expert parameters found"
         for name, (axes, local, full) in rank_experts.items():
             print(f"\n{name}: mesh axes {axes}, local {local}, global {tuple(full)}")
-            assert "ep" in [getattr(axis, "value", axis) for axis in axes or ()] and local[0] * 2 == full[0] == 8, f"{name}: {axes} {local} {full}"
+            names = [getattr(axis, "value", axis) for axis in axes or ()]  # MeshAxisName or str
+            assert "ep" in names and local[0] * 2 == full[0] == 8, f"{name}: {axes} {local} {full}"
 
 
 def _update_agreement(one: dict, two: dict) -> tuple[float, float]:
