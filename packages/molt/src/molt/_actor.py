@@ -120,6 +120,19 @@ def freeze_moe_routers(model: torch.nn.Module) -> int:
     return len(routers)
 
 
+def _params_by_mesh(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """Trainable parameters grouped by the device mesh their DTensor lives on (plain tensors: one group)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            key = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist())) if mesh is not None else ()
+            groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
 def _sum_gradients_over_ranks(model: torch.nn.Module) -> None:
     """Make FSDP2 sum gradients over data-parallel ranks instead of averaging them.
 
@@ -161,8 +174,10 @@ class PolicyWorker:
         if config.actor.freeze_moe_router:
             freeze_moe_routers(self.model)
         actor = config.actor
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=actor.lr, weight_decay=actor.weight_decay
+        self.optimizer = torch.optim.AdamW(  # one group per device mesh: foreach ops never mix meshes
+            [{"params": params} for params in _params_by_mesh(self.model)],
+            lr=actor.lr,
+            weight_decay=actor.weight_decay,
         )
         # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -234,11 +249,16 @@ class PolicyWorker:
         """Clip the global gradient norm, step; returns (norm before clipping, learning rate used)."""
         from torch.distributed.tensor import DTensor
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(total_norm, DTensor):  # a partial norm of sharded gradients: reduce it over ranks
-            total_norm = total_norm.full_tensor()
-        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.config.actor.grad_clip, total_norm)
+        norms = []  # one per parameter group = device mesh (expert parallelism puts experts on their own)
+        for group in self.optimizer.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else None
+            if isinstance(norm, DTensor):  # a partial norm of sharded gradients: reduce it over ranks
+                norm = norm.full_tensor()
+            norms += [norm] if norm is not None else []
+        total_norm = torch.linalg.vector_norm(torch.stack(norms))
+        for group in self.optimizer.param_groups:
+            torch.nn.utils.clip_grads_with_norm_(group["params"], self.config.actor.grad_clip, total_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
