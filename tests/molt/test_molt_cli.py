@@ -21,12 +21,25 @@ from molt.config import Config, validate
 runner = CliRunner()
 
 
+class LoopCalls(list):
+    """The configs the loop was called with; `resumed`: its `resume` argument, call by call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resumed: list[bool] = []
+
+
 @pytest.fixture
 def fake_loop(monkeypatch):
     """Stands in for `molt.loop` (written elsewhere); records the configs it is called with."""
-    calls: list[Config] = []
+    calls = LoopCalls()
+
+    def train(config: Config, *, resume: bool = False) -> None:
+        calls.append(config)
+        calls.resumed.append(resume)
+
     module = types.ModuleType("molt.loop")
-    module.train = calls.append
+    module.train = train
     monkeypatch.setitem(sys.modules, "molt.loop", module)
     return calls
 
@@ -102,6 +115,25 @@ def test_importing_the_cli_imports_no_torch_vllm_or_ray():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_resume_continues_the_run_with_its_config_and_the_new_flags(fake_loop, tmp_path):
+    run_dir = tmp_path / "run"
+    first_run = runner.invoke(app, ["train", "--logger.run_dir", str(run_dir), "--train.num_steps", "3"])
+    assert first_run.exit_code == 0, first_run.output
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    missing = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert missing.exit_code == 2 and "no checkpoint" in missing.output
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step_000002\n")
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), "--train.num_steps", "5"])
+    assert result.exit_code == 0, result.output
+    first, resumed = fake_loop
+    assert resumed.train.num_steps == 5 and resumed.logger.run_dir == str(run_dir)
+    assert resumed.ckpt.dir == first.ckpt.dir
+    assert fake_loop.resumed == [False, True]
+    not_a_run = runner.invoke(app, ["train", "--resume", str(tmp_path / "nothing")])
+    assert not_a_run.exit_code == 2 and "not a run directory" in not_a_run.output
 
 
 def test_a_run_dir_that_already_holds_a_run_is_refused(tmp_path):
