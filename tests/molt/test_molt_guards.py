@@ -14,7 +14,7 @@ import pytest
 import molt.config
 from molt._engines import engine_extra_args
 from molt._flags import resolve
-from molt._guards import check_gpus, check_model, gpus_needed, num_experts
+from molt._guards import check_gpus, check_model, check_tokenizer, gpus_needed, num_experts
 from molt.config import Config, ConfigError
 
 
@@ -202,6 +202,32 @@ def test_gpus_needed_counts_actor_ranks_and_engine_gpus():
     assert gpus_needed(config, on_gpu=False) == 0
     attached = _config(actor={"num_ranks": 4}, vllm={"num_engines": 2, "urls": ["http://x"]})
     assert gpus_needed(attached, on_gpu=True) == 4
+
+
+def test_gpus_needed_counts_each_extra_group_like_the_policy():
+    config = resolve(["--actor.num_ranks", "2", "--vllm.urls", "http://x", "--algo.kl.coef", "0.1",
+                      "--algo.advantage.estimator", "gae"])  # fmt: skip
+    assert gpus_needed(config, on_gpu=True) == 3 * 2  # policy, reference, critic
+    with pytest.raises(ConfigError, match=r"\['policy', 'reference', 'critic'\]"):
+        check_gpus(config, 4.0, on_gpu=True)
+
+
+def test_a_teacher_or_critic_must_share_the_policys_tokenizer(tmp_path, tiny_model_dir):
+    from molt.tiny import build_tiny_model
+
+    flag = "--algo.teacher.model"
+    check_tokenizer(flag, build_tiny_model(tmp_path / "sibling", seed=1), tiny_model_dir)  # other weights
+    other = build_tiny_model(tmp_path / "other", words=("alpha", "beta"))
+    with pytest.raises(ConfigError, match="--algo.teacher.model .* has another tokenizer"):
+        check_tokenizer(flag, other, tiny_model_dir)
+    with pytest.raises(ConfigError, match="--algo.critic.model .* not a Hugging Face model directory"):
+        check_tokenizer("--algo.critic.model", tmp_path / "missing", tiny_model_dir)
+
+
+def test_opd_refuses_a_kl_folded_into_the_reward_it_ignores():
+    args = ["--algo.advantage.estimator", "opd", "--algo.teacher.model", "t", "--algo.kl.coef", "0.1"]
+    resolve(args)  # a KL loss term is fine
+    _refused([*args, "--algo.kl.in_reward", "true"], ["--algo.kl.in_reward", "opd"])
 
 
 def test_more_gpus_than_ray_sees_is_refused():

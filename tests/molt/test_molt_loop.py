@@ -1,4 +1,5 @@
-"""The loop's own pure pieces: the token-identity check, rollout metrics, the dynamic filter, data rows."""
+"""The loop's own pure pieces: the token-identity check, rollout metrics, the dynamic filter, data rows,
+and the token-level pieces of GAE (where the reward sits, whitening, explained variance)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from molt.config import Config, Data
 from molt.loop import (
     _keep_varied,
     check_token_identity,
+    explained_variance,
+    last_token_rewards,
     read_rows,
     rollout_metrics,
     rollout_sums,
     staleness_mean,
+    whitened,
 )
 from tito import Segment
 
@@ -97,3 +101,30 @@ def test_rollout_sums_add_each_rollouts_segments():
     two = Rollout(one.segments * 2, 1.0, [7, 7], truncated=False)  # a compacted rollout: two rows
     values_BT = torch.tensor([[0.5, 1.0], [2.0, 0.0], [0.25, 0.25]])  # rows: one, two (x2)
     assert rollout_sums(values_BT, [one, two]).tolist() == [1.5, 2.5]
+
+
+def test_gae_rewards_sit_on_each_rows_last_trainable_token():
+    mask_BT = torch.tensor([[0.0, 1, 1, 0, 1, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0]])
+    rewards_BT = last_token_rewards(mask_BT, torch.tensor([2.0, -1.0, 5.0]))
+    expected = torch.zeros_like(mask_BT)
+    expected[0, 4], expected[1, 3] = 2.0, -1.0  # a row with nothing to train gets no reward
+    assert torch.equal(rewards_BT, expected)
+
+
+def test_whitening_uses_trainable_tokens_only():
+    mask_BT = torch.tensor([[0.0, 1, 1], [0, 1, 0]])
+    values_BT = torch.tensor([[100.0, 1, 2], [-50, 3, 7]])
+    out_BT = whitened(values_BT, mask_BT)
+    trained = out_BT[mask_BT != 0]
+    assert trained.mean().item() == pytest.approx(0.0, abs=1e-6)
+    assert trained.std(unbiased=False).item() == pytest.approx(1.0, rel=1e-5)
+    assert torch.equal(out_BT[mask_BT == 0], torch.zeros(3))
+
+
+def test_explained_variance():
+    mask_BT = torch.tensor([[0.0, 1, 1, 1]])
+    returns_BT = torch.tensor([[9.0, 1, 2, 3]])
+    assert explained_variance(returns_BT, returns_BT, mask_BT) == pytest.approx(1.0)  # a perfect critic
+    assert explained_variance(torch.full_like(returns_BT, 2.0), returns_BT, mask_BT) == pytest.approx(0.0)
+    assert explained_variance(-returns_BT, returns_BT, mask_BT) < 0  # worse than a constant
+    assert explained_variance(returns_BT, torch.ones_like(returns_BT), mask_BT) == 0.0  # returns constant

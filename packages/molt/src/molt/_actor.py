@@ -15,8 +15,11 @@ Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (
 with EP groups carved out of them. Rows are sharded by the data-parallel coordinate: the TP ranks of one
 DP group see the same rows, and their identical metric sums are counted once. Refuses context
 parallelism (`--fsdp.cp_size` > 1): its sequence split over CP ranks is not wired. On CPU the actor runs
-data parallelism only (TP and EP go through AutoModel's CUDA loader; see `_check_parallelism`).
-No KL reference model exists yet: a KL loss term runs only when the caller passes reference logprobs.
+data parallelism only (TP and EP go through AutoModel's CUDA loader; see `check_parallelism`).
+
+The same workers, built with `trainable=False`, are the frozen groups: the reference policy of
+`--algo.kl.coef` and the teacher of on-policy distillation (no optimizer, logprobs only). The PPO
+critic (`molt._critic`) is a subclass.
 
 Legend: B sequences, T tokens, V vocabulary.
 """
@@ -30,31 +33,12 @@ import torch
 import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
+from molt._guards import check_parallelism
 from molt.config import Config
 from molt.vllm_server import free_port
 from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss
 
-__all__ = ["PolicyGroup", "PolicyWorker"]
-
-
-def _check_parallelism(config: Config, num_ranks: int, *, on_gpu: bool) -> None:
-    fsdp = config.fsdp
-    if fsdp.cp_size > 1:
-        raise ValueError(
-            f"--fsdp.cp_size {fsdp.cp_size}: the actor does not split sequences over context-parallel ranks "
-            "yet (each would train the whole row, scaling its gradient by cp_size); pass --fsdp.cp_size 1"
-        )
-    if not on_gpu and (fsdp.tp_size, fsdp.ep_size) != (1, 1):
-        raise ValueError(
-            f"the CPU actor runs FSDP2 data parallelism only; got --fsdp.tp_size {fsdp.tp_size} "
-            f"--fsdp.ep_size {fsdp.ep_size}: pass 1 for each (tensor and expert parallelism go through "
-            "AutoModel's CUDA loader)"
-        )
-    if num_ranks % (fsdp.tp_size * fsdp.cp_size) or num_ranks % fsdp.ep_size:
-        raise ValueError(
-            f"{num_ranks} actor ranks do not split into --fsdp.tp_size {fsdp.tp_size} x --fsdp.cp_size "
-            f"{fsdp.cp_size} x data parallel, or into --fsdp.ep_size {fsdp.ep_size} expert groups"
-        )
+__all__ = ["EnginesLost", "PolicyGroup", "PolicyWorker"]
 
 
 def _replicas(config: Config) -> int:
@@ -150,14 +134,34 @@ def _sum_gradients_over_ranks(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+class EnginesLost(RuntimeError):
+    """A refit failed on some engines. `failed`: url -> what went wrong; `updated`: the engines that
+    took the new weights and were resumed."""
+
+    def __init__(self, failed: dict[str, str], updated: list[str]) -> None:
+        self.failed, self.updated = failed, updated
+        lines = [f"  {url}: {why}" for url, why in failed.items()]
+        super().__init__("refit failed on engine(s):\n" + "\n".join(lines) + f"\n  updated: {updated}")
+
+
 class PolicyWorker:
-    """One rank of the policy actor; a plain class (the group wraps it with `ray.remote`)."""
+    """One rank of the policy actor; a plain class (the group wraps it with `ray.remote`).
+    `trainable=False`: a frozen copy (reference or teacher) that only computes logprobs."""
+
+    name = "actor"  # its directory in a checkpoint
 
     def __init__(
-        self, rank: int, world_size: int, master_addr: str, master_port: int, model_dir: str, config: Config
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_dir: str,
+        config: Config,
+        trainable: bool = True,
     ) -> None:
         on_gpu = torch.cuda.is_available()
-        _check_parallelism(config, world_size, on_gpu=on_gpu)
+        check_parallelism(config, world_size, on_gpu=on_gpu)
         self.rank, self.config = rank, config
         if on_gpu:
             torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
@@ -168,7 +172,13 @@ class PolicyWorker:
             rank=rank,
             world_size=world_size,
         )
-        self.model = _load_model(str(model_dir), config, world_size, self.device)
+        self.model = self._load(str(model_dir), world_size)
+        self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
+        self.optimizer = self.scheduler = None
+        if not trainable:
+            self.model.requires_grad_(False)
+            self.model.eval()
+            return
         self.model.train()
         _sum_gradients_over_ranks(self.model)
         if config.actor.freeze_moe_router:
@@ -176,14 +186,19 @@ class PolicyWorker:
         actor = config.actor
         self.optimizer = torch.optim.AdamW(  # one group per device mesh: foreach ops never mix meshes
             [{"params": params} for params in _params_by_mesh(self.model)],
-            lr=actor.lr,
+            lr=self._learning_rate(),
             weight_decay=actor.weight_decay,
         )
         # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
         )
-        self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
+
+    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
+        return _load_model(model_dir, self.config, world_size, self.device)
+
+    def _learning_rate(self) -> float:
+        return self.config.actor.lr
 
     def _logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -279,6 +294,8 @@ class PolicyWorker:
         """
         from torch.distributed.fsdp import FSDPModule
 
+        if self.optimizer is None:
+            raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
         if batch.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
         if ref_logp_BT is None and self.config.algo.kl.coef != 0 and not self.config.algo.kl.in_reward:
@@ -303,27 +320,34 @@ class PolicyWorker:
         return metrics
 
     def refit(self, engine_urls: list[str], backend: str, version: int, trainer_host: str) -> dict | None:
-        """Send the current weights to the engines (call on every rank); rank 0 returns phase seconds."""
+        """Send the current weights to the engines (call on every rank). Rank 0 returns the phase
+        seconds and, under "failed", each engine that failed and why (it is forgotten here)."""
         import refit
 
         for url in engine_urls:
             if url not in self.engines:
                 self.engines[url] = refit.Engine(url, backend=backend, trainer_host=trainer_host)
         engines = [self.engines[url] for url in engine_urls]
-        stats = refit.update_weights(engines, refit.full_params(self.model), version=version)
-        return None if stats is None else dict(stats.seconds)
+        try:
+            stats = refit.update_weights(engines, refit.full_params(self.model), version=version)
+        except refit.RefitError as error:  # rank 0 only: the others have joined every gather
+            for url in error.failures:
+                self.engines.pop(url, None)
+            failed = {url: f"{phase}: {type(e).__name__}: {e}" for url, (phase, e) in error.failures.items()}
+            return {"failed": failed}
+        return None if stats is None else {**stats.seconds, "failed": {}}
 
     def save(self, path: str) -> None:
         """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""
         from molt._checkpoint import save_actor
 
-        save_actor(self.model, self.optimizer, self.scheduler, Path(path), rank=self.rank)
+        save_actor(self.model, self.optimizer, self.scheduler, Path(path) / self.name, rank=self.rank)
 
     def load(self, path: str) -> None:
         """Read the model, optimizer and schedule from a checkpoint (any number of ranks wrote it)."""
         from molt._checkpoint import load_actor
 
-        load_actor(self.model, self.optimizer, self.scheduler, Path(path))
+        load_actor(self.model, self.optimizer, self.scheduler, Path(path) / self.name)
 
     def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
         """Full (gathered) parameters, all or `names`, on rank 0 (None elsewhere); call on every rank."""
@@ -340,17 +364,21 @@ class PolicyGroup:
     """The driver's handle on `num_ranks` `PolicyWorker` Ray actors (Ray is initialised by the caller).
 
     Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
-    the weight-transfer rendezvous the engines join.
+    the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
     """
 
-    def __init__(self, model_dir: str | Path, config: Config, num_ranks: int) -> None:
+    worker_class: type = PolicyWorker
+
+    def __init__(
+        self, model_dir: str | Path, config: Config, num_ranks: int, *, trainable: bool = True
+    ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.on_gpu = torch.cuda.is_available()
-        _check_parallelism(config, num_ranks, on_gpu=self.on_gpu)
+        check_parallelism(config, num_ranks, on_gpu=self.on_gpu)
         self.num_ranks = num_ranks
         self.replicas = _replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas
@@ -362,11 +390,11 @@ class PolicyGroup:
         env = {"py_executable": sys.executable}
         if not self.on_gpu:
             env["env_vars"] = {"OMP_NUM_THREADS": "1"}
-        remote = ray.remote(num_cpus=0, num_gpus=1 if self.on_gpu else 0, runtime_env=env)(PolicyWorker)
+        remote = ray.remote(num_cpus=0, num_gpus=1 if self.on_gpu else 0, runtime_env=env)(self.worker_class)
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.workers = [
             remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
-                rank, num_ranks, self.master_addr, port, str(model_dir), config
+                rank, num_ranks, self.master_addr, port, str(model_dir), config, trainable
             )
             for rank in range(num_ranks)
         ]
@@ -412,6 +440,7 @@ class PolicyGroup:
 
     def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:
         """Refit the engines with the current weights as `version`; returns rank 0's phase seconds.
+        Raises `EnginesLost` when some engines failed (the others were updated and resumed).
 
         `trainer_host`: the address the engines reach rank 0 at; default, the driver node's address.
         """
@@ -419,7 +448,11 @@ class PolicyGroup:
 
         backend = refit.NCCL_BACKEND if self.on_gpu else refit.GLOO_BACKEND
         host = trainer_host or self.master_addr
-        return self._each("refit", *[(list(engine_urls), backend, version, host)] * self.num_ranks)[0]
+        report = self._each("refit", *[(list(engine_urls), backend, version, host)] * self.num_ranks)[0]
+        failed = report.pop("failed")
+        if failed:
+            raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])
+        return report
 
     def save(self, path: str | Path) -> None:
         """Checkpoint the model, optimizer and schedule into `path` (each rank writes its shards)."""

@@ -2,8 +2,10 @@
 
 A checkpoint is a directory `<ckpt.dir>/step_000010/` holding:
 - `actor/`: the policy's model and optimizer as a torch.distributed.checkpoint (every rank writes its own
-  shards, and a run with another number of ranks can load it);
-- `scheduler.pt`: the learning-rate schedule's state;
+  shards, and a run with another number of ranks can load it), and `actor/scheduler.pt`, the learning-rate
+  schedule's state;
+- `critic/`: the same for the PPO critic, when the run has one (the frozen reference and teacher are not
+  saved: a resumed run loads them again from the initial weights and `--algo.teacher.model`);
 - `loop.json`: the loop's state (`LoopState`: the step, which rows were trained, the driver's RNG);
 - `model/`: the model's config and tokenizer, so that `molt export` needs nothing else.
 `<ckpt.dir>/latest` names the newest complete checkpoint; it is written last, so a run stopped while
@@ -38,12 +40,13 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
 
 
 def save_actor(model, optimizer, scheduler, path: Path, *, rank: int) -> None:
-    """Every rank: write its shards of the model and optimizer; rank 0 also the scheduler."""
+    """Every rank: write its shards of the model and optimizer into `path` (`<step>/actor` or
+    `<step>/critic`); rank 0 also the scheduler."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "actor"))
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
     if rank == 0:
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
 
@@ -55,7 +58,9 @@ def load_actor(model, optimizer, scheduler, path: Path) -> None:
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path / "actor"))
+    if not (path / ".metadata").is_file():
+        raise ValueError(f"{path} holds no checkpoint of this group (was it saved by a run without it?)")
+    dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 

@@ -141,6 +141,19 @@ class GAE(_Group):
     """Discount per token."""
     lam: float = 1.0
     """GAE lambda."""
+    whiten: bool = True
+    """Normalise the step's advantages to mean 0, std 1 over its trainable tokens."""
+
+
+class Critic(_Group):
+    """The PPO critic started by --algo.advantage.estimator gae: a value head on a causal LM."""
+
+    model: str = ""
+    """Hugging Face directory the critic starts from; empty = the policy's initial weights."""
+    lr: float = 1e-3
+    """The critic's AdamW learning rate."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the values before the step."""
 
 
 class Algo(_Group):
@@ -156,6 +169,7 @@ class Algo(_Group):
     """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
+    critic: Critic = Critic()
 
 
 class Actor(_Group):
@@ -426,6 +440,13 @@ def validate(config: Config) -> Config:
         raise ConfigError(
             "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
         )
+    if algo.advantage.estimator == "opd" and algo.kl.coef and algo.kl.in_reward:
+        raise ConfigError(
+            "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
+            "drop --algo.kl.in_reward (the KL then is a loss term)"
+        )
+    if algo.critic.lr <= 0 or algo.critic.value_clip <= 0:
+        raise ConfigError("--algo.critic.lr and --algo.critic.value_clip must be > 0")
     _check_parallelism(config)
     if config.eval.every and not 1 <= config.eval.k <= config.eval.n:
         raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import secrets
@@ -22,19 +23,20 @@ from pathlib import Path
 import torch
 
 from asyncpool import GroupPool, PoolExhausted
-from molt._actor import PolicyGroup
+from molt._actor import EnginesLost, PolicyGroup
 from molt._batch import TrainBatch, collate
 from molt._checkpoint import latest, restore_rng, step_dir, write_loop_state
+from molt._critic import CriticGroup
 from molt._dumps import write_rollouts
 from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
 from molt._eval import eval_rows, evaluate
-from molt._guards import check_launch
+from molt._guards import check_launch, extra_groups
 from molt._log import RunLog, progress
 from molt._rollout import Rollout, RolloutRunner, check_agent
 from molt._runners import launch_hosts
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config
-from rlestimators import ESTIMATORS, dynamic_filter, kl, rollout_correction
+from rlestimators import ESTIMATORS, dynamic_filter, gae, kl, opd, rollout_correction
 from tito import Tito, create_app, serve_on_loop
 
 __all__ = ["REQUIRED_METRICS", "run_steps", "train"]
@@ -63,15 +65,16 @@ class Run:
     eval_rows: list[dict]
     first_step: int = 1  # > 1 when resuming from a checkpoint
     reference: PolicyGroup | None = None  # --algo.kl.coef != 0: the frozen initial policy
+    critic: CriticGroup | None = None  # --algo.advantage.estimator gae: the value model
+    teacher: PolicyGroup | None = None  # --algo.advantage.estimator opd: the frozen teacher
 
 
 async def run_steps(config: Config, run: Run) -> None:
     """The algorithm: take groups, recompute logprobs, advantages, correction, loss and step, refit, log."""
     policy, pool, runner = run.policy, run.pool, run.runner
-    estimator = ESTIMATORS[config.algo.advantage.estimator]
-    engine_urls = [engine.url for engine in run.tito.router.engines]
+    estimator = config.algo.advantage.estimator  # an outcome estimator, gae (critic) or opd (teacher)
     pad_id = run.tito.tokenizer.pad_token_id
-    correction, kl_cfg = config.algo.correction, config.algo.kl
+    correction, kl_cfg, gae_cfg = config.algo.correction, config.algo.kl, config.algo.gae
     last = config.train.num_steps
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
@@ -84,34 +87,57 @@ async def run_steps(config: Config, run: Run) -> None:
 
         rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         group_ids_R = torch.arange(len(groups)).repeat_interleave(config.rollout.group_size)
-        advantages_R = estimator(rewards_R, group_ids_R)  # --algo.advantage.estimator
-        batch = collate(segment_rows(rollouts, advantages_R), pad_id=pad_id)
+        batch = collate(segment_rows(rollouts, torch.zeros(len(rollouts))), pad_id=pad_id)  # advantages below
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
+        mask_BT = batch.loss_mask_BT
 
         train_started = time.monotonic()
         old_logp_BT = await asyncio.to_thread(policy.logprobs, batch)  # trainer's logprobs, current weights
-        ref_logp_BT = None
+        ref_logp_BT, extra_metrics = None, {}
         if run.reference is not None:  # --algo.kl.coef: the frozen reference policy's logprobs
             ref_logp_BT = await asyncio.to_thread(run.reference.logprobs, batch)
-            kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_cfg.kind) * batch.loss_mask_BT
-            kl_metric = (kl_BT.sum() / batch.loss_mask_BT.sum()).item()  # per trained token
+            kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_cfg.kind) * mask_BT
+            extra_metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
             if kl_cfg.in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
                 rewards_R = rewards_R - kl_cfg.coef * rollout_sums(kl_BT, rollouts)
-                advantages_R = estimator(rewards_R, group_ids_R)
-                batch = collate(segment_rows(rollouts, advantages_R), pad_id=pad_id)  # same rows
                 ref_logp_BT = None
+
+        critic_args = None  # --algo.advantage.estimator: per rollout (outcome), or per token (gae, opd)
+        if estimator == "gae":  # the critic's values; the reward sits on each row's last sampled token
+            values_BT = await asyncio.to_thread(run.critic.values, batch)
+            row_rewards_B = rewards_R.repeat_interleave(rows_per_rollout(rollouts))
+            rewards_BT = last_token_rewards(mask_BT, row_rewards_B)
+            advantages_BT, returns_BT = gae(
+                rewards_BT, values_BT, mask_BT, gamma=gae_cfg.gamma, lam=gae_cfg.lam
+            )
+            advantages_BT = whitened(advantages_BT, mask_BT) if gae_cfg.whiten else advantages_BT
+            critic_args = (batch, values_BT, returns_BT)
+            extra_metrics["critic/explained_variance"] = explained_variance(values_BT, returns_BT, mask_BT)
+        elif estimator == "opd":  # the teacher's logprobs of the student's own tokens
+            teacher_logp_BT = await asyncio.to_thread(run.teacher.logprobs, batch)
+            advantages_BT = opd(old_logp_BT, teacher_logp_BT, mask_BT)
+            extra_metrics["teacher/reverse_kl"] = -(advantages_BT.sum() / mask_BT.sum()).item()
+        else:
+            advantages_R = ESTIMATORS[estimator](rewards_R, group_ids_R)
+            advantages_BT = collate(segment_rows(rollouts, advantages_R), pad_id=pad_id).advantages_BT
+        batch = dataclasses.replace(batch, advantages_BT=advantages_BT)
+        # The advantage metrics count rollouts for an outcome estimator, trainable tokens for gae and opd.
+        advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
         weights_BT, _, correction_metrics = rollout_correction(  # engine vs trainer mismatch (invariant 2)
             old_logp_BT, batch.rollout_logp_BT, batch.loss_mask_BT, mode=correction.mode,
             token_cap=correction.token_cap, token_bounds=correction.token_bounds,
             seq_bounds=correction.seq_bounds,
         )  # fmt: skip
         step_args = (batch, old_logp_BT, weights_BT, ref_logp_BT)  # ref: the KL loss term, if any
-        train_metrics = await asyncio.to_thread(policy.train_step, *step_args)
+        steps = [asyncio.to_thread(policy.train_step, *step_args)]
+        if critic_args is not None:  # the critic's step runs beside the policy's
+            steps.append(asyncio.to_thread(run.critic.train_step, *critic_args))
+        train_metrics = {name: v for metrics in await asyncio.gather(*steps) for name, v in metrics.items()}
         train_s = time.monotonic() - train_started
 
         broadcast_started = time.monotonic()
         async with _quiesced(pool, hold=not config.rollout.partial_rollout):
-            await asyncio.to_thread(policy.refit, engine_urls, step)  # engines pause (keeping requests)
+            await refit_engines(policy, run.tito, step)  # engines pause (keeping requests)
         pool.version = step  # groups older than max_lag versions are dropped from now on
         broadcast_s = time.monotonic() - broadcast_started
 
@@ -122,15 +148,17 @@ async def run_steps(config: Config, run: Run) -> None:
         run.log.step(step, {
             **rollout_metrics(rollouts, config.rollout.group_size),
             **train_metrics,
-            "train/kl": kl_metric if run.reference is not None else 0.0,
+            "train/kl": 0.0,  # no reference: no KL
+            **extra_metrics,
             "train/mismatch_kl": correction_metrics["mismatch_kl"],
             "train/seq_masked_frac": correction_metrics["seq_masked_frac"],
             "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
             "train/token_identity": 1.0,
-            "train/advantage_abs_mean": advantages_R.abs().mean().item(),
-            "train/zero_advantage_frac": (advantages_R == 0).float().mean().item(),
+            "train/advantage_abs_mean": advantages.abs().mean().item(),
+            "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
             **{f"pool/{k}": float(v) for k, v in pool.stats.metrics("").items()},
             **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
+            "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
             "timing/generation": generation_s,
             "timing/policy_train": train_s,
             "timing/broadcast": broadcast_s,
@@ -162,11 +190,58 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
     return taking.result()
 
 
+async def refit_engines(policy: PolicyGroup, tito: Tito, version: int) -> None:
+    """Refit every live engine. One that fails is dropped for the rest of the run (the rollouts it was
+    serving failed and their groups are retried on the others); the run stops when none is left."""
+    live = [engine for engine in tito.router.engines if engine.alive]
+    try:
+        await asyncio.to_thread(policy.refit, [engine.url for engine in live], version)
+    except EnginesLost as lost:
+        for engine in live:
+            engine.alive = engine.alive and engine.url not in lost.failed
+        if not lost.updated:
+            raise RuntimeError(f"no vLLM engine took the weights of step {version}; stopping") from lost
+        progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s)")
+
+
 def rollout_sums(values_BT: torch.Tensor, rollouts: list[Rollout]) -> torch.Tensor:
     """Each rollout's sum of `values_BT` over its rows (one row per segment, in `segment_rows` order)."""
-    rows_per_rollout = torch.tensor([len(r.segments) for r in rollouts])
-    owner_B = torch.arange(len(rollouts)).repeat_interleave(rows_per_rollout)
+    owner_B = torch.arange(len(rollouts)).repeat_interleave(rows_per_rollout(rollouts))
     return torch.zeros(len(rollouts)).index_add_(0, owner_B, values_BT.sum(dim=1).float())
+
+
+def rows_per_rollout(rollouts: list[Rollout]) -> torch.Tensor:
+    """How many training rows (segments) each rollout has."""
+    return torch.tensor([len(r.segments) for r in rollouts])
+
+
+def last_token_rewards(mask_BT: torch.Tensor, rewards_B: torch.Tensor) -> torch.Tensor:
+    """[B, T] token rewards for GAE: each row's reward on its last trainable token, 0 elsewhere. Every
+    segment of a compacted rollout gets the rollout's reward (as every segment shares an outcome
+    advantage); a segment's value after its last token is 0, so segments do not bootstrap each other."""
+    num_cols = mask_BT.shape[1]
+    last_B = ((mask_BT != 0) * torch.arange(1, num_cols + 1)).argmax(dim=1)  # the last trainable column
+    rewards_BT = torch.zeros_like(mask_BT)
+    rewards_BT[torch.arange(len(rewards_B)), last_B] = rewards_B * (mask_BT.sum(dim=1) > 0)
+    return rewards_BT
+
+
+def whitened(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """`values_BT` shifted and scaled to mean 0, std 1 over the trainable tokens (0 elsewhere)."""
+    trained = values_BT[mask_BT != 0]
+    std = trained.std(unbiased=False) if trained.numel() > 1 else torch.tensor(0.0)
+    return (values_BT - trained.mean()) / (std + 1e-8) * (mask_BT != 0)
+
+
+def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over trainable tokens: 1 is a perfect critic, 0 one no
+    better than a constant, below 0 worse; 0 when the returns do not vary."""
+    trained = mask_BT != 0
+    returns, values = returns_BT[trained], values_BT[trained]
+    variance = returns.var(unbiased=False)
+    if variance == 0:
+        return 0.0
+    return (1 - (returns - values).var(unbiased=False) / variance).item()
 
 
 def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tuple]:
@@ -275,6 +350,8 @@ class RowStream:
 def save_checkpoint(config: Config, run: Run, step: int) -> None:
     path = step_dir(config.ckpt.dir, step)
     run.policy.save(path)  # every rank writes its shards
+    if run.critic is not None:
+        run.critic.save(path)
     write_loop_state(path, step, run.rows.trained, run.model_dir)  # last: marks the checkpoint complete
     progress(f"checkpoint of step {step} in {path}")
 
@@ -291,11 +368,6 @@ def train(config: Config, *, resume: bool = False) -> None:
     import ray
 
     run_dir = Path(config.logger.run_dir)
-    if config.algo.advantage.estimator not in ESTIMATORS:
-        raise ValueError(
-            f"--algo.advantage.estimator {config.algo.advantage.estimator} needs a critic (gae) or a teacher "
-            f"(opd) group, which this loop does not start; use one of {sorted(ESTIMATORS)}"
-        )
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
@@ -319,14 +391,14 @@ def train(config: Config, *, resume: bool = False) -> None:
         cleanup.callback(stop_engines, engines)
         policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
         cleanup.callback(policy.shutdown)
-        reference = None
-        if config.algo.kl.coef != 0:  # the initial weights, frozen (a resumed run reloads them the same way)
-            progress("starting the reference policy (--algo.kl.coef)")
-            reference = PolicyGroup(model_dir, config, config.actor.num_ranks)
-            cleanup.callback(reference.shutdown)
+        groups = start_extra_groups(config, model_dir)  # reference, critic, teacher: each if asked for
+        for group in groups.values():
+            cleanup.callback(group.shutdown)
         first_step = 1
         if checkpoint is not None:
             policy.load(checkpoint)
+            if groups.get("critic"):
+                groups["critic"].load(checkpoint)
             restore_rng(state)
             first_step = state.step + 1
             progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
@@ -338,29 +410,43 @@ def train(config: Config, *, resume: bool = False) -> None:
         log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        parts = (policy, reference, urls, model_dir, hosts, rows, evaluation, log, first_step)
-        asyncio.run(_serve_and_run(config, *parts, chat=chat))
+        parts = dict(policy=policy, rows=rows, log=log, model_dir=model_dir, eval_rows=evaluation,
+                     first_step=first_step, **groups)  # fmt: skip
+        asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
-async def _serve_and_run(
-    config, policy, reference, engine_urls, model_dir, hosts, rows, evaluation, log, first_step, *, chat: bool
-) -> None:
-    """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps`."""
+def start_extra_groups(config: Config, model_dir: Path) -> dict:
+    """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for."""
+    num_ranks, algo, groups = config.actor.num_ranks, config.algo, {}
+    if "reference" in extra_groups(config):  # the initial weights, frozen (a resumed run reloads them)
+        progress("starting the reference policy (--algo.kl.coef)")
+        groups["reference"] = PolicyGroup(model_dir, config, num_ranks, trainable=False)
+    if "critic" in extra_groups(config):
+        progress("starting the critic (--algo.advantage.estimator gae)")
+        groups["critic"] = CriticGroup(algo.critic.model or model_dir, config, num_ranks)
+    if "teacher" in extra_groups(config):
+        progress(f"starting the teacher {algo.teacher.model} (--algo.advantage.estimator opd)")
+        groups["teacher"] = PolicyGroup(algo.teacher.model, config, num_ranks, trainable=False)
+    return groups
+
+
+async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool) -> None:
+    """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
+    (the `Run` fields started by `train`)."""
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
-    tito = Tito(engine_urls, model_dir, served_model_name="policy", fixed_sampling=fixed)
+    tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
             runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
             keep = _keep_varied if config.algo.dynamic_filter else None
-            pool = GroupPool(runner, rows, group_size=rollout.group_size, depth=rollout.queue_depth,
+            pool = GroupPool(runner, parts["rows"], group_size=rollout.group_size, depth=rollout.queue_depth,
                              max_lag=rollout.max_lag, keep=keep, retry_delay=0.5)  # fmt: skip
-            pool.version = first_step - 1  # the engines' weights, pushed before the pool starts
+            pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
-                run = Run(policy, tito, pool, runner, rows, log, model_dir, evaluation, first_step, reference)
-                await run_steps(config, run)
+                await run_steps(config, Run(tito=tito, pool=pool, runner=runner, **parts))
     except PoolExhausted as end:
         if end.__cause__ is not None:  # the dataset itself failed
             raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__

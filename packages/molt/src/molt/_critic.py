@@ -1,0 +1,142 @@
+"""The PPO critic of `--algo.advantage.estimator gae`: a value head on a causal LM, as its own FSDP2 group.
+
+The critic is the policy's architecture with its language-model head replaced by a one-output linear
+head (transformers' `*ForTokenClassification`, `num_labels=1`), loaded from `--algo.critic.model` or, by
+default, from the policy's initial weights. A freshly made head starts at zero, so every first value is 0
+and the first advantages are the returns themselves. It trains with `rlestimators.value_loss` (clipped
+around the values before the step) at `--algo.critic.lr`, with the same one-denominator normalisation as
+the policy (the step's trainable tokens), and checkpoints beside it (`<step>/critic`).
+
+Alignment: `values_BT[:, t]` is the value of the state in which token t was sampled, read from the hidden
+state of token t - 1 (as a logprob in column t comes from the logits of t - 1); column 0 holds 0. The
+critic shards its ranks as data parallel only, whatever `--fsdp.tp_size` / `--fsdp.ep_size` the policy
+uses (AutoModel's TP and EP plans are written for language-model heads).
+
+Legend: B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from molt._actor import PolicyGroup, PolicyWorker, _distributed_setup, _replicas
+from molt._batch import TrainBatch, shard_rows
+from molt.config import Config
+from rlestimators import masked_sum, value_loss
+
+__all__ = ["CriticGroup", "CriticWorker", "data_parallel_only"]
+
+
+def data_parallel_only(config: Config) -> Config:
+    """`config` with the actor's tensor, context and expert parallel sizes set to 1."""
+    fsdp = msgspec.structs.replace(config.fsdp, tp_size=1, cp_size=1, ep_size=1)
+    return msgspec.structs.replace(config, fsdp=fsdp)
+
+
+def load_value_model(model_dir: str, config: Config, world_size: int, device: torch.device):
+    """A causal LM's body with a one-output value head, sharded over the ranks by AutoModel."""
+    import transformers
+    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+
+    dtype = getattr(torch, config.model.dtype)
+    setup = _distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the new head is reported as "missing": that is the intent
+    try:
+        model_config = transformers.AutoConfig.from_pretrained(model_dir, num_labels=1)
+        model_config.classifier_dropout = 0.0  # a value is a regression target: no dropout
+        model, loading = transformers.AutoModelForTokenClassification.from_pretrained(
+            model_dir, config=model_config, dtype=dtype, output_loading_info=True
+        )
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    head_name = "score" if hasattr(model, "score") else "classifier"  # transformers' two names for it
+    head = getattr(model, head_name)
+    if any(key.startswith(f"{head_name}.") for key in loading["missing_keys"]):  # new: values start at 0
+        torch.nn.init.zeros_(head.weight)
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
+    return parallelize_model(model.to(device), setup.mesh_context)
+
+
+class CriticWorker(PolicyWorker):
+    """One rank of the critic; the policy worker's process group, optimizer and checkpointing."""
+
+    name = "critic"
+
+    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
+        return load_value_model(model_dir, self.config, world_size, self.device)
+
+    def _learning_rate(self) -> float:
+        return self.config.algo.critic.lr
+
+    def _values(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+        head_BT = self.model(input_ids=tokens_BT.to(self.device), use_cache=False).logits[..., 0]
+        return torch.nn.functional.pad(head_BT[:, :-1], (1, 0)).float()  # value of token t's state
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """V(state before token t) for every column, [B, T] float32 on the CPU."""
+        size = self.config.actor.micro_batch_size
+        return torch.cat([self._values(mb.tokens_BT) for mb in batch.micro_batches(size)]).cpu()
+
+    def train_step(
+        self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
+    ) -> dict[str, float]:
+        """One optimizer step of the clipped value loss over this rank's rows; global metrics."""
+        from torch.distributed.fsdp import FSDPModule
+
+        size, clip = self.config.actor.micro_batch_size, self.config.algo.critic.value_clip
+        micro_batches = list(batch.micro_batches(size))
+        chunks = zip(micro_batches, old_values_BT.split(size), returns_BT.split(size), strict=True)
+        totals = torch.zeros(3, device=self.device)  # value loss, clipped tokens, value sum
+        for index, (mb, old_BT, returns_mb_BT) in enumerate(chunks):
+            if isinstance(self.model, FSDPModule):  # reduce-scatter once, after the last micro-batch
+                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            mask_BT = mb.loss_mask_BT.to(self.device)
+            values_BT = self._values(mb.tokens_BT)
+            loss_sum, metrics = value_loss(
+                values_BT, old_BT.to(self.device), returns_mb_BT.to(self.device), mask_BT, clip=clip
+            )
+            (loss_sum / mb.num_tokens).backward()  # the step's one denominator, as for the policy
+            num_trainable = (mask_BT != 0).sum()
+            totals += torch.stack([
+                loss_sum.detach(), metrics["value_clip_frac"] * num_trainable,
+                masked_sum(values_BT.detach(), mask_BT),
+            ])  # fmt: skip
+        dist.all_reduce(totals)
+        loss, clipped, value_sum = (totals / (batch.num_tokens * _replicas(self.config))).tolist()
+        grad_norm, lr = self._optimizer_step()
+        return {
+            "critic/value_loss": loss, "critic/value_clip_frac": clipped, "critic/value_mean": value_sum,
+            "critic/grad_norm": grad_norm, "critic/lr": lr,
+        }  # fmt: skip
+
+
+class CriticGroup(PolicyGroup):
+    """The driver's handle on the critic's ranks (data parallel only, see the module docstring)."""
+
+    worker_class = CriticWorker
+
+    def __init__(self, model_dir: str | Path, config: Config, num_ranks: int) -> None:
+        super().__init__(model_dir, data_parallel_only(config), num_ranks)
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        """Values of every row of `batch`, [B, T], in row order."""
+        shards = [(batch.shard(rank, self.num_ranks),) for rank in range(self.num_ranks)]
+        return torch.cat(self._each("values", *shards))[: batch.num_rows]
+
+    def train_step(
+        self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
+    ) -> dict[str, float]:
+        """One critic optimizer step over the whole batch; returns the global metrics."""
+        world = self.num_ranks
+        shards = [
+            (batch.shard(r, world), shard_rows(old_values_BT, r, world), shard_rows(returns_BT, r, world))
+            for r in range(world)
+        ]
+        return self._each("train_step", *shards)[0]
