@@ -78,7 +78,8 @@ class RolloutRunner:
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,
         }
-        self.failures = {"raised": 0, "timed_out": 0, "nonfinite_reward": 0}  # logged as agent/<kind>
+        # logged as agent/<kind>; engine_unavailable: rollouts lost because their engine stopped answering
+        self.failures = {"raised": 0, "timed_out": 0, "nonfinite_reward": 0, "engine_unavailable": 0}
 
     async def __call__(self, row: dict, index: int) -> Rollout:
         episode = self._chat_episode if self.chat_url else self._env_episode
@@ -89,6 +90,7 @@ class RolloutRunner:
             self.failures["timed_out"] += 1
             raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
         except EngineUnavailable:
+            self.failures["engine_unavailable"] += 1
             raise
         except Exception:
             self.failures["raised"] += 1
