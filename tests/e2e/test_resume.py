@@ -1,46 +1,25 @@
 """Checkpoints, `molt train --resume` and `molt export`, end to end on the tiny model.
 
 Sampling is made reproducible with `--rollout.seed_requests` (every request carries a seed from its row,
-sample and turn) and strict on-policy steps, so an uninterrupted run and a run stopped after step 2 and
-resumed must train the same rows into the same steps 3 and 4.
+sample and turn) and strict on-policy steps, so an uninterrupted run (the session's `plain_run`) and a run
+stopped after step 2 and resumed must train the same rows into the same steps 3 and 4.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import httpx
 import pytest
 import torch
+from molt_runs import molt, reproducible_run_args, steps_of
 
 pytestmark = pytest.mark.slow
 
-MOLT = str(Path(sys.executable).parent / "molt")
 
-
-def molt(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([MOLT, *args], capture_output=True, text=True, timeout=900, env={**os.environ})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
-
-
-def steps_of(run_dir: Path) -> dict[int, dict]:
-    """Each step's last record (a resumed run logs the steps after its checkpoint again)."""
-    return {s["step"]: s for s in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
-
-
-def test_a_resumed_run_continues_exactly_and_its_checkpoint_exports(tmp_path, tiny_model_dir, molt_engine):
-    common = [
-        "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url, "--ray.num_cpus", "2",
-        "--rollout.prompts_per_step", "2", "--rollout.group_size", "4", "--train.force_on_policy",
-        "--rollout.seed_requests", "--ckpt.every", "2", "--logger.tensorboard", "false",
-    ]  # fmt: skip
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    molt("train", *common, "--train.num_steps", "4", "--logger.run_dir", str(whole))
+def test_a_resumed_run_continues_exactly_and_its_checkpoint_exports(
+    tmp_path, tiny_model_dir, molt_engine, plain_run
+):
+    whole, stopped = plain_run.dir, tmp_path / "stopped"  # whole: 4 steps in one run
+    common = reproducible_run_args(tiny_model_dir, molt_engine.url)
     molt("train", *common, "--train.num_steps", "2", "--logger.run_dir", str(stopped))
     assert (stopped / "checkpoints" / "latest").read_text().strip() == "step_000002"
     resumed = molt("train", "--resume", str(stopped), "--train.num_steps", "4")

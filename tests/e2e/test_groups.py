@@ -1,0 +1,91 @@
+"""The optional groups end to end: the reference policy (`--algo.kl.coef`), the PPO critic
+(`--algo.advantage.estimator gae`) and the teacher (`--algo.advantage.estimator opd`).
+
+Each run uses the flags of the session's `plain_run` plus its group's, so while its weights equal the plain
+run's it samples the same rollouts (seeded requests, strict on-policy): the step where its update first
+departs from the plain run's is the group's doing. A run starts exactly the groups it asks for.
+"""
+
+from __future__ import annotations
+
+import pytest
+from molt_runs import molt, reproducible_run_args, steps_of
+
+pytestmark = pytest.mark.slow
+
+GROUP_MESSAGES = {
+    "reference": "starting the reference policy",
+    "critic": "starting the critic",
+    "teacher": "starting the teacher",
+}
+
+
+def train(run_dir, model_dir, engine_url, *flags: str):
+    common = reproducible_run_args(model_dir, engine_url)
+    result = molt("train", *common, "--logger.run_dir", str(run_dir), *flags)
+    return result.stderr, steps_of(run_dir)
+
+
+def started_groups(stderr: str) -> set[str]:
+    return {name for name, message in GROUP_MESSAGES.items() if message in stderr}
+
+
+def differs(a: float, b: float) -> bool:
+    return abs(a - b) > 1e-3 * max(abs(a), abs(b), 1e-6)
+
+
+def test_the_plain_run_starts_no_extra_group(plain_run):
+    assert started_groups(plain_run.stderr) == set()
+    assert all(step["train/kl"] == 0.0 for step in steps_of(plain_run.dir).values())
+    assert not list(plain_run.dir.glob("checkpoints/*/critic"))
+
+
+def test_a_kl_penalty_starts_a_frozen_reference(tmp_path, tiny_model_dir, molt_engine, plain_run):
+    stderr, steps = train(
+        tmp_path / "run", tiny_model_dir, molt_engine.url, "--train.num_steps", "2",
+        "--algo.kl.coef", "0.5", "--algo.kl.in_reward", "true",
+    )  # fmt: skip
+    plain = steps_of(plain_run.dir)
+    assert started_groups(stderr) == {"reference"}
+    assert steps[1]["train/kl"] == 0.0  # the policy still equals its reference: the plain run's update
+    assert steps[1]["train/grad_norm"] == pytest.approx(plain[1]["train/grad_norm"], rel=1e-4)
+    assert steps[2]["rollout/reward_mean"] == plain[2]["rollout/reward_mean"]  # the same samples ...
+    assert steps[2]["train/kl"] > 0.0  # ... but the policy has moved from the frozen reference
+    assert differs(steps[2]["train/grad_norm"], plain[2]["train/grad_norm"])
+
+
+def test_gae_trains_a_critic_that_checkpoints_and_resumes(tmp_path, tiny_model_dir, molt_engine, plain_run):
+    run_dir = tmp_path / "run"
+    stderr, steps = train(
+        run_dir, tiny_model_dir, molt_engine.url, "--train.num_steps", "1", "--ckpt.every", "1",
+        "--algo.advantage.estimator", "gae",
+    )  # fmt: skip
+    plain = steps_of(plain_run.dir)
+    assert started_groups(stderr) == {"critic"}
+    assert steps[1]["rollout/reward_mean"] == plain[1]["rollout/reward_mean"]  # the same samples
+    assert differs(steps[1]["train/grad_norm"], plain[1]["train/grad_norm"])  # other advantages
+    assert steps[1]["critic/value_mean"] == 0.0  # a new value head starts at zero
+    assert steps[1]["critic/value_loss"] > 0.0 and "critic/explained_variance" in steps[1]
+    assert (run_dir / "checkpoints" / "step_000001" / "critic" / ".metadata").is_file()
+
+    resumed = molt("train", "--resume", str(run_dir), "--train.num_steps", "2")
+    assert "resumed from" in resumed.stderr and started_groups(resumed.stderr) == {"critic"}
+    after = steps_of(run_dir)[2]
+    assert after["critic/value_mean"] != 0.0  # the trained critic came back (a new head would give 0)
+    assert after["critic/value_loss"] > 0.0
+
+
+def test_opd_distils_from_a_frozen_teacher(tmp_path, tiny_model_dir, molt_engine, plain_run):
+    from molt.tiny import build_tiny_model
+
+    teacher = build_tiny_model(tmp_path / "teacher", seed=1)  # the policy's tokenizer, other weights
+    stderr, steps = train(
+        tmp_path / "run", tiny_model_dir, molt_engine.url, "--train.num_steps", "1",
+        "--algo.advantage.estimator", "opd", "--algo.teacher.model", str(teacher),
+    )  # fmt: skip
+    plain = steps_of(plain_run.dir)
+    assert started_groups(stderr) == {"teacher"}
+    assert steps[1]["rollout/reward_mean"] == plain[1]["rollout/reward_mean"]  # the same samples
+    assert steps[1]["teacher/reverse_kl"] != 0.0  # the teacher scores them otherwise
+    assert steps[1]["train/zero_advantage_frac"] < 0.5  # token-level advantages from the teacher
+    assert differs(steps[1]["train/grad_norm"], plain[1]["train/grad_norm"])
