@@ -57,3 +57,27 @@ def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir
     moved_BT = (after_BT - logp_BT)[batch.loss_mask_BT > 0]
     assert (moved_BT * advantages_BT[batch.loss_mask_BT > 0] > 0).float().mean() > 0.5
     torch.distributed.destroy_process_group()
+
+
+def test_critic_and_frozen_workers_on_cuda(tiny_model_dir):
+    """The critic (transformers' value-head model, sharded by AutoModel) and a frozen policy on a GPU."""
+    from molt._actor import PolicyWorker
+    from molt._critic import CriticWorker, data_parallel_only
+
+    rows = [([1, 5, 9, 11, 12], [0, 0, 0, 1, 1], [0.0] * 5, 0.0),
+            ([1, 6, 7, 13], [0, 0, 1, 1], [0.0] * 4, 0.0)]  # fmt: skip
+    batch = collate(rows, pad_id=0)
+    returns_BT = batch.loss_mask_BT * 2.0
+    critic = CriticWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), data_parallel_only(Config()))
+    assert next(critic.model.parameters()).is_cuda
+    values_BT = critic.values(batch)
+    assert torch.equal(values_BT, torch.zeros_like(values_BT))
+    step = critic.train_step
+    losses = [step(batch, critic.values(batch), returns_BT)["critic/value_loss"] for _ in range(5)]
+    assert losses[0] == pytest.approx(2.0) and losses[-1] < losses[0]
+    torch.distributed.destroy_process_group()
+
+    frozen = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), Config(), trainable=False)
+    assert frozen.optimizer is None and not any(p.requires_grad for p in frozen.model.parameters())
+    assert frozen.logprobs(batch).shape == batch.tokens_BT.shape
+    torch.distributed.destroy_process_group()
