@@ -365,12 +365,19 @@ class PolicyGroup:
 
     Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
     the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
+    `wait=False` returns once the ranks are placed; `wait_ready` then waits for them to load.
     """
 
     worker_class: type = PolicyWorker
 
     def __init__(
-        self, model_dir: str | Path, config: Config, num_ranks: int, *, trainable: bool = True
+        self,
+        model_dir: str | Path,
+        config: Config,
+        num_ranks: int,
+        *,
+        trainable: bool = True,
+        wait: bool = True,
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -398,7 +405,14 @@ class PolicyGroup:
             )
             for rank in range(num_ranks)
         ]
-        ray.get([w.__ray_ready__.remote() for w in self.workers])  # raises if a worker failed to start
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every rank has loaded its shard; raises if one failed to start."""
+        import ray
+
+        ray.get([w.__ray_ready__.remote() for w in self.workers])
 
     def _each(self, method: str, *per_rank_args) -> list:
         """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""

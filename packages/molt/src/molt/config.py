@@ -87,7 +87,7 @@ class Advantage(_Group):
     """How rewards become advantages."""
 
     estimator: EstimatorName = "reinforce_pp"
-    """Outcome estimator from rlestimators.ESTIMATORS, or gae (needs a critic) or opd (needs a teacher)."""
+    """Outcome estimator from rlestimators.ESTIMATORS, or gae (starts a critic) or opd (starts a teacher)."""
 
 
 class Loss(_Group):
@@ -157,7 +157,7 @@ class Critic(_Group):
 
 
 class Algo(_Group):
-    """The RL algorithm: estimator, loss, correction, KL."""
+    """The RL algorithm: estimator, loss, correction, KL, and the critic and teacher groups."""
 
     advantage: Advantage = Advantage()
     loss: Loss = Loss()

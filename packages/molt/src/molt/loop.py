@@ -389,11 +389,14 @@ def train(config: Config, *, resume: bool = False) -> None:
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
         cleanup.callback(stop_engines, engines)
-        policy = PolicyGroup(model_dir, config, config.actor.num_ranks)
+        policy = PolicyGroup(model_dir, config, config.actor.num_ranks, wait=False)
         cleanup.callback(policy.shutdown)
         groups = start_extra_groups(config, model_dir)  # reference, critic, teacher: each if asked for
         for group in groups.values():
             cleanup.callback(group.shutdown)
+        hosts = launch_hosts(config.agent.module, config.agent.num_runners)  # while the groups load
+        for group in (policy, *groups.values()):  # they load side by side
+            group.wait_ready()
         first_step = 1
         if checkpoint is not None:
             policy.load(checkpoint)
@@ -402,7 +405,6 @@ def train(config: Config, *, resume: bool = False) -> None:
             restore_rng(state)
             first_step = state.step + 1
             progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
-        hosts = launch_hosts(config.agent.module, config.agent.num_runners)
         urls = attached or wait_for_engines(engines)
         if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
             policy.refit(urls, first_step - 1)
@@ -417,17 +419,18 @@ def train(config: Config, *, resume: bool = False) -> None:
 
 
 def start_extra_groups(config: Config, model_dir: Path) -> dict:
-    """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for."""
+    """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for.
+    Returns once their ranks are placed (`wait_ready` waits for them to load)."""
     num_ranks, algo, groups = config.actor.num_ranks, config.algo, {}
     if "reference" in extra_groups(config):  # the initial weights, frozen (a resumed run reloads them)
         progress("starting the reference policy (--algo.kl.coef)")
-        groups["reference"] = PolicyGroup(model_dir, config, num_ranks, trainable=False)
+        groups["reference"] = PolicyGroup(model_dir, config, num_ranks, trainable=False, wait=False)
     if "critic" in extra_groups(config):
         progress("starting the critic (--algo.advantage.estimator gae)")
-        groups["critic"] = CriticGroup(algo.critic.model or model_dir, config, num_ranks)
+        groups["critic"] = CriticGroup(algo.critic.model or model_dir, config, num_ranks, wait=False)
     if "teacher" in extra_groups(config):
         progress(f"starting the teacher {algo.teacher.model} (--algo.advantage.estimator opd)")
-        groups["teacher"] = PolicyGroup(algo.teacher.model, config, num_ranks, trainable=False)
+        groups["teacher"] = PolicyGroup(algo.teacher.model, config, num_ranks, trainable=False, wait=False)
     return groups
 
 
