@@ -75,6 +75,20 @@ def test_turn_end_is_probed_from_the_template(renderer):
     assert renderer.turn_end == "<|im_end|>\n"
 
 
+@pytest.mark.parametrize(
+    ("sampled", "closing"),
+    [
+        pytest.param(["f", "<|im_end|>"], ["\n"], id="the-engine-sampled-the-eos"),
+        pytest.param(["f", "<"], ["<|im_end|>", "\n"], id="cut-on-a-character-that-begins-the-eos-text"),
+        pytest.param(["f", "o"], ["<|im_end|>", "\n"], id="cut-elsewhere"),
+        pytest.param([], ["<|im_end|>", "\n"], id="nothing-sampled"),
+    ],
+)
+def test_closing_skips_only_a_turn_end_token_the_engine_sampled(renderer, tokenizer, sampled, closing):
+    ids = renderer.closing_ids(tokenizer.convert_tokens_to_ids(sampled))
+    assert tokenizer.convert_ids_to_tokens(ids) == closing
+
+
 def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tokenizer):
     """The engine sampled "fox" as three characters; the trace keeps them, never the canonical token."""
     capture, state = Capture("s"), ChatState()

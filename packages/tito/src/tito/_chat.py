@@ -64,11 +64,11 @@ class ChatRenderer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
-        self._closing: dict[int | None, list[int]] = {}
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
         rendered = self.render(probe, None, add_generation_prompt=False)
         # The text the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
         self.turn_end = rendered[rendered.index(_PROBE) + len(_PROBE) :]
+        self.turn_end_ids = self.encode(self.turn_end)
 
     def render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -80,13 +80,15 @@ class ChatRenderer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:
-        """Tokens that end an assistant turn after what the engine sampled (e.g. "\\n" after an EOS)."""
-        last = sampled_ids[-1] if sampled_ids else None
-        if last not in self._closing:  # it depends on the last sampled token only
-            tail = self.tokenizer.decode([last], skip_special_tokens=False) if last is not None else ""
-            rest = self.turn_end[len(tail) :] if tail and self.turn_end.startswith(tail) else self.turn_end
-            self._closing[last] = self.encode(rest) if rest else []
-        return list(self._closing[last])
+        """Tokens that end an assistant turn after what the engine sampled: the template's turn end, less
+        its first token when the engine sampled that token itself (ChatML: "\\n" after a sampled EOS).
+
+        Compared by token, not by text: a reply cut at `max_tokens` on "<" has not begun "<|im_end|>"
+        and gets the whole turn end, as the template renders it.
+        """
+        if sampled_ids and sampled_ids[-1:] == self.turn_end_ids[:1]:
+            return self.turn_end_ids[1:]
+        return list(self.turn_end_ids)
 
 
 @dataclass
