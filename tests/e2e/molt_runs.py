@@ -27,10 +27,11 @@ def steps_of(run_dir: Path) -> dict[int, dict]:
 def reproducible_run_args(model_dir: Path, engine_url: str) -> list[str]:
     """Flags under which two runs on the shared engine sample the same rollouts while their weights are
     equal: seeded requests, strict on-policy steps (a step takes exactly the groups it started), the
-    dense-reward agent, a checkpoint every 2 steps."""
+    dense-reward agent with replies of up to 6 tokens, a checkpoint every 2 steps."""
     return [
         "--model.path", str(model_dir), "--vllm.urls", engine_url, "--ray.num_cpus", "2",
         "--agent.module", LETTERS_AGENT, "--rollout.prompts_per_step", "2", "--rollout.group_size", "4",
+        "--rollout.max_new_tokens", "6",
         "--train.force_on_policy", "--rollout.seed_requests", "--ckpt.every", "2",
         "--logger.tensorboard", "false",
     ]  # fmt: skip

@@ -3,7 +3,9 @@ and the token-level pieces of GAE (where the reward sits, whitening, explained v
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -18,6 +20,7 @@ from molt.loop import (
     explained_variance,
     last_token_rewards,
     read_rows,
+    refit_engines,
     rollout_metrics,
     rollout_sums,
     staleness_mean,
@@ -128,3 +131,32 @@ def test_explained_variance():
     assert explained_variance(torch.full_like(returns_BT, 2.0), returns_BT, mask_BT) == pytest.approx(0.0)
     assert explained_variance(-returns_BT, returns_BT, mask_BT) < 0  # worse than a constant
     assert explained_variance(returns_BT, torch.ones_like(returns_BT), mask_BT) == 0.0  # returns constant
+
+
+class _LosingPolicy:
+    """A policy group whose refit fails on the engines in `dead` (the real one raises `EnginesLost`)."""
+
+    def __init__(self, dead: set[str]) -> None:
+        self.dead, self.asked = dead, []
+
+    def refit(self, urls, version):
+        from molt._actor import EnginesLost
+
+        self.asked.append(list(urls))
+        failed = {url: "pause: ConnectionRefusedError" for url in urls if url in self.dead}
+        if failed:
+            raise EnginesLost(failed, updated=[url for url in urls if url not in failed])
+
+
+def test_an_engine_that_fails_a_refit_is_dropped_and_the_run_goes_on():
+    engines = [SimpleNamespace(url=url, alive=True) for url in ("http://a", "http://b")]
+    tito = SimpleNamespace(router=SimpleNamespace(engines=engines))
+    policy = _LosingPolicy(dead={"http://b"})
+    asyncio.run(refit_engines(policy, tito, 3))
+    assert [e.alive for e in engines] == [True, False]
+    asyncio.run(refit_engines(policy, tito, 4))  # the dropped engine is not asked again
+    assert policy.asked == [["http://a", "http://b"], ["http://a"]]
+
+    policy.dead.add("http://a")
+    with pytest.raises(RuntimeError, match="no vLLM engine took the weights of step 5"):
+        asyncio.run(refit_engines(policy, tito, 5))
