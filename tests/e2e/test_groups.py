@@ -43,7 +43,7 @@ def test_the_plain_run_starts_no_extra_group(plain_run):
 def test_a_kl_penalty_starts_a_frozen_reference(tmp_path, tiny_model_dir, molt_engine, plain_run):
     stderr, steps = train(
         tmp_path / "run", tiny_model_dir, molt_engine.url, "--train.num_steps", "2",
-        "--algo.kl.coef", "0.5", "--algo.kl.in_reward", "true",
+        "--algo.kl.coef", "5.0", "--algo.kl.in_reward", "true",
     )  # fmt: skip
     plain = steps_of(plain_run.dir)
     assert started_groups(stderr) == {"reference"}
