@@ -1,9 +1,13 @@
+"""The end-to-end runs share one vLLM server (`molt_engine`, joined with `--vllm.urls`) and one Ray cluster
+(`ray_cluster`, joined with `--ray.address`): starting either takes longer than a short run itself. The
+runs that must show what a run starts and stops on its own (tests/e2e/test_train_loop.py) start both."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
-from molt_runs import molt, reproducible_run_args
+from molt_runs import molt, ray_head, reproducible_run_args
 
 
 @pytest.fixture(scope="session")
@@ -20,11 +24,19 @@ def molt_engine(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def plain_run(tiny_model_dir, molt_engine, tmp_path_factory):
+def ray_cluster(tmp_path_factory):
+    """One Ray head for the session's runs (`.address`; run them with `.env`, which holds its token)."""
+    with ray_head(tmp_path_factory.mktemp("ray-head") / "ray-head.log") as head:
+        yield head
+
+
+@pytest.fixture(scope="session")
+def plain_run(tiny_model_dir, molt_engine, ray_cluster, tmp_path_factory):
     """A 4-step run of the default algorithm under `reproducible_run_args`: the uninterrupted run the
     resume test compares with, and the plain run the optional groups' runs differ from. `.dir` is its run
     directory, `.stderr` its progress output."""
     run_dir = tmp_path_factory.mktemp("plain") / "run"
-    args = reproducible_run_args(tiny_model_dir, molt_engine.url)
-    result = molt("train", *args, "--train.num_steps", "4", "--logger.run_dir", str(run_dir))
+    args = reproducible_run_args(tiny_model_dir, molt_engine.url, ray_cluster.address)
+    args += ["--train.num_steps", "4", "--logger.run_dir", str(run_dir)]
+    result = molt("train", *args, env=ray_cluster.env)
     return SimpleNamespace(dir=run_dir, stderr=result.stderr)

@@ -2,14 +2,14 @@
 
 The tiny model answers arithmetic with noise, so rewards stay near 0: what is checked is that each agent
 form runs the whole loop (Ray-placed agent hosts, tito over HTTP for the ChatAgents, token identity,
-refit) and logs what it should. The runs share one engine (`--vllm.urls`), as runs of a sweep may: each
-pushes its own initial weights first, which the mismatch check below would catch if it did not.
+refit) and logs what it should. The runs share one engine (`--vllm.urls`) and one Ray cluster
+(`--ray.address`), as runs of a sweep may: each pushes its own initial weights first, which the mismatch
+check below would catch if it did not.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,16 +38,17 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
         pytest.param("compacting_agent.py", [], id="compacting-agent"),
     ],
 )
-def test_example_trains(tmp_path, tiny_model_dir, molt_engine, example, extra):
+def test_example_trains(tmp_path, tiny_model_dir, molt_engine, ray_cluster, example, extra):
     run_dir = tmp_path / "run"
     args = [
         MOLT, "train", "--agent.module", str(EXAMPLES / example), "--logger.run_dir", str(run_dir),
         "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
         "--train.num_steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
-        "--rollout.max_new_tokens", "24", "--ray.num_cpus", "2", "--logger.tensorboard", "false",
+        "--rollout.max_new_tokens", "24", "--ray.address", ray_cluster.address,
+        "--logger.tensorboard", "false",
         "--train.rollout_dump_dir", str(run_dir / "rollouts"), *extra,
     ]  # fmt: skip
-    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env=ray_cluster.env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "reference policy" not in result.stderr  # no --algo.kl.coef: no reference group at all
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

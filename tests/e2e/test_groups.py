@@ -20,10 +20,18 @@ GROUP_MESSAGES = {
 }
 
 
-def train(run_dir, model_dir, engine_url, *flags: str):
-    common = reproducible_run_args(model_dir, engine_url)
-    result = molt("train", *common, "--logger.run_dir", str(run_dir), *flags)
-    return result.stderr, steps_of(run_dir)
+@pytest.fixture
+def train(tmp_path, tiny_model_dir, molt_engine, ray_cluster):
+    """`train(*flags)`: a run under the plain run's flags plus `flags`, in `tmp_path / "run"`; returns
+    its progress output and its steps."""
+
+    def run(*flags: str) -> tuple[str, dict[int, dict]]:
+        common = reproducible_run_args(tiny_model_dir, molt_engine.url, ray_cluster.address)
+        run_dir = tmp_path / "run"
+        result = molt("train", *common, "--logger.run_dir", str(run_dir), *flags, env=ray_cluster.env)
+        return result.stderr, steps_of(run_dir)
+
+    return run
 
 
 def started_groups(stderr: str) -> set[str]:
@@ -40,9 +48,9 @@ def test_the_plain_run_starts_no_extra_group(plain_run):
     assert not list(plain_run.dir.glob("checkpoints/*/critic"))
 
 
-def test_a_kl_penalty_starts_a_frozen_reference(tmp_path, tiny_model_dir, molt_engine, plain_run):
+def test_a_kl_penalty_starts_a_frozen_reference(train, plain_run):
     stderr, steps = train(
-        tmp_path / "run", tiny_model_dir, molt_engine.url, "--train.num_steps", "2",
+        "--train.num_steps", "2",
         "--algo.kl.coef", "5.0", "--algo.kl.in_reward", "true",
     )  # fmt: skip
     plain = steps_of(plain_run.dir)
@@ -54,10 +62,10 @@ def test_a_kl_penalty_starts_a_frozen_reference(tmp_path, tiny_model_dir, molt_e
     assert differs(steps[2]["train/grad_norm"], plain[2]["train/grad_norm"])
 
 
-def test_gae_trains_a_critic_that_checkpoints_and_resumes(tmp_path, tiny_model_dir, molt_engine, plain_run):
-    run_dir = tmp_path / "run"
+def test_gae_trains_a_critic_that_checkpoints_and_resumes(train, plain_run, ray_cluster, tmp_path):
+    run_dir = tmp_path / "run"  # where `train` runs
     stderr, steps = train(
-        run_dir, tiny_model_dir, molt_engine.url, "--train.num_steps", "1", "--ckpt.every", "1",
+        "--train.num_steps", "1", "--ckpt.every", "1",
         "--algo.advantage.estimator", "gae",
     )  # fmt: skip
     plain = steps_of(plain_run.dir)
@@ -68,19 +76,19 @@ def test_gae_trains_a_critic_that_checkpoints_and_resumes(tmp_path, tiny_model_d
     assert steps[1]["critic/value_loss"] > 0.0 and "critic/explained_variance" in steps[1]
     assert (run_dir / "checkpoints" / "step_000001" / "critic" / ".metadata").is_file()
 
-    resumed = molt("train", "--resume", str(run_dir), "--train.num_steps", "2")
+    resumed = molt("train", "--resume", str(run_dir), "--train.num_steps", "2", env=ray_cluster.env)
     assert "resumed from" in resumed.stderr and started_groups(resumed.stderr) == {"critic"}
     after = steps_of(run_dir)[2]
     assert after["critic/value_mean"] != 0.0  # the trained critic came back (a new head would give 0)
     assert after["critic/value_loss"] > 0.0
 
 
-def test_opd_distils_from_a_frozen_teacher(tmp_path, tiny_model_dir, molt_engine, plain_run):
+def test_opd_distils_from_a_frozen_teacher(train, plain_run, tmp_path):
     from molt.tiny import build_tiny_model
 
     teacher = build_tiny_model(tmp_path / "teacher", seed=1)  # the policy's tokenizer, other weights
     stderr, steps = train(
-        tmp_path / "run", tiny_model_dir, molt_engine.url, "--train.num_steps", "1",
+        "--train.num_steps", "1",
         "--algo.advantage.estimator", "opd", "--algo.teacher.model", str(teacher),
     )  # fmt: skip
     plain = steps_of(plain_run.dir)

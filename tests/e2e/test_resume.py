@@ -16,13 +16,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_resumed_run_continues_exactly_and_its_checkpoint_exports(
-    tmp_path, tiny_model_dir, molt_engine, plain_run
+    tmp_path, tiny_model_dir, molt_engine, ray_cluster, plain_run
 ):
     whole, stopped = plain_run.dir, tmp_path / "stopped"  # whole: 4 steps in one run
-    common = reproducible_run_args(tiny_model_dir, molt_engine.url)
-    molt("train", *common, "--train.num_steps", "2", "--logger.run_dir", str(stopped))
+    common, env = reproducible_run_args(tiny_model_dir, molt_engine.url, ray_cluster.address), ray_cluster.env
+    molt("train", *common, "--train.num_steps", "2", "--logger.run_dir", str(stopped), env=env)
     assert (stopped / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    resumed = molt("train", "--resume", str(stopped), "--train.num_steps", "4")
+    resumed = molt("train", "--resume", str(stopped), "--train.num_steps", "4", env=env)
     assert "resumed from" in resumed.stderr
 
     expected, got = steps_of(whole), steps_of(stopped)
@@ -35,7 +35,7 @@ def test_a_resumed_run_continues_exactly_and_its_checkpoint_exports(
         assert got[step]["train/staleness_mean"] == 0.0  # the engines served the checkpoint's weights
 
     out = tmp_path / "export"
-    molt("export", str(stopped / "checkpoints"), str(out))  # the newest: step 4
+    molt("export", str(stopped / "checkpoints"), str(out), env=env)  # the newest: step 4
     from transformers import AutoModelForCausalLM
 
     from molt.vllm_server import VLLMServer

@@ -32,15 +32,16 @@ def engine_processes(marker: str) -> list[int]:
     return found
 
 
-def test_a_short_on_policy_run_with_two_actor_ranks(tmp_path, tiny_model_dir, molt_engine):
-    """Two actor ranks on the session's shared engine (the runs below start their own engines)."""
+def test_a_short_on_policy_run_with_two_actor_ranks(tmp_path, tiny_model_dir, molt_engine, ray_cluster):
+    """Two actor ranks on the session's shared engine and Ray (the runs below start their own)."""
     run_dir = tmp_path / "run"
     args = [
         MOLT, "train", "--logger.run_dir", str(run_dir), "--train.num_steps", "3", "--actor.num_ranks", "2",
         "--rollout.prompts_per_step", "4", "--rollout.group_size", "4", "--train.force_on_policy",
-        "--ray.num_cpus", "4", "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
+        "--ray.address", ray_cluster.address, "--model.path", str(tiny_model_dir),
+        "--vllm.urls", molt_engine.url,
     ]  # fmt: skip
-    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env={**os.environ})
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env=ray_cluster.env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
     assert (run_dir / "config.toml").is_file()
