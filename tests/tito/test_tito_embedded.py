@@ -46,3 +46,22 @@ async def test_a_taken_port_is_an_error_not_an_exit(fake_tito):
             async with serve_on_loop(create_app(fake_tito), port=port):
                 pass
         assert not [t for t in asyncio.all_tasks() if t.get_name() == "tito-http" and t.done()]
+
+
+async def test_an_idle_connection_outlives_the_sdks_pool_expiry(fake_tito):
+    """httpx (under the openai and anthropic SDKs) drops a connection idle for 5 s; the server must not
+    close it first, or a busy client's next request on it fails."""
+    async with serve_on_loop(create_app(fake_tito)) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+
+        async def status_line() -> bytes:  # of one request on this connection (404: no such route)
+            writer.write(b"GET /none HTTP/1.1\r\nHost: tito\r\n\r\n")
+            head = (await reader.readuntil(b"\r\n\r\n")).lower().split(b"\r\n")
+            await reader.readexactly(next(int(h[15:]) for h in head if h.startswith(b"content-length:")))
+            return head[0]
+
+        assert await status_line() == b"http/1.1 404 not found"
+        await asyncio.sleep(6.0)  # idle past the SDKs' expiry
+        assert await status_line() == b"http/1.1 404 not found"
+        writer.close()

@@ -14,7 +14,13 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-__all__ = ["serve_on_loop"]
+__all__ = ["KEEP_ALIVE_S", "serve_on_loop"]
+
+# How long the server keeps an idle client connection open. Well past the 5 s after which httpx's pool
+# (under the openai and anthropic SDKs) drops an idle connection, so the client always closes first:
+# at uvicorn's default of 5 s the server could close a connection just as a busy client, whose clock
+# started later, sent its next request on it, and that request failed (httpx.ReadError).
+KEEP_ALIVE_S = 75
 
 
 class _QuietServer(uvicorn.Server):
@@ -30,7 +36,8 @@ async def serve_on_loop(app, *, host: str = "127.0.0.1", port: int = 0) -> Async
     The app's lifespan is not run: whoever made the app's resources (a `Tito`) closes them.
     """
     listening = socket.create_server((host, port))  # bound here: a taken port is an OSError, not an exit
-    server = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_keep_alive=KEEP_ALIVE_S)
+    server = _QuietServer(config)
     serving = asyncio.create_task(server.serve(sockets=[listening]), name="tito-http")
     while not server.started:
         if serving.done():
