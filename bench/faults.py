@@ -3,8 +3,9 @@
     uv run --no-sync python bench/faults.py engine-kill   # one of two engines dies mid-run
     uv run --no-sync python bench/faults.py run-kill      # the whole run dies; --resume continues it
 
-engine-kill: two vLLM servers serve one run (attached with `--vllm.urls`). Once step `--kill-after` is
-logged, one server's whole process group gets SIGKILL. The run must still log every step: the rollouts
+engine-kill: two vLLM servers serve one run (attached with `--vllm.urls`; replies of up to 48 tokens, so
+that requests are in flight on both). Once step `--kill-after` is logged, one server's whole process
+group gets SIGKILL. The run must still log every step: the rollouts
 that engine was serving fail (`agent/engine_unavailable`), their groups are retried on the other engine,
 and the next refit drops the dead one (`engines/alive` 2 -> 1).
 
@@ -73,7 +74,7 @@ def engine_kill(work: Path, model_dir: Path, opts) -> bool:
             "train", "--model.path", str(model_dir), "--vllm.urls", f"{keep.url},{victim.url}",
             "--logger.run_dir", str(run_dir), "--train.num_steps", str(opts.steps),
             "--rollout.prompts_per_step", "4", "--rollout.group_size", "4", "--ray.num_cpus", "2",
-            "--logger.tensorboard", "false",
+            "--rollout.max_new_tokens", "48", "--logger.tensorboard", "false",
         ], work / "engine-kill.log")  # fmt: skip
         wait_for_step(run, run_dir, opts.kill_after)
         os.killpg(victim.process.pid, signal.SIGKILL)
@@ -87,7 +88,8 @@ def engine_kill(work: Path, model_dir: Path, opts) -> bool:
     print(f"  engines/alive per step: {[int(s.get('engines/alive', -1)) for s in steps]}")
     lost = last.get("agent/engine_unavailable")
     print(f"  rollouts lost to the dead engine (agent/engine_unavailable): {lost}")
-    print(f"  groups failed and retried (pool/failed): {last.get('pool/failed')}")
+    print(f"  single rollouts retried (pool/retried): {last.get('pool/retried')}")
+    print(f"  groups dropped after failing every retry (pool/failed): {last.get('pool/failed')}")
     print(f"  reward_mean per step: {[round(s['rollout/reward_mean'], 3) for s in steps]}")
     return code == 0 and len(steps) == opts.steps and last.get("engines/alive") == 1.0
 
