@@ -72,9 +72,9 @@ async def _drive(url: str, num_sessions: int, num_turns: int, max_tokens: int) -
     import openai
 
     # One connection pool for every SDK client, with room for all sessions at once: httpx's default of
-    # 100 connections would queue the rest client side, and a pool per client (each with its own SSL
-    # context, ~50 ms to make) would start the sessions over seconds instead of at once. The SDK's 5 s
-    # connect limit trips on a busy machine.
+    # 100 connections would queue the rest client side, and a pool per client (about 60 ms each to make
+    # here, httpx building an SSL context for each) would start the sessions over seconds instead of at
+    # once. The SDK's 5 s connect limit trips on a busy machine.
     limits = httpx.Limits(max_connections=num_sessions + 8, max_keepalive_connections=num_sessions + 8)
     http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=60.0), limits=limits)
     latencies: list[float] = []
