@@ -25,12 +25,17 @@ from pathlib import Path
 __all__ = ["VLLMServer", "engine_args", "free_port"]
 
 
+_PORTS = random.SystemRandom()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on now, for a server started next. Drawn below Linux's ephemeral range
     (32768 and up), from which every outgoing connection takes its local port: a port from that range can
-    be taken by someone's HTTP client between this check and the server's bind."""
+    be taken by someone's HTTP client between this check and the server's bind. The draw uses the OS's
+    entropy, not the global `random` (which `molt train` seeds): runs with one seed started together on one
+    machine must not try the same ports in the same order."""
     for _ in range(200):
-        port = random.randrange(20000, 32768)
+        port = _PORTS.randrange(20000, 32768)
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
