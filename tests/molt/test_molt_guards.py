@@ -115,7 +115,7 @@ def test_routing_replay_is_refused_until_the_loop_replays_routes(with_cuda):
 def test_freezing_the_moe_router_freezes_every_gate_and_refuses_a_dense_model(tiny_model_dir):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    from molt._actor import freeze_moe_routers
+    from molt._sharding import freeze_moe_routers
 
     config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,

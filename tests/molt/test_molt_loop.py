@@ -11,20 +11,17 @@ import msgspec
 import pytest
 import torch
 
-from molt._batch import collate
+from molt._batch import collate, explained_variance, last_token_rewards, whitened
 from molt._rollout import Rollout
 from molt.config import Config, Data
 from molt.loop import (
     _keep_varied,
     check_token_identity,
-    explained_variance,
-    last_token_rewards,
     read_rows,
     refit_engines,
     rollout_metrics,
     rollout_sums,
     staleness_mean,
-    whitened,
 )
 from tito import Segment
 

@@ -7,8 +7,8 @@ order.
 
 Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's policy, entropy and KL sums are divided
 by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
-FSDP's gradient averaging undone (`_sum_gradients_over_ranks`), the summed gradient is the gradient of
-the global token mean, so the update does not depend on the number of ranks or micro-batches.
+FSDP's gradient averaging undone (`molt._sharding.sum_gradients_over_ranks`), the summed gradient is the
+gradient of the global token mean, so the update does not depend on the number of ranks or micro-batches.
 Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
 
 Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (dp * cp + c) * tp + t),
@@ -34,104 +34,18 @@ import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
 from molt._guards import check_parallelism
+from molt._sharding import (
+    freeze_moe_routers,
+    load_model,
+    params_by_mesh,
+    replicas,
+    sum_gradients_over_ranks,
+)
 from molt.config import Config
 from molt.vllm_server import free_port
 from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss
 
 __all__ = ["EnginesLost", "PolicyGroup", "PolicyWorker"]
-
-
-def _replicas(config: Config) -> int:
-    """Ranks that share one data-parallel coordinate, hence the same rows (module docstring)."""
-    return config.fsdp.tp_size * config.fsdp.cp_size
-
-
-def _distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
-    from nemo_automodel.components.distributed.mesh import ParallelismSizes
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-    # AutoModel's default policy computes in bf16; the trainer must compute in the policy's own dtype
-    # (invariant 3, and fp32 tests compare exactly), reducing gradients in fp32.
-    strategy = FSDP2Config(
-        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-        # On CPU everything already lives in host memory: --fsdp.offload only matters on GPU.
-        offload_policy=CPUOffloadPolicy() if config.fsdp.offload and on_gpu else None,
-    )
-    fsdp = config.fsdp
-    sizes = ParallelismSizes(
-        dp_size=world_size // _replicas(config),
-        tp_size=fsdp.tp_size,
-        cp_size=fsdp.cp_size,
-        ep_size=fsdp.ep_size,
-    )
-    return DistributedSetup.build(
-        strategy=strategy,
-        parallelism_sizes=sizes,
-        activation_checkpointing=config.actor.activation_checkpointing,
-        world_size=world_size,
-    )
-
-
-def _load_model(model_dir: str, config: Config, world_size: int, device: torch.device) -> torch.nn.Module:
-    """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
-    model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`)."""
-    dtype = getattr(torch, config.model.dtype)
-    setup = _distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
-    if device.type == "cuda":
-        from nemo_automodel import NeMoAutoModelForCausalLM
-
-        # No Liger kernels: the trainer needs the logits themselves (chunked logprobs, entropy).
-        return NeMoAutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, distributed_setup=setup, use_liger_kernel=False
-        )
-    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return parallelize_model(model, setup.mesh_context)  # one rank: left unsharded by AutoModel
-
-
-def freeze_moe_routers(model: torch.nn.Module) -> int:
-    """--actor.freeze_moe_router: no router (MoE gate) weight trains, so the experts a token is sent to
-    move only through the rest of the model (the coarser alternative to routing replay). Returns the
-    number of routers; a dense model is refused."""
-    import refit
-
-    routers = refit.RoutingReplay(model).routers  # transformers *TopKRouter or AutoModel Gate; raises if none
-    for router in routers:
-        router.requires_grad_(False)
-    return len(routers)
-
-
-def _params_by_mesh(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
-    """Trainable parameters grouped by the device mesh their DTensor lives on (plain tensors: one group)."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for param in model.parameters():
-        if param.requires_grad:
-            mesh = param.device_mesh if isinstance(param, DTensor) else None
-            key = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist())) if mesh is not None else ()
-            groups.setdefault(key, []).append(param)
-    return list(groups.values())
-
-
-def _sum_gradients_over_ranks(model: torch.nn.Module) -> None:
-    """Make FSDP2 sum gradients over data-parallel ranks instead of averaging them.
-
-    Each rank's loss is already divided by the GLOBAL token count, so the global gradient is the plain
-    sum of the ranks' gradients; FSDP2's default divides it by the world size. Divide factor 1 undoes
-    that; forcing a SUM collective keeps it a plain sum on gloo too, which lacks the PREMUL_SUM that
-    factor 1 would otherwise select (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
-    A one-rank model is not wrapped by AutoModel and has nothing to undo.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
 
 
 class EnginesLost(RuntimeError):
@@ -180,12 +94,12 @@ class PolicyWorker:
             self.model.eval()
             return
         self.model.train()
-        _sum_gradients_over_ranks(self.model)
+        sum_gradients_over_ranks(self.model)
         if config.actor.freeze_moe_router:
             freeze_moe_routers(self.model)
         actor = config.actor
         self.optimizer = torch.optim.AdamW(  # one group per device mesh: foreach ops never mix meshes
-            [{"params": params} for params in _params_by_mesh(self.model)],
+            [{"params": params} for params in params_by_mesh(self.model)],
             lr=self._learning_rate(),
             weight_decay=actor.weight_decay,
         )
@@ -195,7 +109,7 @@ class PolicyWorker:
         )
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
-        return _load_model(model_dir, self.config, world_size, self.device)
+        return load_model(model_dir, self.config, world_size, self.device)
 
     def _learning_rate(self) -> float:
         return self.config.actor.lr
@@ -314,7 +228,7 @@ class PolicyWorker:
                 totals[name] = totals[name] + value if name in totals else value
         sums_K = torch.stack(list(totals.values()))  # K metrics, float32 on this rank's device
         dist.all_reduce(sums_K)  # SUM over ranks
-        counted = batch.num_tokens * _replicas(self.config)  # the TP ranks of a DP group hold equal sums
+        counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
         metrics = dict(zip(totals, (sums_K / counted).tolist(), strict=True))
         metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
         return metrics
@@ -387,7 +301,7 @@ class PolicyGroup:
         self.on_gpu = torch.cuda.is_available()
         check_parallelism(config, num_ranks, on_gpu=self.on_gpu)
         self.num_ranks = num_ranks
-        self.replicas = _replicas(config)  # rank r holds data-parallel shard r // replicas
+        self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas
         self.master_addr = ray.util.get_node_ip_address()
         port = free_port(self.master_addr)

@@ -23,8 +23,9 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from molt._actor import PolicyGroup, PolicyWorker, _distributed_setup, _replicas
+from molt._actor import PolicyGroup, PolicyWorker
 from molt._batch import TrainBatch, shard_rows
+from molt._sharding import distributed_setup, replicas
 from molt.config import Config
 from rlestimators import masked_sum, value_loss
 
@@ -43,7 +44,7 @@ def load_value_model(model_dir: str, config: Config, world_size: int, device: to
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
     dtype = getattr(torch, config.model.dtype)
-    setup = _distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
+    setup = distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the new head is reported as "missing": that is the intent
     try:
@@ -109,7 +110,7 @@ class CriticWorker(PolicyWorker):
                 masked_sum(values_BT.detach(), mask_BT),
             ])  # fmt: skip
         dist.all_reduce(totals)
-        loss, clipped, value_sum = (totals / (batch.num_tokens * _replicas(self.config))).tolist()
+        loss, clipped, value_sum = (totals / (batch.num_tokens * replicas(self.config))).tolist()
         grad_norm, lr = self._optimizer_step()
         return {
             "critic/value_loss": loss, "critic/value_clip_frac": clipped, "critic/value_mean": value_sum,

@@ -1,0 +1,107 @@
+"""How the actor's model is loaded and sharded over its ranks (NeMo AutoModel + FSDP2), and the
+FSDP2 adjustments the actor's loss normalisation and optimizer need. Used by the policy worker and the
+critic (`molt._actor`, `molt._critic`)."""
+
+from __future__ import annotations
+
+import torch
+
+from molt.config import Config
+
+__all__ = [
+    "distributed_setup", "freeze_moe_routers", "load_model", "params_by_mesh", "replicas",
+    "sum_gradients_over_ranks",
+]  # fmt: skip
+
+
+def replicas(config: Config) -> int:
+    """Ranks that share one data-parallel coordinate, hence the same rows (module docstring)."""
+    return config.fsdp.tp_size * config.fsdp.cp_size
+
+
+def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    # AutoModel's default policy computes in bf16; the trainer must compute in the policy's own dtype
+    # (invariant 3, and fp32 tests compare exactly), reducing gradients in fp32.
+    strategy = FSDP2Config(
+        mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+        # On CPU everything already lives in host memory: --fsdp.offload only matters on GPU.
+        offload_policy=CPUOffloadPolicy() if config.fsdp.offload and on_gpu else None,
+    )
+    fsdp = config.fsdp
+    sizes = ParallelismSizes(
+        dp_size=world_size // replicas(config),
+        tp_size=fsdp.tp_size,
+        cp_size=fsdp.cp_size,
+        ep_size=fsdp.ep_size,
+    )
+    return DistributedSetup.build(
+        strategy=strategy,
+        parallelism_sizes=sizes,
+        activation_checkpointing=config.actor.activation_checkpointing,
+        world_size=world_size,
+    )
+
+
+def load_model(model_dir: str, config: Config, world_size: int, device: torch.device) -> torch.nn.Module:
+    """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
+    model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`)."""
+    dtype = getattr(torch, config.model.dtype)
+    setup = distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
+    if device.type == "cuda":
+        from nemo_automodel import NeMoAutoModelForCausalLM
+
+        # No Liger kernels: the trainer needs the logits themselves (chunked logprobs, entropy).
+        return NeMoAutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, distributed_setup=setup, use_liger_kernel=False
+        )
+    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return parallelize_model(model, setup.mesh_context)  # one rank: left unsharded by AutoModel
+
+
+def freeze_moe_routers(model: torch.nn.Module) -> int:
+    """--actor.freeze_moe_router: no router (MoE gate) weight trains, so the experts a token is sent to
+    move only through the rest of the model (the coarser alternative to routing replay). Returns the
+    number of routers; a dense model is refused."""
+    import refit
+
+    routers = refit.RoutingReplay(model).routers  # transformers *TopKRouter or AutoModel Gate; raises if none
+    for router in routers:
+        router.requires_grad_(False)
+    return len(routers)
+
+
+def params_by_mesh(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """Trainable parameters grouped by the device mesh their DTensor lives on (plain tensors: one group)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            key = (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist())) if mesh is not None else ()
+            groups.setdefault(key, []).append(param)
+    return list(groups.values())
+
+
+def sum_gradients_over_ranks(model: torch.nn.Module) -> None:
+    """Make FSDP2 sum gradients over data-parallel ranks instead of averaging them.
+
+    Each rank's loss is already divided by the GLOBAL token count, so the global gradient is the plain
+    sum of the ranks' gradients; FSDP2's default divides it by the world size. Divide factor 1 undoes
+    that; forcing a SUM collective keeps it a plain sum on gloo too, which lacks the PREMUL_SUM that
+    factor 1 would otherwise select (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+    A one-rank model is not wrapped by AutoModel and has nothing to undo.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
