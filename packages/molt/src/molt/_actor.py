@@ -336,10 +336,23 @@ class PolicyGroup:
             [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
         )
 
+    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> list[tuple]:
+        """Each rank's arguments: its data-parallel shard of `batch` and of each [B, T] tensor (None stays
+        None). The ranks of one data-parallel coordinate get the same rows (module docstring)."""
+        world = self.dp_size
+        return [
+            (batch.shard(dp, world), *(None if t is None else shard_rows(t, dp, world) for t in tensors_BT))
+            for dp in (rank // self.replicas for rank in range(self.num_ranks))
+        ]
+
+    def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
+        """`method`'s [B, T] result for every row of `batch`, gathered in row order."""
+        shards = self._each(method, *self._row_shards(batch))
+        return torch.cat(shards[:: self.replicas])[: batch.num_rows]
+
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of every row of `batch`, [B, T], in row order."""
-        shards = [(batch.shard(rank // self.replicas, self.dp_size),) for rank in range(self.num_ranks)]
-        return torch.cat(self._each("logprobs", *shards)[:: self.replicas])[: batch.num_rows]
+        return self._rows("logprobs", batch)
 
     def train_step(
         self,
@@ -354,16 +367,7 @@ class PolicyGroup:
                 raise ValueError(f"{name} must be {tuple(batch.tokens_BT.shape)}, got {tuple(tensor.shape)}")
         if batch.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
-        world = self.dp_size
-        shards = [
-            (
-                batch.shard(dp, world),
-                shard_rows(old_logp_BT, dp, world),
-                shard_rows(correction_weights_BT, dp, world),
-                None if ref_logp_BT is None else shard_rows(ref_logp_BT, dp, world),
-            )
-            for dp in (rank // self.replicas for rank in range(self.num_ranks))
-        ]
+        shards = self._row_shards(batch, old_logp_BT, correction_weights_BT, ref_logp_BT)
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
     def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:

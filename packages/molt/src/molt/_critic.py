@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from molt._actor import PolicyGroup, PolicyWorker
-from molt._batch import TrainBatch, shard_rows
+from molt._batch import TrainBatch
 from molt._sharding import distributed_setup, replicas
 from molt.config import Config
 from rlestimators import masked_sum, value_loss
@@ -128,16 +128,10 @@ class CriticGroup(PolicyGroup):
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Values of every row of `batch`, [B, T], in row order."""
-        shards = [(batch.shard(rank, self.num_ranks),) for rank in range(self.num_ranks)]
-        return torch.cat(self._each("values", *shards))[: batch.num_rows]
+        return self._rows("values", batch)
 
     def train_step(
         self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
     ) -> dict[str, float]:
         """One critic optimizer step over the whole batch; returns the global metrics."""
-        world = self.num_ranks
-        shards = [
-            (batch.shard(r, world), shard_rows(old_values_BT, r, world), shard_rows(returns_BT, r, world))
-            for r in range(world)
-        ]
-        return self._each("train_step", *shards)[0]
+        return self._each("train_step", *self._row_shards(batch, old_values_BT, returns_BT))[0]

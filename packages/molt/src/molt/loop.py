@@ -118,8 +118,8 @@ async def run_steps(config: Config, run: Run) -> None:
             advantages_BT = opd(old_logp_BT, teacher_logp_BT, mask_BT)
             extra_metrics["teacher/reverse_kl"] = -(advantages_BT.sum() / mask_BT.sum()).item()
         else:
-            advantages_R = ESTIMATORS[estimator](rewards_R, group_ids_R)
-            advantages_BT = collate(segment_rows(rollouts, advantages_R), pad_id=pad_id).advantages_BT
+            advantages_R = ESTIMATORS[estimator](rewards_R, group_ids_R)  # each of a rollout's rows gets it
+            advantages_BT = advantages_R.repeat_interleave(rows_per_rollout(rollouts))[:, None] * mask_BT
         batch = dataclasses.replace(batch, advantages_BT=advantages_BT)
         # The advantage metrics count rollouts for an outcome estimator, trainable tokens for gae and opd.
         advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
