@@ -68,23 +68,27 @@ Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|
 """
 
 
-def _vocabulary(words: tuple[str, ...]) -> tuple[dict[str, int], list[str]]:
+def _vocabulary(
+    words: tuple[str, ...], specials: tuple[str, ...] = SPECIAL_TOKENS
+) -> tuple[dict[str, int], list[str]]:
     """Specials first (stable ids), then single characters, then whole words as added tokens."""
     chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII + "\n"
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(chars))}
+    vocab = {token: i for i, token in enumerate(specials + tuple(chars))}
     added = list(TOOL_TOKENS) + [w for w in dict.fromkeys(ROLE_WORDS + words) if len(w) > 1]
     return vocab, added
 
 
-def _build_tokenizer(words: tuple[str, ...]):
+def _build_tokenizer(
+    words: tuple[str, ...], specials: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE
+):
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab, added = _vocabulary(words)
+    vocab, added = _vocabulary(words, specials)
     # A BPE with no merges splits text into characters; Fuse joins decoded pieces without spaces.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     core.decoder = decoders.Fuse()
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core,
@@ -93,7 +97,7 @@ def _build_tokenizer(words: tuple[str, ...]):
         unk_token="<|unk|>",
         model_max_length=4096,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
