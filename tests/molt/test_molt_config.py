@@ -167,6 +167,11 @@ def test_unreadable_config_file_is_a_config_error(tmp_path):
             id="literal",
         ),
         pytest.param(
+            ["--actor.compute_dtype", "fp16"],
+            "--actor.compute_dtype: expected model|float32|bfloat16, got 'fp16'",
+            id="dtype",
+        ),
+        pytest.param(
             ["--algo.correction.seq_bounds", "0.9"], "--algo.correction.seq_bounds: expected float,float"
         ),
         pytest.param(

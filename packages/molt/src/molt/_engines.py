@@ -12,6 +12,7 @@ from pathlib import Path
 
 import ray
 
+from molt._sharding import compute_dtype
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
@@ -47,6 +48,9 @@ def engine_extra_args(config: Config) -> list[str]:
     ]
     args += ["--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching"]
     if torch.cuda.is_available():
+        # The engine samples with the function the trainer computes (invariant 3), and a refit sends
+        # weights in that dtype (molt._sharding.compute_dtype); the CPU engine always runs float32.
+        args += ["--dtype", str(compute_dtype(config)).removeprefix("torch.")]
         args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
         args += ["--data-parallel-size", str(vllm.data_parallel_size)]
         args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]

@@ -9,7 +9,7 @@ import torch
 from molt.config import Config
 
 __all__ = [
-    "distributed_setup", "freeze_moe_routers", "load_model", "params_by_mesh", "replicas",
+    "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "params_by_mesh", "replicas",
     "sum_gradients_over_ranks",
 ]  # fmt: skip
 
@@ -19,12 +19,20 @@ def replicas(config: Config) -> int:
     return config.fsdp.tp_size * config.fsdp.cp_size
 
 
+def compute_dtype(config: Config) -> torch.dtype:
+    """--actor.compute_dtype: the policy's forward/backward dtype, which is also the dtype its engines run
+    and a refit sends (DESIGN invariant 3); by default the parameters' own dtype (--model.dtype)."""
+    name = config.actor.compute_dtype
+    return getattr(torch, config.model.dtype if name == "model" else name)
+
+
 def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
+    """AutoModel's FSDP2 setup over `world_size` ranks, computing in `dtype`."""
     from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    # AutoModel's default policy computes in bf16; the trainer must compute in the policy's own dtype
+    # AutoModel's default policy computes in bf16; the trainer must compute in the dtype it is asked for
     # (invariant 3, and fp32 tests compare exactly), reducing gradients in fp32.
     strategy = FSDP2Config(
         mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
@@ -50,19 +58,41 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
     """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
     model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`)."""
     dtype = getattr(torch, config.model.dtype)
-    setup = distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
+    setup = distributed_setup(config, world_size, compute_dtype(config), on_gpu=device.type == "cuda")
     if device.type == "cuda":
         from nemo_automodel import NeMoAutoModelForCausalLM
 
         # No Liger kernels: the trainer needs the logits themselves (chunked logprobs, entropy).
-        return NeMoAutoModelForCausalLM.from_pretrained(
+        model = NeMoAutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, distributed_setup=setup, use_liger_kernel=False
         )
-    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-    from transformers import AutoModelForCausalLM
+    else:
+        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+        from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return parallelize_model(model, setup.mesh_context)  # one rank: left unsharded by AutoModel
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model = parallelize_model(model, setup.mesh_context)
+    if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
+        shard_one_rank(model, setup.strategy_config, device)
+    return model
+
+
+def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> None:
+    """FSDP2 over a one-rank mesh, one unit per decoder layer plus the root, in place.
+
+    AutoModel leaves a one-rank model unsharded, and with it FSDP2's mixed precision and CPU offload:
+    without this, --actor.compute_dtype and --fsdp.offload would do nothing on one device. The
+    "all-gather" of one rank is a local copy that casts a layer's weights to the compute dtype just
+    before its forward (and again before its backward); each layer's gradient is cast back to float32.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (1,))
+    policies = {"mp_policy": strategy.mp_policy, "offload_policy": strategy.offload_policy or OffloadPolicy()}
+    for layer in model.model.layers:  # Hugging Face causal LMs and AutoModel's own: decoder layers here
+        fully_shard(layer, mesh=mesh, **policies)
+    fully_shard(model, mesh=mesh, **policies)
 
 
 def freeze_moe_routers(model: torch.nn.Module) -> int:

@@ -185,6 +185,10 @@ class Actor(_Group):
     """Sequences per forward/backward pass; does not change the update."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    compute_dtype: Literal["model", "float32", "bfloat16"] = "model"
+    """dtype of the forward and backward passes and of the weights a refit sends; model = --model.dtype.
+    --model.dtype float32 with bfloat16 here keeps float32 master weights and optimizer state (FSDP2 mixed
+    precision; gradients are reduced in float32)."""
     freeze_moe_router: bool = False
     """Keep MoE router weights fixed (coarser alternative to --train.routing_replay)."""
     warmup_steps: int = 0
