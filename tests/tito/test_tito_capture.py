@@ -94,7 +94,7 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
     capture, state = Capture("s"), ChatState()
     first = [{"role": "user", "content": "copy the word: fox"}]
     prompt = state.prompt_ids(renderer, capture.tokens, first, None)
-    capture.begin_turn(prompt)
+    capture.begin_turn(prompt.token_ids)
     sampled = tokenizer.convert_tokens_to_ids(["f", "o", "x"]) + [tokenizer.eos_token_id]
     assert tokenizer(["fox"], add_special_tokens=False)["input_ids"][0] != sampled[:3]
     capture.add_sampled(sampled, [-1.0] * 4, [0] * 4)
@@ -102,13 +102,14 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
     state.record(first, None, prompt, reply, renderer.closing_ids(sampled))
 
     second = [*first, reply, {"role": "user", "content": "again"}]
-    prompt2 = state.prompt_ids(renderer, capture.tokens, second, None)
+    prompt2 = state.prompt_ids(renderer, capture.tokens, second, None).token_ids
     assert prompt2[: len(capture.tokens)] == capture.tokens
     appended = tokenizer.decode(prompt2[len(capture.tokens) :])
     assert appended == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
     capture.begin_turn(prompt2)
     (segment,) = capture.trajectory().segments
-    assert segment.token_ids[len(prompt) : len(prompt) + 4] == sampled
+    start = len(prompt.token_ids)
+    assert segment.token_ids[start : start + 4] == sampled
 
 
 def test_a_rewritten_history_renders_afresh(renderer):
@@ -122,7 +123,7 @@ def test_a_rewritten_history_renders_afresh(renderer):
         {"role": "user", "content": "go"},
     ]
     fresh = renderer.encode(renderer.render(compacted, None, add_generation_prompt=True))
-    assert state.prompt_ids(renderer, [1, 2, 3], compacted, None) == fresh
+    assert state.prompt_ids(renderer, [1, 2, 3], compacted, None).token_ids == fresh
 
 
 def test_tool_call_arguments_as_string_or_object_count_as_the_same_turn(renderer):
@@ -138,7 +139,7 @@ def test_tool_call_arguments_as_string_or_object_count_as_the_same_turn(renderer
         {"role": "tool", "content": "2", "tool_call_id": "c1"},
     ]
     trace = [9, 9, 9]
-    assert state.prompt_ids(renderer, trace, follow, None)[:4] == [9, 9, 9, 5]
+    assert state.prompt_ids(renderer, trace, follow, None).token_ids[:4] == [9, 9, 9, 5]
 
 
 @pytest.mark.parametrize(

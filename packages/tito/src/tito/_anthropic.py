@@ -1,9 +1,11 @@
 """Anthropic messages: the request schema, its translation to messages, replies and the SSE events.
 
-Supported: `system` (a string or text blocks), text / tool_use / tool_result blocks, `tools`,
-`tool_choice`, `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `stream`. Refused with a 400:
-image blocks on this text-only path (never dropped silently), a conversation that does not start with
-a user turn, does not alternate, or ends with an assistant turn (prefill is not supported).
+Supported: `system` (a string or text blocks), text / image / tool_use / tool_result blocks, `tools`,
+`tool_choice`, `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `stream`. An image block (base64
+source, or a URL source holding a data URL or a local file) becomes an OpenAI `image_url` part of the
+user message, in place. Refused with a 400: images inside a tool_result or an assistant turn (never
+dropped silently), a conversation that does not start with a user turn, does not alternate, or ends
+with an assistant turn (prefill is not supported).
 """
 
 from __future__ import annotations
@@ -52,10 +54,24 @@ class Message(_Loose):
         for block in content if isinstance(content, list) else []:
             kind = block.get("type")
             if kind == "image":
-                raise ValueError("image blocks need a vision-language model; this model reads text only")
-            if kind not in ("text", "tool_use", "tool_result"):
+                image_url_part(block)  # raises, naming the expected shape
+            elif kind == "tool_result" and any(
+                isinstance(inner, dict) and inner.get("type") == "image"
+                for inner in block.get("content") or ()
+            ):
+                raise ValueError(
+                    "images inside a tool_result are not supported: send them in a user text turn"
+                )
+            elif kind not in ("text", "tool_use", "tool_result"):
                 raise ValueError(f"unsupported content block type {kind!r}")
         return content
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> Message:
+        blocks = self.content if isinstance(self.content, list) else []
+        if self.role == "assistant" and any(block.get("type") == "image" for block in blocks):
+            raise ValueError("an assistant turn cannot carry images")
+        return self
 
 
 class MessagesRequest(_Loose):
@@ -132,9 +148,12 @@ def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None
                 messages.append(
                     {"role": "tool", "content": message_text(content), "tool_call_id": block["tool_use_id"]}
                 )
-        texts = [b for b in blocks if b["type"] == "text"]
-        if texts or not any(b["type"] == "tool_result" for b in blocks):
-            messages.append({"role": "user", "content": message_text(texts)})
+        parts = [
+            image_url_part(b) if b["type"] == "image" else b for b in blocks if b["type"] in ("text", "image")
+        ]
+        if parts or not any(b["type"] == "tool_result" for b in blocks):
+            has_images = any(part["type"] == "image_url" for part in parts)
+            messages.append({"role": "user", "content": parts if has_images else message_text(parts)})
     tools = [
         {
             "type": "function",
@@ -143,6 +162,23 @@ def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None
         for t in request.tools or []
     ]
     return messages, tools or None
+
+
+def image_url_part(block: dict) -> dict:
+    """An Anthropic image block as the OpenAI `image_url` part tito renders (its URL a data URL or a
+    local file path)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        url = f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
+    elif kind == "url" and isinstance(source.get("url"), str):
+        url = source["url"]
+    else:
+        raise ValueError(
+            'an image block needs "source": {"type": "base64", "media_type": ..., "data": ...} '
+            'or {"type": "url", "url": "data:... or a file path"}'
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def stop_reason(

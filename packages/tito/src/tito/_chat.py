@@ -11,6 +11,11 @@ say) still counts as the same turn.
 This module refuses to guess: if the template's rendering of the known conversation is not a text
 prefix of the new rendering (a template that drops earlier reasoning, a compacted context), the request
 starts a new segment from a full render.
+
+Images (`image_url` parts of user messages, `_images.py`): the template writes one placeholder token
+per image, and encoding expands each placeholder to the number of tokens the model's processor gives
+that image, recording where each image sits (`ImageSpan`). A model without an image processor refuses
+an image rather than render the text around it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChatRenderer", "ChatState", "ParsedReply", "message_text", "parse_reply"]
+from ._images import ImageLayout, image_parts, load_image, part_url
+from ._trajectory import ImageSpan
+
+__all__ = ["ChatRenderer", "ChatState", "ParsedReply", "Prompt", "message_text", "parse_reply"]
 
 _PROBE = "\x00tito-probe\x00"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -45,7 +53,8 @@ def _message_key(message: dict) -> tuple:
         )
         for call in message.get("tool_calls") or ()
     )
-    return message["role"], message_text(message.get("content")), calls
+    images = tuple(part_url(part) for part in image_parts(message.get("content")))
+    return message["role"], message_text(message.get("content")), images, calls
 
 
 def parse_arguments(arguments: Any) -> Any:
@@ -58,11 +67,21 @@ def parse_arguments(arguments: Any) -> Any:
     return arguments
 
 
-class ChatRenderer:
-    """The model's chat template and tokenizer, applied the one way every request uses."""
+@dataclass
+class Prompt:
+    """A turn's prompt: token ids with each image's placeholders expanded, and the images on them."""
 
-    def __init__(self, tokenizer) -> None:
+    token_ids: list[int]
+    images: list[ImageSpan] = field(default_factory=list)
+
+
+class ChatRenderer:
+    """The model's chat template and tokenizer (and, for a vision-language model, its processor's image
+    layout), applied the one way every request uses."""
+
+    def __init__(self, tokenizer, images: ImageLayout | None = None) -> None:
         self.tokenizer = tokenizer
+        self.images = images
         self.backend = tokenizer.backend_tokenizer
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
         rendered = self.render(probe, None, add_generation_prompt=False)
@@ -78,6 +97,37 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         # The tokenizers backend itself: the transformers call around it costs more than the encoding.
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_with_images(self, text: str, messages: list[dict], offset: int) -> Prompt:
+        """`text` (the rendering of `messages`) as token ids whose image placeholders are expanded; the
+        image spans count from `offset`, where these ids will start in the segment."""
+        parts = [part for message in messages for part in image_parts(message.get("content"))]
+        ids = self.encode(text)
+        if not parts:
+            return Prompt(ids)
+        if self.images is None:
+            raise ValueError("this model reads text only (its directory has no image processor): send text")
+        for position, message in enumerate(messages):
+            if image_parts(message.get("content")) and message["role"] != "user":
+                raise ValueError(f"messages[{position}]: images may only be sent in user messages")
+        token = self.images.image_token_id
+        slots = [index for index, token_id in enumerate(ids) if token_id == token]
+        if len(slots) != len(parts):
+            raise ValueError(
+                f"the chat template wrote {len(slots)} image placeholders for {len(parts)} images; "
+                "its model's template must render every image part"
+            )
+        expanded: list[int] = []
+        spans: list[ImageSpan] = []
+        start = 0
+        for slot, part in zip(slots, parts, strict=True):
+            image = load_image(part_url(part))
+            length = self.images.num_tokens(image)
+            expanded += ids[start:slot]
+            spans.append(ImageSpan(offset + len(expanded), length, image.sha256, image.data_url))
+            expanded += [token] * length
+            start = slot + 1
+        return Prompt(expanded + ids[start:], spans)
 
     def closing_ids(self, sampled_ids: list[int]) -> list[int]:
         """Tokens that end an assistant turn after what the engine sampled: the template's turn end, less
@@ -99,30 +149,40 @@ class ChatState:
     known_keys: list[tuple] = field(default_factory=list)  # the message keys of `messages`
     tools_key: str = ""
     closing: list[int] = field(default_factory=list)
-    last_prompt_ids: list[int] = field(default_factory=list)
+    last_prompt: Prompt = field(default_factory=lambda: Prompt([]))
 
     def prompt_ids(
-        self, renderer: ChatRenderer, trace: list[int], messages: list[dict], tools: list[dict] | None
-    ) -> list[int]:
-        """The full prompt of this turn: the trace plus new tokens, or a fresh render on a rewrite."""
+        self,
+        renderer: ChatRenderer,
+        trace: list[int],
+        messages: list[dict],
+        tools: list[dict] | None,
+        trace_images: list[ImageSpan] = (),
+    ) -> Prompt:
+        """The full prompt of this turn: the trace (with its images) plus new tokens, or a fresh render
+        on a rewrite."""
         keys = [_message_key(m) for m in messages]
         num_known = len(self.known_keys)
         same_tools = _tools_key(tools) == self.tools_key
         if same_tools and num_known and keys == self.known_keys[:-1]:
-            return self.last_prompt_ids  # an identical retry: Capture drops the previous reply
+            return self.last_prompt  # an identical retry: Capture drops the previous reply
         if same_tools and num_known and len(keys) > num_known and keys[:num_known] == self.known_keys:
             # Render the known turns as remembered, so only the new messages' rendering matters.
             old = renderer.render(self.messages, tools, add_generation_prompt=False)
-            new = renderer.render(self.messages + messages[num_known:], tools, add_generation_prompt=True)
+            new_messages = messages[num_known:]
+            new = renderer.render(self.messages + new_messages, tools, add_generation_prompt=True)
             if new.startswith(old):
-                return trace + self.closing + renderer.encode(new[len(old) :])
-        return renderer.encode(renderer.render(messages, tools, add_generation_prompt=True))
+                head = trace + self.closing
+                tail = renderer.encode_with_images(new[len(old) :], new_messages, offset=len(head))
+                return Prompt(head + tail.token_ids, [*trace_images, *tail.images])
+        text = renderer.render(messages, tools, add_generation_prompt=True)
+        return renderer.encode_with_images(text, messages, offset=0)
 
     def record(
         self,
         messages: list[dict],
         tools: list[dict] | None,
-        prompt_ids: list[int],
+        prompt: Prompt,
         reply: dict,
         closing: list[int],
     ) -> None:
@@ -131,7 +191,7 @@ class ChatState:
         self.known_keys = [_message_key(m) for m in self.messages]
         self.tools_key = _tools_key(tools)
         self.closing = closing
-        self.last_prompt_ids = list(prompt_ids)
+        self.last_prompt = prompt
 
 
 def _tools_key(tools: list[dict] | None) -> str:

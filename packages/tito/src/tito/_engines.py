@@ -6,6 +6,13 @@ logprob of each sampled token and the weight version that sampled it; it never a
 apply a chat template. An engine that stops answering fails only the requests sent to it
 (`EngineUnavailable`), and new sessions stop going to it.
 
+Images: tito's prompt holds each image's placeholder expanded (the token layout the trainer sees). The
+engine expands placeholders itself when it processes the image bytes, so it is sent the prompt with
+each image's span collapsed back to one placeholder, the images as `content_parts` (data URLs), and
+`return_token_ids`; its reply's expanded prompt and placeholder ranges must equal tito's, or the turn
+fails with `ExpansionMismatch` (tito and the engine would otherwise train and sample on different
+token layouts).
+
 Engine traffic goes over aiohttp: per request its client costs about a tenth of the CPU of httpx's,
 whose connection pool scans every connection for each queued request. Tests that hand `Router` an httpx
 transport (a fake engine in the same process) are served through httpx instead, behind the same calls.
@@ -21,7 +28,7 @@ import aiohttp
 import httpx
 import msgspec
 
-__all__ = ["Engine", "EngineRejected", "EngineUnavailable", "Generation", "Router"]
+__all__ = ["Engine", "EngineRejected", "EngineUnavailable", "ExpansionMismatch", "Generation", "Router"]
 
 # What a request that broke off raises, from either client (aiohttp's timeouts are `TimeoutError`s).
 _BROKEN = (aiohttp.ClientError, TimeoutError, httpx.TransportError)
@@ -34,6 +41,10 @@ class EngineUnavailable(RuntimeError):
 
 class EngineRejected(ValueError):
     """The engine refused the request as malformed (a 4xx): the client's mistake, not the engine's."""
+
+
+class ExpansionMismatch(RuntimeError):
+    """The engine expanded a prompt's image placeholders differently from tito's processor."""
 
 
 @dataclass
@@ -90,8 +101,15 @@ class _Choice(msgspec.Struct):
     weight_versions: list[_Span] | None = None
 
 
+class _Placeholder(msgspec.Struct):
+    offset: int
+    length: int
+
+
 class _Reply(msgspec.Struct):
     choices: list[_Choice] = []
+    prompt_token_ids: list[int] | None = None  # asked for with images: the engine's expanded prompt
+    mm_placeholders: dict[str, list[_Placeholder]] | None = None
 
 
 _decode_reply = msgspec.json.Decoder(_Reply).decode
@@ -129,25 +147,35 @@ class Engine:
         self.alive = True
         self._max_model_len: int | None = None
 
-    async def generate(self, token_ids: list[int], sampling: dict, *, stream: bool = False):
-        """Sample on this engine: one `Generation`, or with `stream` an async iterator of chunks."""
+    async def generate(
+        self, token_ids: list[int], sampling: dict, *, images: list = (), stream: bool = False
+    ):
+        """Sample on this engine: one `Generation`, or with `stream` an async iterator of chunks.
+        `images`: the prompt's `ImageSpan`s (module docstring)."""
         # tito reads token ids only, so the engine skips detokenizing, unless stop strings need the text.
         params = {**sampling, "logprobs": 0, "detokenize": bool(sampling.get("stop"))}
         body = {"token_ids": token_ids, "sampling_params": params, "stream": stream}
-        return self._stream(body) if stream else await self._whole(body)
+        if images:
+            body["token_ids"] = _collapsed(token_ids, images)
+            body["content_parts"] = [{"type": "image_url", "url": image.data_url} for image in images]
+            body["return_token_ids"] = True
+        expected = (token_ids, images) if images else None
+        return self._stream(body, expected) if stream else await self._whole(body, expected)
 
-    async def _whole(self, body: dict) -> Generation:
+    async def _whole(self, body: dict, expected: tuple | None) -> Generation:
         with self._serving():
             try:
                 status, data = await self.wire.request("POST", self.generate_url, msgspec.json.encode(body))
             except _BROKEN as error:
                 raise await self._failed(error) from error
             self._check(status, data)
-            generation = _generation(_decode_reply(data))
+            reply = _decode_reply(data)
+            _check_expansion(reply, expected)
+            generation = _generation(reply)
             assert generation is not None, "the engine's reply has no choices"
             return generation
 
-    async def _stream(self, body: dict) -> AsyncIterator[Generation]:
+    async def _stream(self, body: dict, expected: tuple | None) -> AsyncIterator[Generation]:
         with self._serving():
             try:
                 async with self.wire.stream(self.generate_url, msgspec.json.encode(body)) as (status, lines):
@@ -156,7 +184,10 @@ class Engine:
                     async for line in lines:
                         if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                             continue
-                        if (chunk := _generation(_decode_reply(line[len(b"data: ") :]))) is not None:
+                        reply = _decode_reply(line[len(b"data: ") :])
+                        _check_expansion(reply, expected)  # the first chunk carries the prompt
+                        expected = None
+                        if (chunk := _generation(reply)) is not None:
                             yield chunk
             except _BROKEN as error:
                 raise await self._failed(error) from error
@@ -200,6 +231,30 @@ class Engine:
             self._check(status, data)
             self._max_model_len = int(msgspec.json.decode(data)["data"][0]["max_model_len"])
         return self._max_model_len
+
+
+def _collapsed(token_ids: list[int], images: list) -> list[int]:
+    """The prompt with each image's placeholder span reduced to its first token, as the engine takes it."""
+    collapsed, start = [], 0
+    for image in images:
+        collapsed += token_ids[start : image.offset + 1]
+        start = image.offset + image.length
+    return collapsed + token_ids[start:]
+
+
+def _check_expansion(reply: _Reply, expected: tuple | None) -> None:
+    """The engine's expanded prompt and image ranges must be tito's (module docstring)."""
+    if expected is None:
+        return
+    token_ids, images = expected
+    ours = [(image.offset, image.length) for image in images]
+    theirs = [(p.offset, p.length) for p in (reply.mm_placeholders or {}).get("image", [])]
+    if reply.prompt_token_ids != token_ids or theirs != ours:
+        raise ExpansionMismatch(
+            f"the engine expanded this prompt's images to (offset, length) {theirs} and "
+            f"{len(reply.prompt_token_ids or [])} prompt tokens; tito's processor gave {ours} and "
+            f"{len(token_ids)}: serve the engine and tito from the same model directory"
+        )
 
 
 class _AiohttpWire:

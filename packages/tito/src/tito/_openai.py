@@ -1,6 +1,7 @@
 """OpenAI chat completions: the request schema, its translation to messages, replies and SSE chunks.
 
-Supported: system/developer, user, assistant (with tool_calls) and tool messages; `tools` and
+Supported: system/developer, user (text and `image_url` parts), assistant (with tool_calls) and tool
+messages; `tools` and
 `tool_choice`; `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`; `stream`
 with `stream_options.include_usage`. Refused with a 400: `n` other than 1, a role order the template
 cannot render (a tool message without a tool call before it, an assistant turn last). Unknown fields
@@ -18,6 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, parse_arguments
+from ._images import part_url
 from ._protocol import ToolFunction, check_role_order, forced_tool_call
 
 __all__ = ["ChatRequest", "chat_chunk", "chat_completion", "to_messages"]
@@ -48,14 +50,15 @@ class Message(_Loose):
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(
+    def _text_and_image_parts(
         cls, content: str | list[dict[str, Any]] | None
     ) -> str | list[dict[str, Any]] | None:
         for part in content if isinstance(content, list) else []:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(
-                    f"content part of type {part.get('type')!r}: this model reads text parts only"
-                )
+            kind = part.get("type")
+            if kind == "image_url":
+                part_url(part)  # raises, naming the expected shape
+            elif kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"content part of type {kind!r}: tito reads text and image_url parts")
         return content
 
 

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import _anthropic as anthropic
 from . import _openai as openai
-from ._engines import EngineRejected, EngineUnavailable
+from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
 from ._protocol import ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
@@ -34,6 +34,7 @@ _ANTHROPIC_KINDS = {
     401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
+    502: "api_error",
     503: "api_error",
 }
 
@@ -104,6 +105,10 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(EngineRejected)
     async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
         return _error(request, 400, str(error))
+
+    @app.exception_handler(ExpansionMismatch)
+    async def mismatch(request: Request, error: ExpansionMismatch) -> JSONResponse:
+        return _error(request, 502, str(error), "image_expansion_mismatch")
 
     @app.exception_handler(EngineUnavailable)
     async def unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:

@@ -19,7 +19,8 @@ import msgspec
 
 from ._chat import ChatRenderer, ChatState
 from ._engines import Engine, Generation, Router
-from ._trajectory import Capture, Trajectory
+from ._images import ImageLayout
+from ._trajectory import Capture, ImageSpan, Trajectory
 
 __all__ = ["Session", "Tito"]
 
@@ -38,7 +39,8 @@ class Tito:
     """Token-exact capture in front of vLLM engines.
 
     `engines`: engine base URLs. `model`: the model directory (its tokenizer and chat template are used
-    here; engines must serve the same model). `dump`: a JSONL file that receives each ended session's
+    here, and for a vision-language model its processor's image layout; engines must serve the same
+    model). `dump`: a JSONL file that receives each ended session's
     trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
     trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
@@ -56,11 +58,14 @@ class Tito:
         fixed_sampling: dict | None = None,
         engine_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
+        from transformers import AutoProcessor
 
         self.model_name = served_model_name or str(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.renderer = ChatRenderer(self.tokenizer)
+        # A text model's AutoProcessor is its tokenizer; a vision-language model's holds both.
+        processor = AutoProcessor.from_pretrained(model)
+        vision = getattr(processor, "image_processor", None) is not None
+        self.tokenizer = processor.tokenizer if vision else processor
+        self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
         self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
@@ -105,31 +110,43 @@ class Tito:
         return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 
     async def stream_turn(
-        self, session: Session, prompt_ids: list[int], sampling: dict, *, stream: bool = True
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        sampling: dict,
+        *,
+        images: list[ImageSpan] = (),
+        stream: bool = True,
     ) -> AsyncIterator[Generation]:
         """Sample one turn on the session's engine and capture it. The caller holds the session's lock.
 
         The sampled tokens enter the capture when the turn completes, with their weight versions (a
         stream reports those only at its end); a turn cut short leaves only its prompt captured.
         """
-        session.capture.begin_turn(prompt_ids)
+        session.capture.begin_turn(prompt_ids, images)
         whole = Generation()
         if stream:
-            async for chunk in await session.engine.generate(prompt_ids, sampling, stream=True):
+            async for chunk in await session.engine.generate(
+                prompt_ids, sampling, images=images, stream=True
+            ):
                 whole.extend(chunk)
                 yield chunk
         else:
-            whole = await session.engine.generate(prompt_ids, sampling)
+            whole = await session.engine.generate(prompt_ids, sampling, images=images)
             yield whole
         session.capture.add_sampled(whole.token_ids, whole.logprobs, whole.versions)
         session.finish_reason = whole.finish_reason
 
-    async def generate(self, session: Session, prompt_ids: list[int], **sampling) -> Generation:
-        """The Env form: token ids in, sampled token ids (with logprobs and versions) out."""
+    async def generate(
+        self, session: Session, prompt_ids: list[int], *, images: list[ImageSpan] = (), **sampling
+    ) -> Generation:
+        """The Env form: token ids in (with the images on their placeholder tokens, see `ChatRenderer`),
+        sampled token ids (with logprobs and versions) out."""
         async with session.lock:
             params = await self.sampling(session, len(prompt_ids), **sampling)
             result = Generation()
-            async for chunk in self.stream_turn(session, list(prompt_ids), params, stream=False):
+            turn = self.stream_turn(session, list(prompt_ids), params, images=list(images), stream=False)
+            async for chunk in turn:
                 result = chunk
             return result
 

@@ -5,23 +5,36 @@ first turns messages into prompt token ids (`_chat.py`). A turn's prompt that ex
 segment appends only its new tokens; a prompt that rewrites the prefix (context compaction, a template
 that drops earlier reasoning) seals the segment and opens a new one. Sampled tokens are appended as the
 engine returned them, with their logprob and weight version, and are the only tokens with loss mask 1.
-Nothing here tokenizes or detokenizes.
+Images are part of a segment: each sits on its placeholder tokens (`ImageSpan`), and a prompt extends
+the segment only if its images on the shared tokens are the same images. Nothing here tokenizes or
+detokenizes.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Capture", "Segment", "Trajectory"]
+__all__ = ["Capture", "ImageSpan", "Segment", "Trajectory"]
 
 
-class Segment(msgspec.Struct):
-    """A contiguous token trace. loss_mask 1 = sampled by the engine; elsewhere logprob 0.0, version -1."""
+class ImageSpan(msgspec.Struct, frozen=True):
+    """An image and the placeholder tokens it fills: `token_ids[offset : offset + length]`."""
+
+    offset: int
+    length: int
+    sha256: str  # of the image bytes as the client sent them
+    data_url: str  # those bytes, `data:<media type>;base64,...`
+
+
+class Segment(msgspec.Struct, omit_defaults=True):
+    """A contiguous token trace. loss_mask 1 = sampled by the engine; elsewhere logprob 0.0, version -1.
+    `images`: the images among the tokens, in order (left out of the JSON when there are none)."""
 
     token_ids: list[int] = msgspec.field(default_factory=list)
     loss_mask: list[int] = msgspec.field(default_factory=list)
     logprobs: list[float] = msgspec.field(default_factory=list)
     versions: list[int] = msgspec.field(default_factory=list)
+    images: list[ImageSpan] = msgspec.field(default_factory=list)
 
 
 class Trajectory(msgspec.Struct):
@@ -36,7 +49,7 @@ class Capture:
         self.session_id = session_id
         self.segments: list[Segment] = [Segment()]
         self._turn_start = -1  # where the last turn's prompt ended in the current segment
-        self._turn_prompt: list[int] | None = None
+        self._turn_prompt: tuple[list[int], list[ImageSpan]] | None = None
         self.replies: list[list[int]] = []  # each turn's sampled ids as appended; a retried turn's removed
 
     @property
@@ -44,8 +57,14 @@ class Capture:
         """The current segment's token ids (what the engine's prefix cache holds for this session)."""
         return self.segments[-1].token_ids
 
-    def begin_turn(self, prompt_ids: list[int]) -> None:
-        """Make the current segment equal `prompt_ids`, appending, rolling back or sealing as needed.
+    @property
+    def images(self) -> list[ImageSpan]:
+        """The current segment's images."""
+        return self.segments[-1].images
+
+    def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> None:
+        """Make the current segment equal `prompt_ids` with `images` (all of the prompt's, in order),
+        appending, rolling back or sealing as needed.
 
         - `prompt_ids` extends the segment: the new tokens are appended (loss mask 0).
         - `prompt_ids` equals the previous turn's prompt (an identical retry): that turn's sampled tokens
@@ -55,19 +74,27 @@ class Capture:
         if not prompt_ids:
             raise ValueError("a turn needs at least one prompt token")
         segment = self.segments[-1]
-        if prompt_ids == self._turn_prompt:
+        if (prompt_ids, list(images)) == self._turn_prompt:
             if len(segment.token_ids) > self._turn_start:  # the retried turn got a reply
                 self.replies.pop()
             self._truncate(self._turn_start)
-        elif prompt_ids[: len(segment.token_ids)] != segment.token_ids:
+        elif not self._extends(segment, prompt_ids, images):
             self.segments.append(segment := Segment())
         new = prompt_ids[len(segment.token_ids) :]
+        segment.images = list(images)
         segment.token_ids += new
         segment.loss_mask += [0] * len(new)
         segment.logprobs += [0.0] * len(new)
         segment.versions += [-1] * len(new)
         self._turn_start = len(segment.token_ids)
-        self._turn_prompt = list(prompt_ids)
+        self._turn_prompt = (list(prompt_ids), list(images))
+
+    @staticmethod
+    def _extends(segment: Segment, prompt_ids: list[int], images: list[ImageSpan]) -> bool:
+        """Whether the prompt starts with the segment: its tokens, and the same images on them."""
+        length = len(segment.token_ids)
+        shared = [image for image in images if image.offset < length]
+        return prompt_ids[:length] == segment.token_ids and shared == segment.images
 
     def add_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
         """Append tokens the engine sampled, exactly as it returned them."""
@@ -87,11 +114,12 @@ class Capture:
         segment = self.segments[-1]
         for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
             del field[length:]
+        segment.images = [image for image in segment.images if image.offset < length]
 
     def trajectory(self) -> Trajectory:
         """A copy of the capture, without a trailing empty segment."""
         segments = [
-            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.versions))
+            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.versions), list(s.images))
             for s in self.segments
             if s.token_ids
         ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from ._chat import ParsedReply, parse_reply
+from ._chat import ParsedReply, Prompt, parse_reply
 from ._engines import Generation
 from ._protocol import ProtocolError, TextStream
 from ._service import Session, Tito
@@ -36,7 +36,7 @@ class ChatTurn:
         self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools)
         self.generation = Generation()
         self.parsed = ParsedReply("", [])
-        self.prompt_ids: list[int] = []
+        self.prompt = Prompt([])
         self._chunks: AsyncIterator[Generation] | None = None
         self._first: Generation | None = None
 
@@ -44,13 +44,16 @@ class ChatTurn:
         if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
             raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
         try:
-            self.prompt_ids = self.session.chat.prompt_ids(
-                self.tito.renderer, self.session.capture.tokens, self.messages, self.tools
+            capture = self.session.capture
+            self.prompt = self.session.chat.prompt_ids(
+                self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images
             )
-            params = await self.tito.sampling(self.session, len(self.prompt_ids), **sampling)
+            params = await self.tito.sampling(self.session, len(self.prompt.token_ids), **sampling)
         except ValueError as error:
             raise ProtocolError(400, str(error)) from error
-        self._chunks = self.tito.stream_turn(self.session, self.prompt_ids, params, stream=stream)
+        self._chunks = self.tito.stream_turn(
+            self.session, self.prompt.token_ids, params, images=self.prompt.images, stream=stream
+        )
         self._first = await anext(self._chunks, None)
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -75,8 +78,8 @@ class ChatTurn:
     def remember(self, reply_message: dict) -> None:
         """Record the assistant message the client received, so its next request can continue."""
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
-        self.session.chat.record(self.messages, self.tools, self.prompt_ids, reply_message, closing)
+        self.session.chat.record(self.messages, self.tools, self.prompt, reply_message, closing)
 
     @property
     def counts(self) -> tuple[int, int]:
-        return len(self.prompt_ids), len(self.generation.token_ids)
+        return len(self.prompt.token_ids), len(self.generation.token_ids)
