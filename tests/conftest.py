@@ -39,3 +39,24 @@ def vllm_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     with VLLMServer(tiny_model_dir, log_path=log) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model_dir(tmp_path_factory):
+    """The seeded tiny Qwen2-VL model and its processor, built once per session."""
+    from molt.tiny_vl import build_tiny_vl_model
+
+    return build_tiny_vl_model(tmp_path_factory.mktemp("tiny-vl-model"))
+
+
+@pytest.fixture(scope="session")
+def vl_vllm_server(tiny_vl_model_dir, tmp_path_factory):
+    """One real vLLM (CPU build) server for the whole session, serving the tiny vision-language model
+    with the flags a molt engine gets (`molt._engines.engine_extra_args`)."""
+    from molt._engines import engine_extra_args
+    from molt.config import Config
+    from molt.vllm_server import VLLMServer
+
+    log = tmp_path_factory.mktemp("vl-vllm") / "server.log"
+    with VLLMServer(tiny_vl_model_dir, extra_args=engine_extra_args(Config()), log_path=log) as server:
+        yield server

@@ -23,6 +23,7 @@ class FakeEngine:
         self.script: list[list[int]] = []  # replies to give, in order; then a default reply
         self.prompts: list[list[int]] = []  # every prompt received
         self.requests: list[dict] = []  # every request body received
+        self.prompt_fields = None  # body -> top-level reply fields for a prompt with images (expansion)
         self.app = self._build()
 
     def reply_for(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -61,12 +62,14 @@ class FakeEngine:
                     "weight_versions": spans if last else None,
                 }
 
+            extra = self.prompt_fields(body) if body.get("content_parts") and self.prompt_fields else {}
             if not body.get("stream"):
-                return JSONResponse({"choices": [choice(tokens, True)]})
+                return JSONResponse({"choices": [choice(tokens, True)], **extra})
 
             async def events():
                 for position, token in enumerate(tokens):
                     data = {"choices": [choice([token], position == len(tokens) - 1)]}
+                    data.update(extra if position == 0 else {})
                     yield f"data: {json.dumps(data)}\n\n"
                 yield "data: [DONE]\n\n"
 

@@ -1,18 +1,21 @@
 """tito: token-in/token-out capture of OpenAI and Anthropic chat traffic over vLLM engines."""
 
-from ._chat import ChatRenderer, ChatState
-from ._engines import EngineUnavailable, Generation
+from ._chat import ChatRenderer, ChatState, Prompt
+from ._engines import EngineUnavailable, ExpansionMismatch, Generation
 from ._loopback import serve_on_loop
 from ._server import create_app
 from ._service import Session, Tito
-from ._trajectory import Capture, Segment, Trajectory
+from ._trajectory import Capture, ImageSpan, Segment, Trajectory
 
 __all__ = [
     "Capture",
     "ChatRenderer",
     "ChatState",
     "EngineUnavailable",
+    "ExpansionMismatch",
     "Generation",
+    "ImageSpan",
+    "Prompt",
     "Segment",
     "Session",
     "Tito",
