@@ -16,20 +16,27 @@ rank must get the same number of rows. `shard` therefore pads the batch with all
 divide; a batch smaller than the world size works the same way. The padding rows come after the last
 real row, so concatenating the shards in rank order and keeping the first `num_rows` rows restores it.
 
-Legend: B sequences, T tokens, V vocabulary.
+Images (a vision-language policy): each row may carry `RowImages`, the pixel inputs of the images in
+its token trace, made by the model's processor from the image bytes the engine saw (`with_images`),
+and checked there against the engine's placeholder expansion. They travel with their row through
+`shard` and `micro_batches`; `model_inputs` turns a (micro-)batch's into the model's keyword arguments.
+
+Legend: B sequences, T tokens, V vocabulary, P image patches, I images.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 __all__ = [
-    "TrainBatch", "collate", "explained_variance", "last_token_rewards", "shard_rows", "shifted_logprobs",
-    "whitened",
+    "RowImages", "TrainBatch", "collate", "explained_variance", "last_token_rewards", "row_images",
+    "shard_rows", "shifted_logprobs", "whitened", "with_images",
 ]  # fmt: skip
 
 
@@ -46,6 +53,18 @@ def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int) -> torch.Ten
 
 
 @dataclass(frozen=True)
+class RowImages:
+    """The images of one row, in token order, as the model's processor makes them."""
+
+    pixel_values_PC: torch.Tensor
+    """float32, the flattened patches of all the row's images."""
+    grid_thw_I3: torch.Tensor
+    """int64, each image's (time, height, width) patch grid."""
+    spans: tuple[tuple[int, int], ...]
+    """Each image's placeholder tokens in the row: (offset, length)."""
+
+
+@dataclass(frozen=True)
 class TrainBatch:
     """Rows of one optimizer step (or one rank's / micro-batch's share of them), all on the CPU."""
 
@@ -59,6 +78,8 @@ class TrainBatch:
     """float32, the rollout's advantage on each of its trainable tokens; 0 elsewhere."""
     num_tokens: int
     """The loss denominator: trainable tokens in the whole optimizer-step window (all ranks)."""
+    images: tuple[RowImages | None, ...] = ()
+    """Per row, its images (None: a row without any); empty for a text-only batch."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.tokens_BT.shape)
@@ -68,26 +89,53 @@ class TrainBatch:
             tensor = getattr(self, name)
             if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
                 raise ValueError(f"{name} must be float32 {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
+        if self.images and len(self.images) != shape[0]:
+            raise ValueError(f"images must hold one entry per row ({shape[0]}), got {len(self.images)}")
 
     @property
     def num_rows(self) -> int:
         return self.tokens_BT.shape[0]
 
-    def _rows(self, select) -> TrainBatch:
-        tensors = {f.name: select(getattr(self, f.name)) for f in fields(self) if f.name != "num_tokens"}
-        return TrainBatch(**tensors, num_tokens=self.num_tokens)
+    def _rows(self, select, start: int, count: int) -> TrainBatch:
+        """`select` applied to every [B, T] tensor; the images of rows start .. start + count (padding
+        rows past the end have none)."""
+        tensors = {f.name: select(getattr(self, f.name)) for f in fields(self) if f.name.endswith("_BT")}
+        images = self.images[start : start + count]
+        images += (None,) * (count - len(images)) if self.images else ()
+        return TrainBatch(**tensors, num_tokens=self.num_tokens, images=images)
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
         """Rank `rank`'s contiguous rows, padded with all-masked rows so that every rank gets
         ceil(B / world_size) of them (module docstring). `num_tokens` stays the global count."""
-        return self._rows(lambda tensor_BT: shard_rows(tensor_BT, rank, world_size))
+        rows_per_rank = math.ceil(self.num_rows / world_size)
+        return self._rows(
+            lambda tensor_BT: shard_rows(tensor_BT, rank, world_size), rank * rows_per_rank, rows_per_rank
+        )
 
     def micro_batches(self, size: int) -> Iterator[TrainBatch]:
         """Consecutive blocks of `size` rows (the last may be smaller), each with the global `num_tokens`."""
         if size < 1:
             raise ValueError(f"micro-batch size must be >= 1, got {size}")
         for start in range(0, self.num_rows, size):
-            yield self._rows(lambda tensor_BT, start=start: tensor_BT[start : start + size])
+            count = min(size, self.num_rows - start)
+            yield self._rows(lambda tensor_BT, start=start: tensor_BT[start : start + size], start, count)
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The vision-language model's extra forward arguments for these rows ({} without images):
+        the patches and grids of every image in row order, and `mm_token_type_ids` (1 on the image
+        placeholders) from which transformers' Qwen-VL models compute their M-RoPE positions."""
+        rows = [(row, images) for row, images in enumerate(self.images) if images is not None]
+        if not rows:
+            return {}
+        token_type_BT = torch.zeros_like(self.tokens_BT)
+        for row, images in rows:
+            for offset, length in images.spans:
+                token_type_BT[row, offset : offset + length] = 1
+        return {
+            "pixel_values": torch.cat([images.pixel_values_PC for _, images in rows]).to(device),
+            "image_grid_thw": torch.cat([images.grid_thw_I3 for _, images in rows]).to(device),
+            "mm_token_type_ids": token_type_BT.to(device),
+        }
 
 
 def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]], pad_id: int) -> TrainBatch:
@@ -116,6 +164,44 @@ def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]]
         logp_BT[row, :num] = torch.tensor(logprobs, dtype=torch.float32) * mask_BT[row, :num]
         adv_BT[row, :num] = float(advantage) * mask_BT[row, :num]
     return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens=int(mask_BT.sum()))
+
+
+def row_images(spans: list, processor) -> RowImages | None:
+    """One row's pixel inputs from its trajectory's image spans (tito `ImageSpan`s: offset, length,
+    data URL), made by the model's image processor from the bytes the engine was sent.
+
+    The trainer-side expansion check: each image's patch grid must give exactly the number of
+    placeholder tokens the engine expanded it to (recorded in the span); a difference would feed the
+    model a different token layout from the one the engine sampled with.
+    """
+    if not spans:
+        return None
+    from PIL import Image
+
+    # tito records every image as a base64 data URL of the bytes it sent the engine.
+    data = [base64.b64decode(span.data_url.split(",", 1)[1]) for span in spans]
+    pictures = [Image.open(io.BytesIO(image)).convert("RGB") for image in data]
+    processed = processor.image_processor(images=pictures, return_tensors="pt")
+    grid_thw_I3 = processed["image_grid_thw"].to(torch.int64)
+    merged = processor.image_processor.merge_size**2
+    ours = (grid_thw_I3.prod(dim=-1) // merged).tolist()
+    engines = [span.length for span in spans]
+    if ours != engines:
+        raise RuntimeError(
+            f"the trainer's processor expands these images to {ours} tokens, the engine expanded them to "
+            f"{engines}: the trainer and the engines must load the same model directory"
+        )
+    spans_tuple = tuple((span.offset, span.length) for span in spans)
+    return RowImages(processed["pixel_values"].to(torch.float32), grid_thw_I3, spans_tuple)
+
+
+def with_images(batch: TrainBatch, images_per_row: list[list], processor) -> TrainBatch:
+    """`batch` with each row's `RowImages` (`row_images`); `images_per_row` holds each row's spans."""
+    if len(images_per_row) != batch.num_rows:
+        raise ValueError(
+            f"images_per_row must hold one list per row ({batch.num_rows}), got {len(images_per_row)}"
+        )
+    return replace(batch, images=tuple(row_images(spans, processor) for spans in images_per_row))
 
 
 def shifted_logprobs(

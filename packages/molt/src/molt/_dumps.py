@@ -3,8 +3,9 @@
 One file per optimizer step, `step_000001.jsonl`, ..., each line a `RolloutRecord`: the step that trained
 it, its group (the dataset row's index in the prompt stream) and its sample index in the group, the
 reward, what the agent logged in `info`, whether the last turn hit the token limit, and the token-exact
-trajectory (tito's segments: token ids, loss mask, engine logprobs, weight versions per token). The
-decoded text is not stored; decode `token_ids` with the run's tokenizer (`<run_dir>/model`).
+trajectory (tito's segments: token ids, loss mask, engine logprobs, weight versions per token, and for
+a vision-language policy the images on their placeholder tokens, as data URLs). The decoded text is
+not stored; decode `token_ids` with the run's tokenizer (`<run_dir>/model`).
 
     for record in molt.read_rollouts("runs/my-run/rollouts"):
         print(record.step, record.reward, sum(sum(s.loss_mask) for s in record.segments))
@@ -20,13 +21,23 @@ import msgspec
 __all__ = ["RolloutRecord", "read_rollouts", "write_rollouts"]
 
 
-class Segment(msgspec.Struct):
+class ImageSpan(msgspec.Struct, frozen=True):
+    """tito's `ImageSpan`: an image on `token_ids[offset : offset + length]`."""
+
+    offset: int
+    length: int
+    sha256: str  # of the image bytes
+    data_url: str  # the bytes, data:<media type>;base64,...
+
+
+class Segment(msgspec.Struct, omit_defaults=True):
     """tito's `Segment` as read back (tito itself is not imported: `import molt` stays light)."""
 
     token_ids: list[int]
     loss_mask: list[int]  # 1 = sampled by the engine
     logprobs: list[float]  # the engine's, 0.0 where loss_mask is 0
     versions: list[int]  # the weight version that sampled each token, -1 where loss_mask is 0
+    images: list[ImageSpan] = []  # left out of a line without images
 
 
 class RolloutRecord(msgspec.Struct):
@@ -47,7 +58,7 @@ def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
     with path.open("wb") as out:
         for group in groups:
             for index, rollout in enumerate(group.samples):
-                segments = [Segment(**msgspec.structs.asdict(s)) for s in rollout.segments]
+                segments = [msgspec.convert(msgspec.to_builtins(s), Segment) for s in rollout.segments]
                 record = RolloutRecord(step, group.prompt_index, index, rollout.reward, rollout.truncated,
                                        rollout.info, segments)  # fmt: skip
                 out.write(encoder.encode(record) + b"\n")

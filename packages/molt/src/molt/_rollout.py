@@ -6,6 +6,12 @@ session's URLs and talks to it over HTTP with its own SDK. Either way the trajec
 (several segments if the agent compacted its context) and the reward is the agent's: one rollout, one
 reward. A rollout that raises, times out or returns a non-finite reward raises here, counted by kind in
 `failures`: the pool retries it (a lost rollout, not a lost run), then drops its group and counts it.
+
+Images (a vision-language policy): observations and chat messages may hold OpenAI `image_url` parts;
+tito expands them and the trajectory's segments carry them on their placeholder tokens. A rollout in
+which the policy itself sampled an image placeholder token is refused (raised, so retried): the
+trainer's model reads every placeholder token as part of an image, so it could not be trained as
+sampled.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import dataclass, field
 
 from molt.agent import ChatAgent, Context, Result
 from molt.config import Config
-from tito import ChatRenderer, EngineUnavailable, Segment, Tito
+from tito import EngineUnavailable, Prompt, Segment, Tito
 
 __all__ = ["Rollout", "RolloutRunner", "check_agent"]
 
@@ -72,7 +78,7 @@ class RolloutRunner:
         self.config = config
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
-        self.renderer = ChatRenderer(tito.tokenizer)
+        self.renderer = tito.renderer
         self.sampling = {
             "max_tokens": config.rollout.max_new_tokens,
             "temperature": config.rollout.temperature,
@@ -86,6 +92,7 @@ class RolloutRunner:
         try:
             async with asyncio.timeout(self.config.agent.timeout):
                 rollout = await episode(next(self.hosts), row, index)
+            self._check_no_sampled_placeholder(rollout)
         except TimeoutError:
             self.failures["timed_out"] += 1
             raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
@@ -101,6 +108,14 @@ class RolloutRunner:
         if not rollout.sampled:
             raise ValueError("the rollout sampled no token: the agent made no request to the model")
         return rollout
+
+    def _check_no_sampled_placeholder(self, rollout: Rollout) -> None:
+        images = self.renderer.images
+        if images is not None and images.image_token_id in rollout.sampled:
+            raise ValueError(
+                "the policy sampled an image placeholder token; the trainer's model would read it as part "
+                "of an image, so this rollout cannot be trained as sampled (it is retried)"
+            )
 
     async def _chat_episode(self, host, row: dict, index: int) -> Rollout:
         """A ChatAgent episode: the agent's SDK talks to this session's URLs; tito captures every turn."""
@@ -133,9 +148,11 @@ class RolloutRunner:
             messages: list[dict] = []
             for turn in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
-                prompt_ids = self._prompt_ids(session, messages, tools, observation)
+                prompt = self._prompt(session, messages, tools, observation)
                 seed = self._seed(row, index, turn)
-                generation = await self.tito.generate(session, prompt_ids, **self.sampling, seed=seed)
+                generation = await self.tito.generate(
+                    session, prompt.token_ids, images=prompt.images, **self.sampling, seed=seed
+                )
                 sampled += generation.token_ids
                 truncated = generation.finish_reason == "length"
                 reply = {
@@ -143,7 +160,7 @@ class RolloutRunner:
                     "content": tokenizer.decode(generation.token_ids, skip_special_tokens=True),
                 }
                 closing = self.renderer.closing_ids(generation.token_ids)
-                session.chat.record(messages, tools, prompt_ids, reply, closing)
+                session.chat.record(messages, tools, prompt, reply, closing)
                 messages.append(reply)
                 result: Result = await host.step(session.id, reply["content"])
                 reward += result.reward
@@ -156,12 +173,13 @@ class RolloutRunner:
             await host.close(session.id)
         return Rollout(trajectory.segments, reward, sampled, truncated, info)
 
-    def _prompt_ids(self, session, messages: list[dict], tools, observation) -> list[int]:
+    def _prompt(self, session, messages: list[dict], tools, observation) -> Prompt:
         """The chat template is applied exactly once: here by default, or already in the data
         (`--data.apply_chat_template false`: the observation is rendered text, tokenized as it is)."""
+        capture = session.capture
         if self.config.data.apply_chat_template:
-            return session.chat.prompt_ids(self.renderer, session.capture.tokens, messages, tools)
+            return session.chat.prompt_ids(self.renderer, capture.tokens, messages, tools, capture.images)
         if not isinstance(observation, str):
             raise ValueError("with --data.apply_chat_template false an Env observation must be rendered text")
-        closing = session.chat.closing if session.capture.tokens else []
-        return session.capture.tokens + closing + self.renderer.encode(observation)
+        closing = session.chat.closing if capture.tokens else []
+        return Prompt(capture.tokens + closing + self.renderer.encode(observation), list(capture.images))

@@ -9,6 +9,12 @@ An agent module (`--agent.module FILE_OR_MODULE`) exports `AgentRunner`, a subcl
 - `ChatAgent`: the user owns the loop. `run(ctx, sample)` talks to `ctx.base_url` with an OpenAI SDK (or
   to `ctx.session_url` with an Anthropic SDK) as to any server, and returns a `Result`.
 
+Images (a vision-language policy, e.g. a Qwen-VL model): a user message's content may be a list of
+OpenAI parts, text (`{"type": "text", "text": ...}`) and images (`{"type": "image_url", "image_url":
+{"url": "data:image/png;base64,..."}}`, or a local file path as the URL), in the first observation, in
+an observation a step returns, in a dataset row's messages, and in a ChatAgent's SDK calls (Anthropic
+`image` blocks too). A text-only policy refuses an image instead of ignoring it.
+
 A fresh `AgentRunner()` serves each rollout, so it may keep per-episode state. Methods may be plain or
 `async`. A module may also export `dataset(seed) -> Iterable[dict]`, the rows used when no `--data.path`
 is given (each row: chat `messages` plus task fields, e.g. the expected answer).
@@ -33,7 +39,8 @@ class Result:
     """What a step (Env) or an episode (ChatAgent) returns.
 
     `reward`: any finite number; an Env's rollout reward is the sum over its steps. `observation`: the
-    next messages (or one user message) to continue an Env episode; None ends it. `info`: numbers to log
+    next messages (or one user message; its content may hold images, see the module docstring) to
+    continue an Env episode; None ends it. `info`: numbers to log
     as `rollout/<key>` means.
     """
 
