@@ -132,3 +132,44 @@ def test_trainer_expansion_and_logprobs_equal_the_engines(tiny_vl_model_dir, vl_
     logp_BT = shifted_logprobs(logits, batch.tokens_BT, temperature=1.0)
     sampled = batch.loss_mask_BT > 0
     torch.testing.assert_close(logp_BT[sampled], batch.rollout_logp_BT[sampled], atol=2e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_a_refit_reaches_the_vl_engine(tiny_vl_model_dir, vl_vllm_server, processor):
+    """New weights (the vision tower's and the language model's) refit into the engine: its logprobs
+    after two images are the new model's. The engine gets its original weights back at the end."""
+    import torch.distributed as dist
+    from transformers import AutoModelForImageTextToText
+
+    import refit
+    from molt._batch import shifted_logprobs
+    from molt.vllm_server import free_port
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model_dir, dtype=torch.float32).eval()
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    engine = refit.Engine(vl_vllm_server.url, backend=refit.GLOO_BACKEND, trainer_host="127.0.0.1")
+    try:
+        refit.update_weights([engine], refit.full_params(model), version=1)
+        segment = asyncio.run(_two_image_turns(vl_vllm_server.url, tiny_vl_model_dir))
+        assert {v for v, m in zip(segment.versions, segment.loss_mask, strict=True) if m} == {1}
+        batch = with_images(
+            collate([(segment.token_ids, segment.loss_mask, segment.logprobs, 1.0)], pad_id=0),
+            [segment.images],
+            processor,
+        )
+        with torch.no_grad():
+            inputs = batch.model_inputs(torch.device("cpu"))
+            logits = model(input_ids=batch.tokens_BT, use_cache=False, **inputs).logits
+        logp_BT = shifted_logprobs(logits, batch.tokens_BT, temperature=1.0)
+        sampled = batch.loss_mask_BT > 0
+        torch.testing.assert_close(logp_BT[sampled], batch.rollout_logp_BT[sampled], atol=2e-4, rtol=0)
+    finally:
+        model.load_state_dict(original)
+        refit.update_weights([engine], refit.full_params(model), version=0)
+        engine.close()
+        dist.destroy_process_group()
