@@ -9,6 +9,7 @@ Legend: B sequences, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ import torch
 
 from molt._batch import TrainBatch, collate, shard_rows, shifted_logprobs
 from molt.config import Config
+from rlestimators import rollout_correction
 
 LENGTHS = (7, 11, 9, 6, 10)  # odd row count: the 2-rank shards get an all-masked padding row
 PROMPT_LEN = 4
@@ -195,28 +197,58 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
         assert torch.equal(tensor, before[name]), f"{name}: the groups must start from the same weights"
     batch = collate(_sequences(5, [1.5, -1.0, 0.5, -0.25, 2.0]), pad_id=0)
     gen = torch.Generator().manual_seed(6)
-    # Off-policy old logprobs and uneven correction weights, so that clipping and weighting both act.
-    old_logp_BT = one.logprobs(batch) + 0.3 * torch.randn(batch.tokens_BT.shape, generator=gen)
-    weights_BT = 0.5 + torch.rand(batch.tokens_BT.shape, generator=gen)
+    # Off-policy old logprobs, so that clipping acts, and engine logprobs near them, so that the rollout
+    # correction's weights are uneven.
+    logp_BT = one.logprobs(batch)
+    old_logp_BT, engine_logp_BT = (logp_BT + 0.3 * torch.randn(logp_BT.shape, generator=gen) for _ in "ab")
+    batch = dataclasses.replace(batch, rollout_logp_BT=engine_logp_BT * batch.loss_mask_BT)
 
-    metrics_one = one.train_step(batch, old_logp_BT, weights_BT)
-    metrics_two = two.train_step(batch, old_logp_BT, weights_BT)
+    metrics_one = one.train_step(batch, old_logp_BT)
+    metrics_two = two.train_step(batch, old_logp_BT)
 
     assert set(metrics_one) == {
         "train/policy_loss",
         "train/entropy",
         "train/clip_frac",
+        "train/mismatch_kl",
+        "train/seq_masked_frac",
         "train/grad_norm",
         "train/lr",
     }
     assert 0 < metrics_one["train/clip_frac"] < 1
+    _, _, mismatch = rollout_correction(old_logp_BT, batch.rollout_logp_BT, batch.loss_mask_BT)
+    assert metrics_one["train/mismatch_kl"] == pytest.approx(mismatch["mismatch_kl"], rel=1e-5)
+    assert metrics_one["train/seq_masked_frac"] == 0.0  # tis keeps every sequence
     assert metrics_one["train/grad_norm"] > 1.0  # so clipping to 1.0 acted, on the global norm
     for key, value in metrics_one.items():
         assert metrics_two[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     after_one, after_two = one.full_state(), two.full_state()
+    # Adam's first step moves every weight by about lr (1e-3) whatever its gradient's size, so summation
+    # order noise in a near-zero gradient can show at 1e-6: compare at 1% of the step.
     for name, tensor in after_one.items():
         assert not torch.equal(tensor, before[name]), f"{name} did not move"
-        torch.testing.assert_close(after_two[name], tensor, atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(after_two[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_step_without_old_logprobs_equals_one_given_the_logprob_pass(groups, tiny_model_dir, tmp_path):
+    """`train_step(batch)` takes the old logprobs from its own forward (one pass): the same metrics and
+    update as passing those of a separate `logprobs` pass, from the same checkpointed state."""
+    from molt._checkpoint import write_loop_state
+
+    group = groups["two_ranks"]  # micro-batches of one row, an all-masked padding row on rank 1
+    batch = collate(_sequences(10, [1.0, -0.5, 0.25, 2.0, -1.0]), pad_id=0)
+    group.save(tmp_path / "ckpt")
+    write_loop_state(tmp_path / "ckpt", 1, [], tiny_model_dir)
+    separate = group.train_step(batch, group.logprobs(batch))
+    after_separate = group.full_state()
+
+    group.load(tmp_path / "ckpt")
+    one_forward = group.train_step(batch)
+    for key, value in separate.items():
+        assert one_forward[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    for name, tensor in group.full_state().items():
+        torch.testing.assert_close(tensor, after_separate[name], atol=1e-7, rtol=0, msg=name)
 
 
 @pytest.mark.slow
@@ -225,7 +257,9 @@ def test_a_step_raises_the_logprob_of_positive_advantage_tokens(groups, tiny_mod
     batch = collate(_sequences(7, [1.0, 1.0, -1.0, -1.0], lengths=(8, 9, 8, 9)), pad_id=0)
     mask_BT = batch.loss_mask_BT
     logp_before_BT = group.logprobs(batch)
-    metrics = group.train_step(batch, logp_before_BT, torch.ones_like(logp_before_BT))
+    # The engine sampled with the trainer's weights: the correction weighs every token 1.
+    batch = dataclasses.replace(batch, rollout_logp_BT=logp_before_BT * mask_BT)
+    metrics = group.train_step(batch)  # old logprobs from the step's own forward
     logp_after_BT = group.logprobs(batch)
 
     # On-policy (ratio 1), weights 1: the PPO loss is -mean(advantage) over the window's tokens.
@@ -233,6 +267,7 @@ def test_a_step_raises_the_logprob_of_positive_advantage_tokens(groups, tiny_mod
         -(batch.advantages_BT.sum() / batch.num_tokens).item()
     )
     assert metrics["train/clip_frac"] == 0.0
+    assert metrics["train/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["train/lr"] == pytest.approx(0.5e-2)  # the first of two warm-up steps
     # Entropy of the distribution each trained token was sampled from, as transformers computes it.
     with torch.no_grad():
@@ -251,7 +286,7 @@ def test_reference_logprobs_add_a_kl_term_reported_as_its_token_mean(groups):
     batch = collate(_sequences(9, [1.0, -1.0], lengths=(8, 9)), pad_id=0)
     logp_BT = group.logprobs(batch)
     ref_logp_BT = logp_BT - 0.1 * batch.loss_mask_BT  # log r = ref - logp = -0.1 on every trained token
-    metrics = group.train_step(batch, logp_BT, torch.ones_like(logp_BT), ref_logp_BT)
+    metrics = group.train_step(batch, ref_logp_BT=ref_logp_BT)
     k3 = math.expm1(-0.1) + 0.1  # Schulman's k3 estimator at log r = -0.1
     assert metrics["train/kl"] == pytest.approx(k3, rel=1e-4)
 
@@ -260,7 +295,7 @@ def test_reference_logprobs_add_a_kl_term_reported_as_its_token_mean(groups):
 def test_train_step_refuses_a_batch_without_trainable_tokens(groups):
     batch = collate([([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0)], pad_id=0)
     with pytest.raises(ValueError, match="at least one trainable token"):
-        groups["t1"].train_step(batch, torch.zeros(1, 3), torch.ones(1, 3))
+        groups["t1"].train_step(batch)
 
 
 def _engine_sample(url: str, prompt: list[int], temperature: float) -> tuple[list[int], list[float], str]:
@@ -284,8 +319,7 @@ def test_refit_sends_the_trained_weights_to_a_vllm_engine(groups, tiny_model_dir
 
     group = groups["two_ranks"]
     batch = collate(_sequences(8, [1.0, -1.0, 2.0], lengths=(8, 9, 10)), pad_id=0)
-    logp_BT = group.logprobs(batch)
-    group.train_step(batch, logp_BT, torch.ones_like(logp_BT))
+    group.train_step(batch)
     prompt = [5, 17, 33, 60, 2, 41]
     log = tmp_path / "vllm.log"
     with VLLMServer(
@@ -316,8 +350,7 @@ def test_a_checkpoint_resumes_the_update_exactly_on_another_rank_count_and_expor
     batch = collate(_sequences(8, [1.0, -0.5, 0.25, 2.0, -1.0]), pad_id=0)
 
     def step(group):
-        old_logp_BT = group.logprobs(batch)
-        return group.train_step(batch, old_logp_BT, torch.ones_like(old_logp_BT))
+        return group.train_step(batch)
 
     step(two)  # Adam's moments and the schedule are now off their initial values
     two.save(tmp_path / "ckpt")

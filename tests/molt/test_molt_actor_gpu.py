@@ -50,7 +50,7 @@ def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir
     mask_BT = batch.loss_mask_BT[:, 1:] > 0
     torch.testing.assert_close(logp_BT[:, 1:][mask_BT], expected_BT[mask_BT], atol=2e-4, rtol=2e-4)
 
-    metrics = worker.train_step(batch, logp_BT, torch.ones_like(logp_BT))
+    metrics = worker.train_step(batch, logp_BT)
     assert metrics["train/grad_norm"] > 0 and metrics["train/lr"] == pytest.approx(1e-2)
     after_BT = worker.logprobs(batch)
     advantages_BT = batch.advantages_BT

@@ -115,4 +115,4 @@ def test_a_frozen_group_gives_the_policys_logprobs_and_refuses_to_train(groups):
     logp_BT = frozen.logprobs(batch)
     torch.testing.assert_close(logp_BT, policy.logprobs(batch), atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="frozen"):
-        frozen.train_step(batch, logp_BT, torch.ones_like(logp_BT))
+        frozen.train_step(batch, logp_BT)

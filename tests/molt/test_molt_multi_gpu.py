@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from molt._batch import collate, shard_rows
+from molt._batch import collate
 from molt.config import FSDP, Actor, Config, Model
 
 pytestmark = [
@@ -76,10 +76,9 @@ def _batch():
     for length, advantage in zip(LENGTHS, (1.5, -1.0, 0.5, -0.25, 2.0, -1.5), strict=True):
         token_ids = torch.randint(8, 100, (length,), generator=gen).tolist()
         loss_mask = [0] * PROMPT_LEN + [1] * (length - PROMPT_LEN)
-        rows.append((token_ids, loss_mask, [0.0] * length, advantage))
-    batch = collate(rows, pad_id=0)
-    weights_BT = 0.5 + torch.rand(batch.tokens_BT.shape, generator=gen)  # uneven correction weights
-    return batch, weights_BT
+        # Random engine logprobs: the rollout correction's weights are uneven.
+        rows.append((token_ids, loss_mask, (-3 * torch.rand(length, generator=gen)).tolist(), advantage))
+    return collate(rows, pad_id=0)
 
 
 def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
@@ -104,11 +103,10 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, ep_
         for name, p in worker.model.named_parameters()
         if "experts" in name
     }
-    batch, weights_BT = _batch()
-    shard = batch.shard(rank, world_size)
+    shard = _batch().shard(rank, world_size)
     before = worker.full_state()
     logp_BT = worker.logprobs(shard)  # on-policy: each layout's own logprobs, ratio 1
-    metrics = worker.train_step(shard, logp_BT, shard_rows(weights_BT, rank, world_size))
+    metrics = worker.train_step(shard, logp_BT)
     after_logp_BT = worker.logprobs(shard)
     after = worker.full_state()
     result = dict(logp_BT=logp_BT, after_logp_BT=after_logp_BT, metrics=metrics, experts=experts)
@@ -208,7 +206,7 @@ def test_two_gpus_give_the_one_gpu_update(layouts, layout):
         assert torch.equal(two["before"][name], tensor), f"{name}: the layouts start from different weights"
 
     cosine, flipped = _update_agreement(one, two)
-    mask_BT = _batch()[0].loss_mask_BT > 0
+    mask_BT = _batch().loss_mask_BT > 0
     step_change = (one["after_logp_BT"] - one["logp_BT"])[mask_BT].norm().item()
     drift = (two["after_logp_BT"] - one["after_logp_BT"])[mask_BT].norm().item()
     print(

@@ -43,7 +43,7 @@ from molt._sharding import (
 )
 from molt.config import Config
 from molt.vllm_server import free_port
-from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss
+from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss, rollout_correction
 
 __all__ = ["EnginesLost", "PolicyGroup", "PolicyWorker"]
 
@@ -134,25 +134,33 @@ class PolicyWorker:
         ]
         return torch.cat(logp_BT).cpu()
 
-    def _micro_batch_loss(
-        self, mb: TrainBatch, old_logp_BT, weights_BT, ref_logp_BT
-    ) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; returns its metric numerators (token sums)."""
+    def _micro_batch_loss(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch; returns its metric numerators (token sums, and the
+        row counts of the sequence-level correction)."""
         algo, device = self.config.algo, self.device
         temperature = self.config.rollout.temperature
         tokens_BT, mask_BT = mb.tokens_BT.to(device), mb.loss_mask_BT.to(device)
         logits_BTV = self._logits(tokens_BT)
         logp_BT = shifted_logprobs(logits_BTV, tokens_BT, temperature=temperature)
+        # One forward: with one optimizer step per batch, the logprobs "before the step" are this
+        # forward's, detached (train_step's docstring).
+        old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT.to(device)
+        correction = algo.correction  # engine vs trainer mismatch (DESIGN invariant 2)
+        weights_BT, keep_B, mismatch = rollout_correction(
+            old_logp_BT, mb.rollout_logp_BT.to(device), mask_BT, mode=correction.mode,
+            token_cap=correction.token_cap, token_bounds=correction.token_bounds,
+            seq_bounds=correction.seq_bounds,
+        )  # fmt: skip
         pg_sum, pg_metrics = policy_loss(
             logp_BT,
-            old_logp_BT.to(device),
+            old_logp_BT,
             mb.advantages_BT.to(device),
             mask_BT,
             kind=algo.loss.kind,
             clip_low=algo.loss.clip_low,
             clip_high=algo.loss.clip_high,
             dual_clip=algo.loss.dual_clip,
-            weights=weights_BT.to(device),
+            weights=weights_BT,
         )
         # Entropy of the distribution each token was sampled from (logits of t - 1, shifted onto t).
         bonus = algo.entropy_coef != 0
@@ -162,10 +170,14 @@ class PolicyWorker:
         entropy_sum = masked_sum(torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0)), mask_BT)
         loss = pg_sum - algo.entropy_coef * entropy_sum
         num_trainable = (mask_BT != 0).sum()
+        has_tokens_B = (mask_BT != 0).any(dim=1)  # shard padding rows are not sequences
         sums = {
             "train/policy_loss": pg_sum.detach(),
             "train/entropy": entropy_sum.detach(),
             "train/clip_frac": pg_metrics["clip_frac"] * num_trainable,
+            "train/mismatch_kl": mismatch["mismatch_kl"] * num_trainable,
+            "rows_rejected": (has_tokens_B & ~keep_B).sum(),
+            "rows": has_tokens_B.sum(),
         }
         if ref_logp_BT is not None:  # KL loss term against a reference policy (--algo.kl.coef)
             kl_sum = masked_sum(kl(logp_BT, ref_logp_BT.to(device), kind=algo.kl.kind), mask_BT)
@@ -197,14 +209,17 @@ class PolicyWorker:
     def train_step(
         self,
         batch: TrainBatch,
-        old_logp_BT: torch.Tensor,
-        correction_weights_BT: torch.Tensor,
+        old_logp_BT: torch.Tensor | None = None,
         ref_logp_BT: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """One optimizer step over this rank's rows; metrics are global (all ranks, all micro-batches).
 
-        `old_logp_BT`: the trainer's recomputed logprobs before the step; `correction_weights_BT`: the
-        rollout-correction weights; `ref_logp_BT`: reference logprobs, which add the KL loss term.
+        `old_logp_BT`: the policy's logprobs before the step, when the caller needed them earlier (the
+        opd advantage, a KL penalty in the reward). None takes them from this step's own forward,
+        detached: the step makes one optimizer update per batch, so those are the same numbers, and a
+        separate logprob pass is saved. The rollout correction (`--algo.correction.*`) weighs each
+        token by the ratio of `old_logp` to the engine's `batch.rollout_logp_BT`. `ref_logp_BT`:
+        reference logprobs, which add the KL loss term.
         """
         from torch.distributed.fsdp import FSDPModule
 
@@ -216,20 +231,23 @@ class PolicyWorker:
             raise ValueError("--algo.kl.coef is set: pass reference logprobs (ref_logp_BT) to train_step")
         size = self.config.actor.micro_batch_size
         micro_batches = list(batch.micro_batches(size))
-        refs = ref_logp_BT.split(size) if ref_logp_BT is not None else [None] * len(micro_batches)
-        chunks = zip(
-            micro_batches, old_logp_BT.split(size), correction_weights_BT.split(size), refs, strict=True
+        olds, refs = (
+            [None] * len(micro_batches) if t_BT is None else t_BT.split(size)
+            for t_BT in (old_logp_BT, ref_logp_BT)
         )
         totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
-        for index, (mb, old_BT, weights_BT, ref_BT) in enumerate(chunks):
+        for index, (mb, old_BT, ref_BT) in enumerate(zip(micro_batches, olds, refs, strict=True)):
             if isinstance(self.model, FSDPModule):  # reduce-scatter once, after the last micro-batch
                 self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            for name, value in self._micro_batch_loss(mb, old_BT, weights_BT, ref_BT).items():
+            for name, value in self._micro_batch_loss(mb, old_BT, ref_BT).items():
                 totals[name] = totals[name] + value if name in totals else value
-        sums_K = torch.stack(list(totals.values()))  # K metrics, float32 on this rank's device
+        sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
         dist.all_reduce(sums_K)  # SUM over ranks
+        sums = dict(zip(totals, sums_K.tolist(), strict=True))
+        rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
-        metrics = dict(zip(totals, (sums_K / counted).tolist(), strict=True))
+        metrics = {name: value / counted for name, value in sums.items()}
+        metrics["train/seq_masked_frac"] = rows_rejected / rows
         metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
         return metrics
 
@@ -357,17 +375,17 @@ class PolicyGroup:
     def train_step(
         self,
         batch: TrainBatch,
-        old_logp_BT: torch.Tensor,
-        correction_weights_BT: torch.Tensor,
+        old_logp_BT: torch.Tensor | None = None,
         ref_logp_BT: torch.Tensor | None = None,
     ) -> dict[str, float]:
-        """One optimizer step over the whole batch; returns the global metrics."""
-        for name, tensor in (("old_logp_BT", old_logp_BT), ("correction_weights_BT", correction_weights_BT)):
-            if tensor.shape != batch.tokens_BT.shape:
+        """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
+        says what the arguments mean)."""
+        for name, tensor in (("old_logp_BT", old_logp_BT), ("ref_logp_BT", ref_logp_BT)):
+            if tensor is not None and tensor.shape != batch.tokens_BT.shape:
                 raise ValueError(f"{name} must be {tuple(batch.tokens_BT.shape)}, got {tuple(tensor.shape)}")
         if batch.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
-        shards = self._row_shards(batch, old_logp_BT, correction_weights_BT, ref_logp_BT)
+        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
     def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:

@@ -36,7 +36,7 @@ from molt._rollout import Rollout, RolloutRunner, check_agent
 from molt._runners import launch_hosts
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config
-from rlestimators import ESTIMATORS, dynamic_filter, gae, kl, opd, rollout_correction
+from rlestimators import ESTIMATORS, dynamic_filter, gae, kl, opd
 from tito import Tito, create_app, serve_on_loop
 
 __all__ = ["REQUIRED_METRICS", "run_steps", "train"]
@@ -70,11 +70,11 @@ class Run:
 
 
 async def run_steps(config: Config, run: Run) -> None:
-    """The algorithm: take groups, recompute logprobs, advantages, correction, loss and step, refit, log."""
+    """The algorithm: take groups, advantages, then one step (logprobs, correction, loss), refit, log."""
     policy, pool, runner = run.policy, run.pool, run.runner
     estimator = config.algo.advantage.estimator  # an outcome estimator, gae (critic) or opd (teacher)
     pad_id = run.tito.tokenizer.pad_token_id
-    correction, kl_cfg, gae_cfg = config.algo.correction, config.algo.kl, config.algo.gae
+    kl_cfg, gae_cfg = config.algo.kl, config.algo.gae
     last = config.train.num_steps
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
@@ -92,15 +92,19 @@ async def run_steps(config: Config, run: Run) -> None:
         mask_BT = batch.loss_mask_BT
 
         train_started = time.monotonic()
-        old_logp_BT = await asyncio.to_thread(policy.logprobs, batch)  # trainer's logprobs, current weights
+        # The policy's logprobs before the step: a separate pass only where they are needed before it
+        # (the opd advantage, a KL penalty in the reward); otherwise the step takes them from its own
+        # forward (one pass).
+        needs_old_logp = estimator == "opd" or (run.reference is not None and kl_cfg.in_reward)
+        old_logp_BT = await asyncio.to_thread(policy.logprobs, batch) if needs_old_logp else None
         ref_logp_BT, extra_metrics = None, {}
         if run.reference is not None:  # --algo.kl.coef: the frozen reference policy's logprobs
             ref_logp_BT = await asyncio.to_thread(run.reference.logprobs, batch)
-            kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_cfg.kind) * mask_BT
-            extra_metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
             if kl_cfg.in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
+                kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_cfg.kind) * mask_BT
+                extra_metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
                 rewards_R = rewards_R - kl_cfg.coef * rollout_sums(kl_BT, rollouts)
-                ref_logp_BT = None
+                ref_logp_BT = None  # no loss term
 
         critic_args = None  # --algo.advantage.estimator: per rollout (outcome), or per token (gae, opd)
         if estimator == "gae":  # the critic's values; the reward sits on each row's last sampled token
@@ -123,13 +127,8 @@ async def run_steps(config: Config, run: Run) -> None:
         batch = dataclasses.replace(batch, advantages_BT=advantages_BT)
         # The advantage metrics count rollouts for an outcome estimator, trainable tokens for gae and opd.
         advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
-        weights_BT, _, correction_metrics = rollout_correction(  # engine vs trainer mismatch (invariant 2)
-            old_logp_BT, batch.rollout_logp_BT, batch.loss_mask_BT, mode=correction.mode,
-            token_cap=correction.token_cap, token_bounds=correction.token_bounds,
-            seq_bounds=correction.seq_bounds,
-        )  # fmt: skip
-        step_args = (batch, old_logp_BT, weights_BT, ref_logp_BT)  # ref: the KL loss term, if any
-        steps = [asyncio.to_thread(policy.train_step, *step_args)]
+        # The step applies the rollout correction (engine vs trainer mismatch, invariant 2) itself.
+        steps = [asyncio.to_thread(policy.train_step, batch, old_logp_BT, ref_logp_BT)]  # ref: KL loss term
         if critic_args is not None:  # the critic's step runs beside the policy's
             steps.append(asyncio.to_thread(run.critic.train_step, *critic_args))
         train_metrics = {name: v for metrics in await asyncio.gather(*steps) for name, v in metrics.items()}
@@ -147,11 +146,9 @@ async def run_steps(config: Config, run: Run) -> None:
 
         run.log.step(step, {
             **rollout_metrics(rollouts, config.rollout.group_size),
-            **train_metrics,
             "train/kl": 0.0,  # no reference: no KL
+            **train_metrics,  # the policy's (and the critic's) step, the correction's mismatch included
             **extra_metrics,
-            "train/mismatch_kl": correction_metrics["mismatch_kl"],
-            "train/seq_masked_frac": correction_metrics["seq_masked_frac"],
             "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
             "train/token_identity": 1.0,
             "train/advantage_abs_mean": advantages.abs().mean().item(),
