@@ -35,6 +35,7 @@ import torch.distributed as dist
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
 from molt._guards import check_parallelism
 from molt._sharding import (
+    compute_dtype,
     freeze_moe_routers,
     load_model,
     params_by_mesh,
@@ -261,7 +262,9 @@ class PolicyWorker:
                 self.engines[url] = refit.Engine(url, backend=backend, trainer_host=trainer_host)
         engines = [self.engines[url] for url in engine_urls]
         try:
-            stats = refit.update_weights(engines, refit.full_params(self.model), version=version)
+            # In the dtype the trainer computes in, which its engines run (molt._sharding.compute_dtype).
+            params = refit.full_params(self.model, dtype=compute_dtype(self.config))
+            stats = refit.update_weights(engines, params, version=version)
         except refit.RefitError as error:  # rank 0 only: the others have joined every gather
             for url in error.failures:
                 self.engines.pop(url, None)

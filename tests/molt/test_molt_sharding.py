@@ -1,0 +1,140 @@
+"""--actor.compute_dtype: float32 master weights with bf16 compute, on one rank as on many.
+
+The worker runs in this process on gloo (one rank, no Ray), as the GPU test runs it on NCCL.
+
+Legend: B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import msgspec
+import pytest
+import torch
+
+from molt._batch import collate
+from molt._sharding import compute_dtype
+from molt.config import Actor, Config, Model
+
+# Importing AutoModel in this process: megatron_fsdp warns that neither Transformer Engine nor Apex is
+# installed, and some module of it still uses torch.jit.script_method.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+
+def _config(model_dtype: str = "float32", compute: str = "model") -> Config:
+    return msgspec.structs.replace(
+        Config(), model=Model(dtype=model_dtype), actor=Actor(lr=1e-2, compute_dtype=compute)
+    )
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "compute", "expected"),
+    [
+        pytest.param("float32", "model", torch.float32, id="default-float32"),
+        pytest.param("bfloat16", "model", torch.bfloat16, id="default-bfloat16"),
+        pytest.param("float32", "bfloat16", torch.bfloat16, id="fp32-master-bf16-compute"),
+    ],
+)
+def test_compute_dtype_defaults_to_the_parameters_dtype(model_dtype, compute, expected):
+    assert compute_dtype(_config(model_dtype, compute)) == expected
+
+
+def test_cuda_engines_run_the_trainers_compute_dtype(monkeypatch):
+    from molt._engines import engine_extra_args
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = engine_extra_args(_config("float32", "bfloat16"))
+    assert args[args.index("--dtype") + 1] == "bfloat16"
+    args = engine_extra_args(_config("float32"))
+    assert args[args.index("--dtype") + 1] == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "--dtype" not in engine_extra_args(_config("float32", "bfloat16"))  # the CPU engine: float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_rms_norms_compute_what_transformers_computes(dtype):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from molt._sharding import use_lean_rms_norms
+
+    torch.manual_seed(0)
+    norms = [Qwen3RMSNorm(64, eps=1e-6) for _ in range(2)]
+    norms[0].weight.data.uniform_(0.5, 1.5)
+    norms[1].load_state_dict(norms[0].state_dict())
+    assert use_lean_rms_norms(torch.nn.Sequential(norms[1])) == 1
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    outs, grads = [], []
+    for norm in norms:
+        x_ = x.clone().requires_grad_()
+        out = norm.to(dtype)(x_)
+        out.pow(2).sum().backward()
+        outs.append(out)
+        grads.append((x_.grad, norm.weight.grad))
+    assert outs[1].dtype == dtype
+    # bf16: transformers rounds the normalised input before the weight, the op rounds once after it.
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+    torch.testing.assert_close(outs[1], outs[0], **tolerance)
+    for lean, reference in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(lean.float(), reference.float(), **tolerance)
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's full value: FSDP2 holds a DTensor shard, except while a module is unsharded."""
+    from torch.distributed.tensor import DTensor
+
+    return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_one_rank_keeps_float32_weights_and_computes_in_bf16(tiny_model_dir, monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM
+
+    import refit
+    from molt._actor import PolicyWorker
+
+    rows = [([1, 5, 9, 11, 12, 7], [0, 0, 0, 1, 1, 1], [-4.0] * 6, 1.0),
+            ([1, 6, 7, 13, 8, 9], [0, 0, 1, 1, 1, 1], [-4.0] * 6, -1.0)]  # fmt: skip
+    batch = collate(rows, pad_id=0)
+    worker = PolicyWorker(
+        0, 1, "127.0.0.1", _free_port(), str(tiny_model_dir), _config("float32", "bfloat16")
+    )
+    try:
+        assert isinstance(worker.model, FSDPModule)  # AutoModel leaves one rank unsharded: molt shards it
+        before = {name: _full(p).clone() for name, p in worker.model.named_parameters()}
+        logp_BT = worker.logprobs(batch)
+
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            logits_BTV = reference(batch.tokens_BT).logits[:, :-1]
+        expected_BT = torch.log_softmax(logits_BTV, -1).gather(-1, batch.tokens_BT[:, 1:, None])[..., 0]
+        error = (logp_BT[:, 1:] - expected_BT).abs().max().item()
+        assert 1e-4 < error < 5e-2, f"bf16 compute differs from float32 by bf16 rounding, got {error}"
+
+        worker.train_step(batch)
+        for name, param in worker.model.named_parameters():  # resharded after the backward pass
+            assert param.dtype == torch.float32, f"{name}: master weights stay float32"
+            assert not torch.equal(_full(param), before[name]), f"{name} did not move"
+
+        # A refit sends the weights in the compute dtype, which the engines run (engine_extra_args).
+        sent = {}
+
+        def capture(engines, params, *, version):
+            sent.update(specs=params.specs, tensors=dict(params))
+
+        monkeypatch.setattr(refit, "update_weights", capture)
+        assert worker.refit(["http://127.0.0.1:1"], refit.GLOO_BACKEND, 1, "127.0.0.1") is None
+        assert {spec.dtype for spec in sent["specs"]} == {torch.bfloat16}
+        for name, param in worker.model.named_parameters():
+            assert torch.equal(sent["tensors"][name], _full(param).to(torch.bfloat16)), name
+    finally:
+        torch.distributed.destroy_process_group()
