@@ -115,11 +115,13 @@ class PolicyWorker:
     def _learning_rate(self) -> float:
         return self.config.actor.lr
 
-    def _logits(self, tokens_BT: torch.Tensor) -> torch.Tensor:
+    def _logits(self, mb: TrainBatch) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
-        logits_BTV = self.model(input_ids=tokens_BT.to(self.device), use_cache=False).logits
+        # A vision-language policy also gets the rows' images (`TrainBatch.model_inputs`).
+        tokens_BT = mb.tokens_BT.to(self.device)
+        logits_BTV = self.model(input_ids=tokens_BT, use_cache=False, **mb.model_inputs(self.device)).logits
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
         return logits_BTV.full_tensor() if isinstance(logits_BTV, DTensor) else logits_BTV
 
@@ -128,9 +130,7 @@ class PolicyWorker:
         """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
         temperature = self.config.rollout.temperature
         logp_BT = [
-            shifted_logprobs(
-                self._logits(mb.tokens_BT), mb.tokens_BT.to(self.device), temperature=temperature
-            )
+            shifted_logprobs(self._logits(mb), mb.tokens_BT.to(self.device), temperature=temperature)
             for mb in batch.micro_batches(self.config.actor.micro_batch_size)
         ]
         return torch.cat(logp_BT).cpu()
@@ -141,7 +141,7 @@ class PolicyWorker:
         algo, device = self.config.algo, self.device
         temperature = self.config.rollout.temperature
         tokens_BT, mask_BT = mb.tokens_BT.to(device), mb.loss_mask_BT.to(device)
-        logits_BTV = self._logits(tokens_BT)
+        logits_BTV = self._logits(mb)
         logp_BT = shifted_logprobs(logits_BTV, tokens_BT, temperature=temperature)
         # One forward: with one optimizer step per batch, the logprobs "before the step" are this
         # forward's, detached (train_step's docstring).

@@ -58,21 +58,28 @@ def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gp
 
 def load_model(model_dir: str, config: Config, world_size: int, device: torch.device) -> torch.nn.Module:
     """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
-    model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`)."""
+    model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`). A model whose
+    config has a vision tower (Qwen-VL) loads as an image-text-to-text model, the class that takes
+    `pixel_values` (`TrainBatch.model_inputs`); AutoModelForCausalLM refuses its config."""
+    from transformers import AutoConfig
+
+    vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
     dtype = getattr(torch, config.model.dtype)
     setup = distributed_setup(config, world_size, compute_dtype(config), on_gpu=device.type == "cuda")
     if device.type == "cuda":
-        from nemo_automodel import NeMoAutoModelForCausalLM
+        from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
 
         # No Liger kernels: the trainer needs the logits themselves (chunked logprobs, entropy).
-        model = NeMoAutoModelForCausalLM.from_pretrained(
+        loader = NeMoAutoModelForImageTextToText if vision else NeMoAutoModelForCausalLM
+        model = loader.from_pretrained(
             model_dir, dtype=dtype, distributed_setup=setup, use_liger_kernel=False
         )
     else:
         from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = loader.from_pretrained(model_dir, dtype=dtype)
         model = parallelize_model(model, setup.mesh_context)
     use_lean_rms_norms(model)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
