@@ -17,7 +17,7 @@ import torch
 from asyncpool import GroupPool
 from molt._batch import collate
 from molt._rollout import RolloutRunner, check_agent
-from molt._runners import AgentHost
+from molt._runners import AgentHost, launch_hosts
 from molt.agent import load_agent
 from molt.config import Agent, Config, Data, Rollout
 from molt.loop import check_token_identity, segment_rows
@@ -66,6 +66,19 @@ def test_both_forms_give_the_engine_identical_prompt_tokens(tiny_model_dir, vllm
         assert prompt_of(env_rollout) == prompt_of(sdk_rollout)
         text = tokenizer.decode(prompt_of(env_rollout))
         assert SYSTEM in text and '"name": "calculator"' in text and row["messages"][1]["content"] in text
+
+
+def test_runners_0_host_the_agents_in_process_and_an_ended_episode_needs_no_close():
+    (host,) = launch_hosts("molt.recipes.copy_word", 0)  # no Ray: an AgentHost of this process
+    assert isinstance(host, AgentHost)
+
+    async def episode(action: str):
+        await host.reset("e1", {"messages": [{"role": "user", "content": "copy fox"}], "word": "fox"})
+        return await host.step("e1", action)
+
+    result = asyncio.run(episode("fox"))
+    assert result.reward == 1.0 and result.observation is None
+    assert host.episodes == {}  # forgotten by its last step: the rollout makes no close call
 
 
 def test_a_chat_agent_needs_the_template_applied_by_molt():

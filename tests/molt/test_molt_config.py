@@ -87,6 +87,7 @@ def test_toml_then_flags_precedence(tmp_path):
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),
+        pytest.param(["--agent.num_runners", "-1"], ["--agent.num_runners"], id="runners"),
     ],
 )
 def test_guard_refuses_naming_the_flags(args, flags):

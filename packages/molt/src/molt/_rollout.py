@@ -142,7 +142,7 @@ class RolloutRunner:
         session = self.tito.new_session()
         tokenizer = self.tito.tokenizer
         tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
-        reward, sampled, info, truncated = 0.0, [], {}, False
+        reward, sampled, info, truncated, ended = 0.0, [], {}, False, False
         try:
             observation = await host.reset(session.id, row)
             messages: list[dict] = []
@@ -167,10 +167,12 @@ class RolloutRunner:
                 info.update(result.info)
                 observation = result.observation
                 if observation is None:
+                    ended = True
                     break
         finally:
             trajectory = self.tito.end_session(session.id)
-            await host.close(session.id)
+            if not ended:  # the host forgets an ended episode itself (`AgentHost.step`)
+                await host.close(session.id)
         return Rollout(trajectory.segments, reward, sampled, truncated, info)
 
     def _prompt(self, session, messages: list[dict], tools, observation) -> Prompt:

@@ -5,6 +5,10 @@ the trainer's event loop and the user's side (`reset`, `step`: scoring, tools, s
 `ChatAgent` runs here whole and talks to tito over HTTP like any SDK program. Either way a slow or heavy
 agent never blocks generation, and hosts can live on other machines. One actor hosts many episodes at
 once (an async actor; plain methods run in its threads).
+
+`--agent.num_runners 0` puts one host in the trainer's process instead: no Ray call per `reset` and
+`step` (about a millisecond of CPU on each side), for agents cheap enough to share the trainer's
+machine. Plain methods still run in threads; an async agent then runs on the trainer's event loop.
 """
 
 from __future__ import annotations
@@ -36,7 +40,10 @@ class AgentHost:
         return await self._call_user(env.reset, row)
 
     async def step(self, episode: str, action: str) -> Result:
-        return await self._call_user(self.episodes[episode].step, action)
+        result = await self._call_user(self.episodes[episode].step, action)
+        if getattr(result, "observation", None) is None:  # the episode is over: no `close` call needed
+            self.episodes.pop(episode, None)
+        return result
 
     async def close(self, episode: str) -> None:
         self.episodes.pop(episode, None)
@@ -79,7 +86,10 @@ class RemoteHost:
             raise
 
 
-def launch_hosts(agent_module: str, num_hosts: int) -> list[RemoteHost]:
+def launch_hosts(agent_module: str, num_hosts: int) -> list[AgentHost] | list[RemoteHost]:
+    """`num_hosts` agent hosts as Ray actors, or one in this process for 0 (module docstring)."""
+    if num_hosts == 0:
+        return [AgentHost(agent_module)]
     # No task events: a host runs several calls per rollout, and Ray would keep each one in its GCS
     # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe.
     remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)

@@ -80,7 +80,8 @@ class Agent(_Group):
     max_turns: int = 1
     """Most LLM turns per episode of an Env agent."""
     num_runners: int = 1
-    """Ray actors hosting the agents' environments (each runs many episodes concurrently)."""
+    """Ray actors hosting the agents (each runs many episodes concurrently); 0 runs them in the trainer's
+    process, without a Ray call per reset and step (for cheap agents)."""
 
 
 class Advantage(_Group):
@@ -414,6 +415,10 @@ def _check_parallelism(config: Config) -> None:
 
 def validate(config: Config) -> Config:
     """The config with derived values filled; a refused combination raises `ConfigError` naming its flags."""
+    if config.agent.num_runners < 0:
+        raise ConfigError(
+            f"--agent.num_runners must be >= 0 (0: in the trainer's process), got {config.agent.num_runners}"
+        )
     if config.rollout.prompts_per_step < 1:
         raise ConfigError("--rollout.prompts_per_step must be >= 1")
     config = _on_policy(config)
