@@ -78,3 +78,12 @@ def real_tito(tiny_model_dir, vllm_server, tmp_path_factory):
     )
     with LiveServer(create_app(tito)) as server:
         yield tito, server.url
+
+
+@pytest.fixture(scope="session")
+def vl_tito(tiny_vl_model_dir, vl_vllm_server, tmp_path_factory):
+    """tito on loopback in front of the session's vision-language vLLM server: (Tito, base URL)."""
+    dump = tmp_path_factory.mktemp("tito-vl") / "dump.jsonl"
+    tito = Tito([vl_vllm_server.url], tiny_vl_model_dir, served_model_name="tiny-vl", dump=dump)
+    with LiveServer(create_app(tito)) as server:
+        yield tito, server.url

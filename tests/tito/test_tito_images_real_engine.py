@@ -9,21 +9,9 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import LiveServer
 from test_tito_images import image_part, png_data_url
 
-from tito import Tito, create_app
-
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def vl_tito(tiny_vl_model_dir, vl_vllm_server, tmp_path_factory):
-    """tito on loopback in front of the session's vision-language vLLM server: (Tito, base URL)."""
-    dump = tmp_path_factory.mktemp("tito-vl") / "dump.jsonl"
-    tito = Tito([vl_vllm_server.url], tiny_vl_model_dir, served_model_name="tiny-vl", dump=dump)
-    with LiveServer(create_app(tito)) as server:
-        yield tito, server.url
 
 
 def _image_runs(segment: dict, pad: int) -> list[tuple[int, int]]:
