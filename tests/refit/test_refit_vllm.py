@@ -81,6 +81,8 @@ def test_request_in_flight_finishes_across_the_refit_with_both_versions(
 def test_mismatch_is_refused_before_any_engine_is_touched(refit_servers, tiny_model_dir, tmp_path):
     server = refit_servers.serve(tiny_model_dir)
     engine = refit.Engine(server.url)
+    asked, ask = [], engine._rpc
+    engine._rpc = lambda method: asked.append(method) or ask(method)
     version = engine.weight_version()
     wrong_shape = weight_set(tmp_path, 31, hidden_size=32)
     with pytest.raises(ValueError, match="shape mismatch.*model.embed_tokens.weight"):
@@ -90,6 +92,7 @@ def test_mismatch_is_refused_before_any_engine_is_touched(refit_servers, tiny_mo
         refit.update_weights([engine], refit.full_params(extra_layer), version="never")
     assert engine.channel is None, "no transfer group was opened"
     assert engine.weight_version() == version and not engine.is_paused()
+    assert asked == ["refit_checkpoint_specs"]  # the engine's checkpoint was asked for once
     engine.close()
 
 

@@ -139,7 +139,7 @@ async def run_steps(config: Config, run: Run) -> None:
 
         broadcast_started = time.monotonic()
         async with _quiesced(pool, hold=not config.rollout.partial_rollout):
-            await refit_engines(policy, run.tito, step)  # engines pause (keeping requests)
+            refit_s = await refit_engines(policy, run.tito, step)  # engines pause (keeping requests)
         pool.version = step  # groups older than max_lag versions are dropped from now on
         broadcast_s = time.monotonic() - broadcast_started
 
@@ -162,6 +162,7 @@ async def run_steps(config: Config, run: Run) -> None:
             "timing/generation": generation_s,
             "timing/policy_train": train_s,
             "timing/broadcast": broadcast_s,
+            **{f"timing/refit_{phase}": seconds for phase, seconds in refit_s.items()},  # where it went
             **eval_metrics,
             "timing/step_total": time.monotonic() - started,
         })  # fmt: skip
@@ -190,18 +191,20 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
     return taking.result()
 
 
-async def refit_engines(policy: PolicyGroup, tito: Tito, version: int) -> None:
-    """Refit every live engine. One that fails is dropped for the rest of the run (the rollouts it was
-    serving failed and their groups are retried on the others); the run stops when none is left."""
+async def refit_engines(policy: PolicyGroup, tito: Tito, version: int) -> dict[str, float]:
+    """Refit every live engine; returns the refit's seconds by phase (none when an engine failed). One
+    that fails is dropped for the rest of the run (the rollouts it was serving failed and their groups
+    are retried on the others); the run stops when none is left."""
     live = [engine for engine in tito.router.engines if engine.alive]
     try:
-        await asyncio.to_thread(policy.refit, [engine.url for engine in live], version)
+        return await asyncio.to_thread(policy.refit, [engine.url for engine in live], version) or {}
     except EnginesLost as lost:
         for engine in live:
             engine.alive = engine.alive and engine.url not in lost.failed
         if not lost.updated:
             raise RuntimeError(f"no vLLM engine took the weights of step {version}; stopping") from lost
         progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s)")
+        return {}
 
 
 def rollout_sums(values_BT: torch.Tensor, rollouts: list[Rollout]) -> torch.Tensor:

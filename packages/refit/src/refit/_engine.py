@@ -66,6 +66,7 @@ class Engine:
         self.timeout_s = timeout_s
         self.channel: GlooChannel | NcclChannel | None = None
         self.bucket_bytes: int | None = None  # fixed at connect for NCCL (vLLM reads it at init)
+        self._checkpoint_specs: list[ParamSpec] | None = None
         import httpx  # here, not at module top: the sender's pack path must import without it
 
         self._http = httpx.Client(timeout=timeout_s)
@@ -116,8 +117,13 @@ class Engine:
         return self._call("POST", "/collective_rpc", json={"method": method}).json()["results"]
 
     def checkpoint_specs(self) -> list[ParamSpec]:
-        """Names and full shapes of the checkpoint the engine loaded (what a refit must send)."""
-        return [ParamSpec.from_json(item) for item in self._rpc("refit_checkpoint_specs")[0]]
+        """Names and full shapes of the checkpoint the engine loaded (what a refit must send). Asked
+        once: a server never changes the checkpoint it loaded, so later refits skip the round trip."""
+        if self._checkpoint_specs is None:
+            self._checkpoint_specs = [
+                ParamSpec.from_json(item) for item in self._rpc("refit_checkpoint_specs")[0]
+            ]
+        return self._checkpoint_specs
 
     def worker_timings(self) -> list[dict]:
         """Per worker, seconds spent receiving and loading in the last update (gloo backend only)."""
