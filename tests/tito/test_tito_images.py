@@ -10,11 +10,12 @@ import base64
 import io
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 from fake_engine import FakeEngine
 
-from tito import Capture, ChatRenderer, ChatState, ImageSpan, Tito, create_app
+from tito import Capture, ChatRenderer, ChatState, ImageSpan, Tito, Trajectory, create_app
 from tito._images import ImageLayout, load_image
 
 
@@ -253,6 +254,8 @@ async def test_openai_and_anthropic_images_reach_the_engine_once_and_the_traject
     assert spans == [(4, 6), (spans[1][0], 8)]
     assert _runs(segment["token_ids"], pad) == spans
     assert segment["images"][0]["data_url"] == url
+    dumped = msgspec.json.decode((tmp_path / "dump.jsonl").read_bytes().splitlines()[0], type=Trajectory)
+    assert dumped.segments[0].images == [ImageSpan(**image) for image in segment["images"]]
     await tito.aclose()
 
 
