@@ -274,3 +274,17 @@ async def test_an_engine_that_expands_differently_fails_the_turn_loudly(
     assert reply.status_code == 502
     assert "serve the engine and tito from the same model directory" in reply.json()["error"]["message"]
     await tito.aclose()
+
+
+def test_a_sampled_placeholder_stops_the_conversation(vl_renderer):
+    """The engine would put the next image on a placeholder the model sampled: refused, not misread."""
+    state, capture = ChatState(), Capture("s")
+    first = [{"role": "user", "content": [image_part(png_data_url(56, 56)), {"type": "text", "text": "hi"}]}]
+    prompt = state.prompt_ids(vl_renderer, capture.tokens, first, None, capture.images)
+    capture.begin_turn(prompt.token_ids, prompt.images)
+    capture.add_sampled([10, vl_renderer.images.image_token_id], [-1.0, -1.0], [0, 0])
+    reply = {"role": "assistant", "content": "a"}
+    state.record(first, None, prompt, reply, [])
+    second = [*first, reply, {"role": "user", "content": [image_part(png_data_url(56, 56))]}]
+    with pytest.raises(ValueError, match="holds an image placeholder token the model sampled"):
+        state.prompt_ids(vl_renderer, capture.tokens, second, None, capture.images)

@@ -173,6 +173,7 @@ class ChatState:
             new = renderer.render(self.messages + new_messages, tools, add_generation_prompt=True)
             if new.startswith(old):
                 head = trace + self.closing
+                _check_no_stray_placeholder(renderer, head, trace_images)
                 tail = renderer.encode_with_images(new[len(old) :], new_messages, offset=len(head))
                 return Prompt(head + tail.token_ids, [*trace_images, *tail.images])
         text = renderer.render(messages, tools, add_generation_prompt=True)
@@ -192,6 +193,19 @@ class ChatState:
         self.tools_key = _tools_key(tools)
         self.closing = closing
         self.last_prompt = prompt
+
+
+def _check_no_stray_placeholder(renderer: ChatRenderer, ids: list[int], images: list[ImageSpan]) -> None:
+    """Refuse a trace holding an image placeholder outside its images: one the model sampled itself.
+    The engine, expanding placeholders as it finds them, would put the next image there."""
+    if renderer.images is None:
+        return
+    token = renderer.images.image_token_id
+    if ids.count(token) != sum(image.length for image in images):
+        raise ValueError(
+            "an earlier reply of this conversation holds an image placeholder token the model sampled; "
+            "the engine would read it as an image, so the conversation cannot continue: start a new one"
+        )
 
 
 def _tools_key(tools: list[dict] | None) -> str:
