@@ -173,3 +173,21 @@ def test_a_refit_reaches_the_vl_engine(tiny_vl_model_dir, vl_vllm_server, proces
         refit.update_weights([engine], refit.full_params(model), version=0)
         engine.close()
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("groups", "says"),
+    [
+        pytest.param({"actor": {"num_ranks": 2}}, "runs on one rank for now", id="two-ranks"),
+        pytest.param({"algo": {"advantage": {"estimator": "gae"}}}, "the gae critic does not load", id="gae"),
+    ],
+)
+def test_what_a_vision_language_policy_cannot_run_yet_is_refused(tiny_vl_model_dir, groups, says):
+    import msgspec
+
+    from molt._guards import check_model
+    from molt.config import Config, ConfigError
+
+    config = msgspec.convert(msgspec.to_builtins(Config()) | groups, Config)
+    with pytest.raises(ConfigError, match=says):
+        check_model(config, tiny_vl_model_dir)

@@ -32,6 +32,8 @@ def check_model(config: Config, model_dir: str | Path) -> None:
     """Refuse sizes that do not divide the model's heads or experts, and routing replay without experts."""
     path = Path(model_dir) / "config.json"
     model_config = json.loads(path.read_text())
+    if "vision_config" in model_config:
+        check_vision_language(config, model_dir)
     model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
     experts = num_experts(model_config)
     fsdp, vllm = config.fsdp, config.vllm
@@ -57,6 +59,23 @@ def check_model(config: Config, model_dir: str | Path) -> None:
         raise ConfigError(
             f"--vllm.tensor_parallel_size {tp} must divide the model's {heads} attention heads, and divide "
             f"or be a multiple of its {kv_heads} key-value heads (config.json of --model.path {model_dir})"
+        )
+
+
+def check_vision_language(config: Config, model_dir: str | Path) -> None:
+    """What a vision-language policy cannot run yet. Several actor ranks: FSDP2 ranks run every sharded
+    module in lock-step, and a micro-batch without images skips the vision tower, so a rank with images
+    and one without desynchronise their collectives (seen on gloo). The PPO critic: its value model
+    loads as a causal LM, which a vision-language model's config is not."""
+    if config.actor.num_ranks > 1:
+        raise ConfigError(
+            f"--model.path {model_dir} is a vision-language model, whose actor runs on one rank for now: "
+            f"--actor.num_ranks 1 (got {config.actor.num_ranks})"
+        )
+    if config.algo.advantage.estimator == "gae":
+        raise ConfigError(
+            f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
+            "pick an outcome estimator"
         )
 
 
