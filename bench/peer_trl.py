@@ -4,10 +4,13 @@ Both train the default recipe (`molt.recipes.copy_word`: reward 1 when the reply
 starts with `fox`) on one seeded tiny Qwen3 (`molt.tiny`, built once into a temporary directory with the
 seed `molt train` uses), with the same prompts per step, samples per group, response length, learning rate
 and number of steps, in one run of this script. Molt runs first, as `molt train` in a subprocess with its
-defaults otherwise (vLLM CPU engine, asynchronous pool); its numbers come from the run's metrics.jsonl. TRL
-runs second, in this process, with GRPOConfig set as close to molt's defaults as TRL allows (see
-BENCHMARKS.md for what still differs). TRL's reward function is the recipe's own `AgentRunner`, and its
-dataset is the recipe's rows in stream order, rendered with the model's chat template, not shuffled.
+defaults otherwise (vLLM CPU engine, asynchronous pool) except two flags that match TRL's setup: one
+micro-batch per step (`--actor.micro_batch_size`, TRL's one batch) and the agent in the trainer's
+process (`--agent.num_runners 0`, as TRL calls its reward function); its numbers come from the run's
+metrics.jsonl. TRL runs second, in this process, with GRPOConfig set as close to molt's defaults as
+TRL allows (see BENCHMARKS.md for what still differs). TRL's reward function is the recipe's own
+`AgentRunner`, and its dataset is the recipe's rows in stream order, rendered with the model's chat
+template, not shuffled.
 
 A step's wall time is the time between the ends of consecutive optimizer steps (rollouts, logprobs,
 update, weight sync and logging, whatever each trainer does inside a step); the first step is reported
@@ -67,7 +70,7 @@ def machine() -> str:
 
 
 def run_molt(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> Result:
-    """`molt train` on the shared model with the benchmark's sizes; every other flag at molt's default."""
+    """`molt train` on the shared model with the benchmark's sizes and TRL's batching (module docstring)."""
     molt = Path(sys.executable).parent / "molt"  # the entry point of this environment
     command = [
         str(molt), "train",
@@ -79,6 +82,8 @@ def run_molt(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> Result
         "--rollout.group_size", str(args.group_size),
         "--rollout.max_new_tokens", str(args.max_new_tokens),
         "--actor.lr", str(args.lr),
+        "--actor.micro_batch_size", str(args.prompts_per_step * args.group_size),  # TRL: one batch
+        "--agent.num_runners", "0",  # TRL scores in its own process
         "--logger.run_dir", str(run_dir),
     ]  # fmt: skip
     print("molt:", " ".join(command[1:]), flush=True)
