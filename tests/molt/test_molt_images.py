@@ -94,9 +94,7 @@ async def _two_image_turns(engine_url: str, model_dir) -> Segment:
     session, state = tito.new_session(), ChatState()
     messages = [image_message(64, 80, "what")]
     for turn in range(2):
-        prompt = state.prompt_ids(
-            tito.renderer, session.capture.tokens, messages, None, session.capture.images
-        )
+        prompt = state.prompt(tito.renderer, session.capture.tokens, messages, None, session.capture.images)
         out = await tito.generate(session, prompt.token_ids, images=prompt.images, max_tokens=5)
         while tito.renderer.images.image_token_id in out.token_ids:  # a random model may sample one
             out = await tito.generate(session, prompt.token_ids, images=prompt.images, max_tokens=5)

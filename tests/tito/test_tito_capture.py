@@ -93,7 +93,7 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
     """The engine sampled "fox" as three characters; the trace keeps them, never the canonical token."""
     capture, state = Capture("s"), ChatState()
     first = [{"role": "user", "content": "copy the word: fox"}]
-    prompt = state.prompt_ids(renderer, capture.tokens, first, None)
+    prompt = state.prompt(renderer, capture.tokens, first, None)
     capture.begin_turn(prompt.token_ids)
     sampled = tokenizer.convert_tokens_to_ids(["f", "o", "x"]) + [tokenizer.eos_token_id]
     assert tokenizer(["fox"], add_special_tokens=False)["input_ids"][0] != sampled[:3]
@@ -102,7 +102,7 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
     state.record(first, None, prompt, reply, renderer.closing_ids(sampled))
 
     second = [*first, reply, {"role": "user", "content": "again"}]
-    prompt2 = state.prompt_ids(renderer, capture.tokens, second, None).token_ids
+    prompt2 = state.prompt(renderer, capture.tokens, second, None).token_ids
     assert prompt2[: len(capture.tokens)] == capture.tokens
     appended = tokenizer.decode(prompt2[len(capture.tokens) :])
     assert appended == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
@@ -115,7 +115,7 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
 def test_a_rewritten_history_renders_afresh(renderer):
     capture, state = Capture("s"), ChatState()
     messages = [{"role": "user", "content": "copy the word: fox"}]
-    prompt = state.prompt_ids(renderer, capture.tokens, messages, None)
+    prompt = state.prompt(renderer, capture.tokens, messages, None)
     state.record(messages, None, prompt, {"role": "assistant", "content": "fox"}, [])
     compacted = [
         {"role": "user", "content": "summary"},
@@ -123,13 +123,13 @@ def test_a_rewritten_history_renders_afresh(renderer):
         {"role": "user", "content": "go"},
     ]
     fresh = renderer.encode(renderer.render(compacted, None, add_generation_prompt=True))
-    assert state.prompt_ids(renderer, [1, 2, 3], compacted, None).token_ids == fresh
+    assert state.prompt(renderer, [1, 2, 3], compacted, None).token_ids == fresh
 
 
 def test_tool_call_arguments_as_string_or_object_count_as_the_same_turn(renderer):
     capture, state = Capture("s"), ChatState()
     messages = [{"role": "user", "content": "add"}]
-    prompt = state.prompt_ids(renderer, capture.tokens, messages, None)
+    prompt = state.prompt(renderer, capture.tokens, messages, None)
     call = {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 1}}}
     state.record(messages, None, prompt, {"role": "assistant", "content": "", "tool_calls": [call]}, [5])
     echoed = {**call, "function": {"name": "add", "arguments": '{"a":1}'}}
@@ -139,7 +139,7 @@ def test_tool_call_arguments_as_string_or_object_count_as_the_same_turn(renderer
         {"role": "tool", "content": "2", "tool_call_id": "c1"},
     ]
     trace = [9, 9, 9]
-    assert state.prompt_ids(renderer, trace, follow, None).token_ids[:4] == [9, 9, 9, 5]
+    assert state.prompt(renderer, trace, follow, None).token_ids[:4] == [9, 9, 9, 5]
 
 
 @pytest.mark.parametrize(

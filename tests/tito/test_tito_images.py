@@ -126,7 +126,7 @@ def test_expansion_equals_the_processor_applied_to_the_whole_conversation(vl_ren
         {"role": "assistant", "content": "red"},
         {"role": "user", "content": [{"type": "text", "text": "and"}, image_part(urls[1])]},
     ]
-    prompt = ChatState().prompt_ids(vl_renderer, [], messages, None)
+    prompt = ChatState().prompt(vl_renderer, [], messages, None)
     text = vl_renderer.render(messages, None, add_generation_prompt=True)
     images = [Image.open(io.BytesIO(load_image(url).data)).convert("RGB") for url in urls]
     reference = processor(text=[text], images=images)
@@ -151,13 +151,13 @@ def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
 def test_a_continuation_appends_new_images_after_the_trace(vl_renderer):
     state, capture = ChatState(), Capture("s")
     first = [{"role": "user", "content": [image_part(png_data_url(56, 56)), {"type": "text", "text": "hi"}]}]
-    prompt = state.prompt_ids(vl_renderer, capture.tokens, first, None, capture.images)
+    prompt = state.prompt(vl_renderer, capture.tokens, first, None, capture.images)
     capture.begin_turn(prompt.token_ids, prompt.images)
     capture.add_sampled([10, 11], [-1.0, -1.0], [0, 0])
     reply = {"role": "assistant", "content": "ab"}
     state.record(first, None, prompt, reply, [])
     second = [*first, reply, {"role": "user", "content": [image_part(png_data_url(112, 112))]}]
-    prompt2 = state.prompt_ids(vl_renderer, capture.tokens, second, None, capture.images)
+    prompt2 = state.prompt(vl_renderer, capture.tokens, second, None, capture.images)
     assert prompt2.token_ids[: len(capture.tokens)] == capture.tokens
     assert prompt2.images[0] == prompt.images[0]
     assert prompt2.images[1].offset > len(capture.tokens) and prompt2.images[1].length == 16
@@ -208,7 +208,7 @@ def test_the_same_tokens_with_another_image_open_a_new_segment():
 )
 def test_images_the_renderer_refuses(vl_renderer, messages, says):
     with pytest.raises(ValueError, match=says):
-        ChatState().prompt_ids(vl_renderer, [], messages, None)
+        ChatState().prompt(vl_renderer, [], messages, None)
 
 
 async def test_openai_and_anthropic_images_reach_the_engine_once_and_the_trajectory(
@@ -280,11 +280,11 @@ def test_a_sampled_placeholder_stops_the_conversation(vl_renderer):
     """The engine would put the next image on a placeholder the model sampled: refused, not misread."""
     state, capture = ChatState(), Capture("s")
     first = [{"role": "user", "content": [image_part(png_data_url(56, 56)), {"type": "text", "text": "hi"}]}]
-    prompt = state.prompt_ids(vl_renderer, capture.tokens, first, None, capture.images)
+    prompt = state.prompt(vl_renderer, capture.tokens, first, None, capture.images)
     capture.begin_turn(prompt.token_ids, prompt.images)
     capture.add_sampled([10, vl_renderer.images.image_token_id], [-1.0, -1.0], [0, 0])
     reply = {"role": "assistant", "content": "a"}
     state.record(first, None, prompt, reply, [])
     second = [*first, reply, {"role": "user", "content": [image_part(png_data_url(56, 56))]}]
     with pytest.raises(ValueError, match="holds an image placeholder token the model sampled"):
-        state.prompt_ids(vl_renderer, capture.tokens, second, None, capture.images)
+        state.prompt(vl_renderer, capture.tokens, second, None, capture.images)

@@ -180,7 +180,7 @@ class RolloutRunner:
         (`--data.apply_chat_template false`: the observation is rendered text, tokenized as it is)."""
         capture = session.capture
         if self.config.data.apply_chat_template:
-            return session.chat.prompt_ids(self.renderer, capture.tokens, messages, tools, capture.images)
+            return session.chat.prompt(self.renderer, capture.tokens, messages, tools, capture.images)
         if not isinstance(observation, str):
             raise ValueError("with --data.apply_chat_template false an Env observation must be rendered text")
         closing = session.chat.closing if capture.tokens else []

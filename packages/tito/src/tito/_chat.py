@@ -151,7 +151,7 @@ class ChatState:
     closing: list[int] = field(default_factory=list)
     last_prompt: Prompt = field(default_factory=lambda: Prompt([]))
 
-    def prompt_ids(
+    def prompt(
         self,
         renderer: ChatRenderer,
         trace: list[int],

@@ -45,7 +45,7 @@ class ChatTurn:
             raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
         try:
             capture = self.session.capture
-            self.prompt = self.session.chat.prompt_ids(
+            self.prompt = self.session.chat.prompt(
                 self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images
             )
             params = await self.tito.sampling(self.session, len(self.prompt.token_ids), **sampling)
