@@ -121,9 +121,34 @@ class PolicyWorker:
         # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
         # A vision-language policy also gets the rows' images (`TrainBatch.model_inputs`).
         tokens_BT = mb.tokens_BT.to(self.device)
-        logits_BTV = self.model(input_ids=tokens_BT, use_cache=False, **mb.model_inputs(self.device)).logits
+        images = mb.model_inputs(self.device)
+        if mb.images and not images and dist.get_world_size() > 1:
+            tokens_BT, images = self._blank_image_column(tokens_BT)
+        logits_BTV = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
-        return logits_BTV.full_tensor() if isinstance(logits_BTV, DTensor) else logits_BTV
+        logits_BTV = logits_BTV.full_tensor() if isinstance(logits_BTV, DTensor) else logits_BTV
+        return logits_BTV[:, : mb.tokens_BT.shape[1]]  # a blank image's column, if any, dropped
+
+    def _blank_image_column(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A micro-batch without images, in a batch with some, on several ranks: FSDP2 ranks run every
+        sharded module in lock-step (each forward all-gathers its weights, each backward reduce-scatters
+        its gradients), so this forward must run the vision tower too, at the same point. One blank image
+        of one merged token goes in an extra last column of row 0, where causal attention hides it from
+        every real token; its logits are dropped, so the gradients it sends back are zeros."""
+        vision = self.model.config.vision_config  # Qwen-VL: a patch is channels x frames x pixels^2
+        merge = vision.spatial_merge_size
+        num_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        extra_B1 = tokens_BT[:, -1:].clone()
+        extra_B1[0, 0] = self.model.config.image_token_id
+        token_type_BT = torch.zeros_like(tokens_BT)
+        token_type_B1 = torch.zeros_like(extra_B1)
+        token_type_B1[0, 0] = 1
+        images = {
+            "pixel_values": torch.zeros(merge * merge, num_values, device=self.device),
+            "image_grid_thw": torch.tensor([[1, merge, merge]], device=self.device),
+            "mm_token_type_ids": torch.cat([token_type_BT, token_type_B1], dim=1),
+        }
+        return torch.cat([tokens_BT, extra_B1], dim=1), images
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:

@@ -63,14 +63,13 @@ def check_model(config: Config, model_dir: str | Path) -> None:
 
 
 def check_vision_language(config: Config, model_dir: str | Path) -> None:
-    """What a vision-language policy cannot run yet. Several actor ranks: FSDP2 ranks run every sharded
-    module in lock-step, and a micro-batch without images skips the vision tower, so a rank with images
-    and one without desynchronise their collectives (seen on gloo). The PPO critic: its value model
-    loads as a causal LM, which a vision-language model's config is not."""
-    if config.actor.num_ranks > 1:
+    """What a vision-language policy cannot run yet: tensor and context parallelism (untested with a
+    vision tower), and the PPO critic (its value model loads as a causal LM, which a vision-language
+    model's config is not). Data parallelism works (`PolicyWorker._blank_image_column`)."""
+    if config.fsdp.tp_size > 1 or config.fsdp.cp_size > 1:
         raise ConfigError(
-            f"--model.path {model_dir} is a vision-language model, whose actor runs on one rank for now: "
-            f"--actor.num_ranks 1 (got {config.actor.num_ranks})"
+            f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
+            f"now: --fsdp.tp_size 1 --fsdp.cp_size 1 (got {config.fsdp.tp_size}, {config.fsdp.cp_size})"
         )
     if config.algo.advantage.estimator == "gae":
         raise ConfigError(
