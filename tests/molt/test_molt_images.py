@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import io
 
 import numpy as np
@@ -191,51 +190,3 @@ def test_what_a_vision_language_policy_cannot_run_yet_is_refused(tiny_vl_model_d
     with pytest.raises(ConfigError, match=says):
         check_model(config, tiny_vl_model_dir)
 
-
-@pytest.mark.slow
-def test_two_ranks_keep_in_step_on_a_vl_batch(tiny_vl_model_dir, processor):
-    """Rows [image, image, text] on two ranks, one row per micro-batch: rank 0 runs the vision tower
-    twice, rank 1 gets a text row and a padding row, which run it on a blank image in a hidden column
-    (`PolicyWorker._blank_image_column`): FSDP2's collectives stay in lock-step (without it the ranks'
-    gloo collectives mismatched and a rank died), the logprobs are transformers', and the step equals
-    one rank's over the same batch."""
-    import msgspec
-    import ray
-    from transformers import AutoModelForImageTextToText
-
-    from molt._actor import PolicyGroup
-    from molt._batch import shifted_logprobs
-    from molt.config import Config
-
-    pad = processor.image_token_id
-    rows = [([1, 20, pad, pad, pad, pad, 21, 30, 31], [0] * 7 + [1, 1], [0.0] * 7 + [-4.0, -4.0], 1.0),
-            ([1, pad, pad, pad, pad, 22, 32], [0] * 6 + [1], [0.0] * 6 + [-4.0], -1.0),
-            ([1, 23, 24, 33, 34], [0, 0, 0, 1, 1], [0.0] * 3 + [-4.0, -4.0], 0.5)]  # fmt: skip
-    batch = with_images(collate(rows, pad_id=0), [[_span(2, 4)], [_span(1, 4, 70, 56)], []], processor)
-    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch.tokens_BT, **batch.model_inputs(torch.device("cpu"))).logits
-    expected_BT = shifted_logprobs(logits, batch.tokens_BT, temperature=1.0)
-
-    def config(micro_batch_size: int) -> Config:
-        actor = msgspec.structs.replace(Config().actor, micro_batch_size=micro_batch_size)
-        return msgspec.structs.replace(Config(), actor=actor)
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        one, two = PolicyGroup(tiny_vl_model_dir, config(8), 1), PolicyGroup(tiny_vl_model_dir, config(1), 2)
-        mask_BT = batch.loss_mask_BT > 0
-        logp_BT = two.logprobs(batch)
-        torch.testing.assert_close(logp_BT[mask_BT], expected_BT[mask_BT], atol=1e-5, rtol=0)
-        batch = dataclasses.replace(batch, rollout_logp_BT=logp_BT * batch.loss_mask_BT)
-        metrics_one, metrics_two = one.train_step(batch), two.train_step(batch)
-        assert metrics_two["train/grad_norm"] > 0
-        for key, value in metrics_one.items():  # the blank image's zero gradients change nothing
-            assert metrics_two[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-        after_one, after_two = one.full_state(), two.full_state()
-        for name, tensor in after_one.items():
-            torch.testing.assert_close(after_two[name], tensor, atol=1e-5, rtol=0, msg=name)
-        visual = "model.visual.patch_embed.proj.weight"
-        assert not torch.equal(after_two[visual], model.model.visual.patch_embed.proj.weight)
-    finally:
-        ray.shutdown()
