@@ -190,3 +190,27 @@ def test_what_a_vision_language_policy_cannot_run_yet_is_refused(tiny_vl_model_d
     with pytest.raises(ConfigError, match=says):
         check_model(config, tiny_vl_model_dir)
 
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, as meant
+def test_export_writes_a_vl_checkpoint_with_its_processor(tiny_vl_model_dir, tmp_path):
+    """A checkpoint of a VL policy exports as a directory transformers loads as that model, processor
+    included (what a later run, or vLLM, serves)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from molt._checkpoint import export
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model_dir, dtype=torch.float32)
+    checkpoint = tmp_path / "step_000001"
+    (checkpoint / "model").mkdir(parents=True)
+    for item in tiny_vl_model_dir.iterdir():  # as a checkpoint copies them: config and tokenizer files
+        if item.suffix in {".json", ".jinja"}:
+            shutil.copy2(item, checkpoint / "model" / item.name)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(checkpoint / "actor"), no_dist=True)
+    out = export(checkpoint, tmp_path / "exported")
+    exported = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+    assert AutoProcessor.from_pretrained(out).image_token == "<|image_pad|>"

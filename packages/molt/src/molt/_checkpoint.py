@@ -100,9 +100,16 @@ def restore_rng(state: LoopState) -> None:
 
 def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     """`molt export`: a checkpoint's policy weights as a Hugging Face directory (safetensors, config,
-    tokenizer) that transformers and vLLM load. Runs in one process, with no process group."""
+    tokenizer, and a vision-language model's processor) that transformers and vLLM load. Runs in one
+    process, with no process group."""
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoProcessor,
+        AutoTokenizer,
+    )
 
     checkpoint = Path(checkpoint)
     if (checkpoint / LATEST).is_file():  # a run's checkpoint directory: take its newest
@@ -110,7 +117,9 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if not (checkpoint / "actor").is_dir() or not (checkpoint / "model" / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a molt checkpoint (no actor/ and model/config.json)")
     config = AutoConfig.from_pretrained(checkpoint / "model")
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+    vision = hasattr(config, "vision_config")  # loaded as the actor loads it (`molt._sharding.load_model`)
+    loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    model = loader.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -118,5 +127,6 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     model.load_state_dict(state["model"])
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
+    preprocessing = AutoProcessor if vision else AutoTokenizer
+    preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
     return out_dir
