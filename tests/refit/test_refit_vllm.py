@@ -82,7 +82,7 @@ def test_mismatch_is_refused_before_any_engine_is_touched(refit_servers, tiny_mo
     server = refit_servers.serve(tiny_model_dir)
     engine = refit.Engine(server.url)
     asked, ask = [], engine._rpc
-    engine._rpc = lambda method: asked.append(method) or ask(method)
+    engine._rpc = lambda method, **kwargs: asked.append(method) or ask(method, **kwargs)
     version = engine.weight_version()
     wrong_shape = weight_set(tmp_path, 31, hidden_size=32)
     with pytest.raises(ValueError, match="shape mismatch.*model.embed_tokens.weight"):

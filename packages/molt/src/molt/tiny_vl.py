@@ -44,7 +44,6 @@ def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, hidden_size: int 
     `AutoModelForImageTextToText` and `AutoProcessor`, and is what vLLM serves.
     """
     import torch
-    from safetensors.torch import save_file
     from transformers import (
         GenerationConfig,
         Qwen2VLConfig,
@@ -95,10 +94,8 @@ def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, hidden_size: int 
     model.generation_config = GenerationConfig(
         eos_token_id=text["eos_token_id"], pad_token_id=text["pad_token_id"]
     )
+    # transformers writes Qwen2-VL's legacy tensor names ("model.layers...", "visual..."), as the
+    # published checkpoints have them; a refit sends the module's names and the engine maps both alike.
     model.save_pretrained(out)
-    # transformers writes Qwen2-VL's legacy tensor names ("model.layers...", "visual..."); rewrite the
-    # weights under the module's own names ("model.language_model...", "model.visual..."), which
-    # transformers and vLLM both load, so that a refit's names (the module's) match the checkpoint's.
-    save_file(model.state_dict(), out / "model.safetensors", metadata={"format": "pt"})
     processor.save_pretrained(out)
     return out

@@ -113,16 +113,17 @@ class Engine:
     def world_size(self) -> int:
         return int(self._call("GET", "/get_world_size").json()["world_size"])
 
-    def _rpc(self, method: str) -> list:
-        return self._call("POST", "/collective_rpc", json={"method": method}).json()["results"]
+    def _rpc(self, method: str, **kwargs: str) -> list:
+        body = {"method": method, "kwargs": kwargs}
+        return self._call("POST", "/collective_rpc", json=body).json()["results"]
 
-    def checkpoint_specs(self) -> list[ParamSpec]:
-        """Names and full shapes of the checkpoint the engine loaded (what a refit must send). Asked
-        once: a server never changes the checkpoint it loaded, so later refits skip the round trip."""
+    def checkpoint_specs(self, names: list[str] = ()) -> list[ParamSpec]:
+        """Names and full shapes of the checkpoint the engine loaded (what a refit must send), a name
+        spelt as in `names` (the trainer's) where the engine loads both spellings into one parameter.
+        Asked once: a server never changes the checkpoint it loaded, so later refits skip the round trip."""
         if self._checkpoint_specs is None:
-            self._checkpoint_specs = [
-                ParamSpec.from_json(item) for item in self._rpc("refit_checkpoint_specs")[0]
-            ]
+            reply = self._rpc("refit_checkpoint_specs", trainer_names=json.dumps(list(names)))
+            self._checkpoint_specs = [ParamSpec.from_json(item) for item in reply[0]]
         return self._checkpoint_specs
 
     def worker_timings(self) -> list[dict]:

@@ -157,7 +157,9 @@ class _Run:
     def check(self, specs: list[ParamSpec]) -> str | None:
         """Compare `specs` with each engine's checkpoint (read-only); the first mismatch refuses the refit."""
         for engine, expected in zip(
-            list(self.live), self.phase("check", Engine.checkpoint_specs), strict=True
+            list(self.live),
+            self.phase("check", lambda e: e.checkpoint_specs([s.name for s in specs])),
+            strict=True,
         ):
             if expected is not None and (problem := _mismatch(expected, specs)):
                 return f"refit refused, the parameters do not match {engine.url}'s checkpoint: {problem}"

@@ -23,6 +23,7 @@ only `embed_tokens`, so the CPU build's packed copy of a tied `lm_head` is rebui
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import threading
 import time
@@ -205,11 +206,36 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def _in_trainer_names(specs: list[list], trainer_names: list[str], mapper) -> list[list]:
+    """The checkpoint's specs with each name the trainer spells differently replaced by the trainer's
+    spelling, where vLLM's own name mapper (`hf_to_vllm_mapper`) takes both to the same parameter: a
+    checkpoint written with a model's legacy names (Qwen2-VL's "model.layers...", "visual...") and a
+    trainer sending transformers' module names ("model.language_model...", "model.visual...") load the
+    same weights. Only names without a match are translated, and only to a single trainer name that
+    ends alike (a mapper may stack q/k/v projections into one parameter)."""
+    checkpoint_names = {name for name, _, _ in specs}
+    unmatched: dict[str | None, list[str]] = {}
+    for name in trainer_names:
+        if name not in checkpoint_names:
+            unmatched.setdefault(mapper.map_name(name), []).append(name)
+    translated = []
+    for name, dtype, shape in specs:
+        ending = name.split(".")[-2:]
+        alike = [t for t in unmatched.get(mapper.map_name(name), []) if t.split(".")[-2:] == ending]
+        translated.append([alike[0] if len(alike) == 1 else name, dtype, shape])
+    return translated
+
+
 class RefitWorkerExtension:
     """Mixed into vLLM's worker class; its methods are reachable through `/collective_rpc`."""
 
-    def refit_checkpoint_specs(self) -> list[list]:
-        return _checkpoint_specs(self.vllm_config.model_config.model)
+    def refit_checkpoint_specs(self, trainer_names: str = "[]") -> list[list]:
+        """The checkpoint's names, dtypes and shapes, in the trainer's spelling where vLLM maps both
+        spellings alike (`trainer_names`: a JSON list; `/collective_rpc` passes strings only)."""
+        specs = _checkpoint_specs(self.vllm_config.model_config.model)
+        mapper = getattr(self.model_runner.get_model(), "hf_to_vllm_mapper", None)
+        names = json.loads(trainer_names)
+        return _in_trainer_names(specs, names, mapper) if mapper is not None and names else specs
 
     def refit_last_timings(self) -> dict[str, float]:
         return dict(getattr(self.weight_transfer_engine, "last_timings", {}))
