@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-from refit.vllm_worker import _in_trainer_names
+from refit._names import in_trainer_names
 
 
-def test_legacy_checkpoint_names_are_matched_through_vllms_mapper():
-    from vllm.model_executor.models.utils import WeightsMapper
+class PrefixMapper:
+    """What vLLM's Qwen2-VL `hf_to_vllm_mapper` does to these names (vLLM itself is not imported here):
+    module names and legacy names reach the same parameter, and q/k/v projections stack into one."""
 
-    # Qwen2-VL's mapper in vLLM: module names and legacy names reach the same parameter; q/k/v stack.
-    mapper = WeightsMapper(
-        orig_to_new_prefix={
-            "model.language_model.": "language_model.model.",
-            "model.visual.": "visual.",
-            "lm_head.": "language_model.lm_head.",
-            "model.": "language_model.model.",
-        },
-        orig_to_new_stacked={".q_proj": (".qkv", "q"), ".k_proj": (".qkv", "k")},
-    )
+    PREFIXES = {"model.language_model.": "language_model.model.", "model.visual.": "visual.",
+                "lm_head.": "language_model.lm_head.", "model.": "language_model.model."}  # fmt: skip
+
+    def map_name(self, name: str) -> str:
+        for old, new in self.PREFIXES.items():
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        return name.replace(".q_proj", ".qkv").replace(".k_proj", ".qkv")
+
+
+def test_legacy_checkpoint_names_are_matched_through_the_engines_mapper():
+    mapper = PrefixMapper()
     checkpoint = [["model.layers.0.self_attn.q_proj.weight", "float32", [4, 4]],
                   ["model.layers.0.self_attn.k_proj.weight", "float32", [2, 4]],
                   ["visual.blocks.0.norm1.weight", "float32", [4]],
@@ -26,6 +30,6 @@ def test_legacy_checkpoint_names_are_matched_through_vllms_mapper():
     trainer = ["model.language_model.layers.0.self_attn.q_proj.weight",
                "model.language_model.layers.0.self_attn.k_proj.weight",
                "model.visual.blocks.0.norm1.weight", "lm_head.weight"]  # fmt: skip
-    translated = _in_trainer_names(checkpoint, trainer, mapper)
+    translated = in_trainer_names(checkpoint, trainer, mapper)
     assert [name for name, _, _ in translated] == [*trainer, "model.unused.weight"]
     assert [spec[1:] for spec in translated] == [spec[1:] for spec in checkpoint]

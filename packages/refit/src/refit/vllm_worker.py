@@ -42,6 +42,7 @@ from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
 from refit._engine import GLOO_BACKEND
+from refit._names import in_trainer_names
 from refit._transport import ABORT, broadcast, join_gloo_group
 
 __all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension"]
@@ -206,26 +207,6 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _in_trainer_names(specs: list[list], trainer_names: list[str], mapper) -> list[list]:
-    """The checkpoint's specs with each name the trainer spells differently replaced by the trainer's
-    spelling, where vLLM's own name mapper (`hf_to_vllm_mapper`) takes both to the same parameter: a
-    checkpoint written with a model's legacy names (Qwen2-VL's "model.layers...", "visual...") and a
-    trainer sending transformers' module names ("model.language_model...", "model.visual...") load the
-    same weights. Only names without a match are translated, and only to a single trainer name that
-    ends alike (a mapper may stack q/k/v projections into one parameter)."""
-    checkpoint_names = {name for name, _, _ in specs}
-    unmatched: dict[str | None, list[str]] = {}
-    for name in trainer_names:
-        if name not in checkpoint_names:
-            unmatched.setdefault(mapper.map_name(name), []).append(name)
-    translated = []
-    for name, dtype, shape in specs:
-        ending = name.split(".")[-2:]
-        alike = [t for t in unmatched.get(mapper.map_name(name), []) if t.split(".")[-2:] == ending]
-        translated.append([alike[0] if len(alike) == 1 else name, dtype, shape])
-    return translated
-
-
 class RefitWorkerExtension:
     """Mixed into vLLM's worker class; its methods are reachable through `/collective_rpc`."""
 
@@ -235,7 +216,7 @@ class RefitWorkerExtension:
         specs = _checkpoint_specs(self.vllm_config.model_config.model)
         mapper = getattr(self.model_runner.get_model(), "hf_to_vllm_mapper", None)
         names = json.loads(trainer_names)
-        return _in_trainer_names(specs, names, mapper) if mapper is not None and names else specs
+        return in_trainer_names(specs, names, mapper) if mapper is not None and names else specs
 
     def refit_last_timings(self) -> dict[str, float]:
         return dict(getattr(self.weight_transfer_engine, "last_timings", {}))
