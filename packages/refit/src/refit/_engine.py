@@ -16,7 +16,7 @@ import threading
 from functools import partial
 
 from refit._buckets import ParamSpec
-from refit._transport import GlooChannel, NcclChannel, join_gloo_group
+from refit._transport import GlooChannel, NcclChannel, host_store, join_gloo_group
 
 __all__ = ["Engine", "EngineCallError", "GLOO_BACKEND", "NCCL_BACKEND", "engine_flags"]
 
@@ -142,9 +142,10 @@ class Engine:
                 "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2,
             }  # fmt: skip
             opener = partial(NcclChannel, host, port, world_size)
-        else:
-            init_info = {"host": host, "port": port, "world_size": world_size, "timeout_s": self.timeout_s}
-            opener = partial(_open_gloo, host, port, world_size, self.timeout_s)
+        else:  # the trainer's store listens before the engine is told its port
+            store, timeout_s = host_store(host, self.timeout_s), self.timeout_s
+            init_info = {"host": host, "port": store.port, "world_size": world_size, "timeout_s": timeout_s}
+            opener = partial(_open_gloo, host, store.port, world_size, timeout_s, store)
         init = partial(self._call, "POST", "/init_weight_transfer_engine", json={"init_info": init_info})
         self.channel = _rendezvous(opener, init)
         self.bucket_bytes = bucket_bytes
@@ -195,5 +196,5 @@ def _rendezvous(open_trainer_end, init_engine_end):
     return result["channel"]
 
 
-def _open_gloo(host: str, port: int, world_size: int, timeout_s: float) -> GlooChannel:
-    return GlooChannel(join_gloo_group(host, port, 0, world_size, timeout_s))
+def _open_gloo(host: str, port: int, world_size: int, timeout_s: float, store) -> GlooChannel:
+    return GlooChannel(join_gloo_group(host, port, 0, world_size, timeout_s, store))

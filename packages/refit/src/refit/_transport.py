@@ -24,12 +24,21 @@ __all__ = ["join_gloo_group", "GlooChannel", "NcclChannel", "ABORT"]
 ABORT = -1  # header value that tells a gloo engine to roll back
 
 
-def join_gloo_group(
-    host: str, port: int, rank: int, world_size: int, timeout_s: float
-) -> dist.ProcessGroupGloo:
-    """Join (rank 0: host) a gloo group of `world_size` ranks through a TCPStore at host:port."""
+def host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's TCPStore, listening on a port the OS picks (`.port`): no window between choosing a free
+    port and binding it in which another process could take it."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+
+
+def join_gloo_group(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, store: dist.TCPStore | None = None
+) -> dist.ProcessGroupGloo:
+    """Join (rank 0: host) a gloo group of `world_size` ranks through a TCPStore at host:port (rank 0 may
+    pass the one it already holds, from `host_store`)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     return dist.ProcessGroupGloo(dist.PrefixStore("refit", store), rank, world_size, timeout)
 
 
