@@ -6,22 +6,15 @@ so it runs on a GPU machine that has AutoModel but neither Ray nor vLLM.
 
 from __future__ import annotations
 
-import socket
-
 import msgspec
 import pytest
 import torch
 
 from molt._batch import collate
 from molt.config import Actor, Config, Rollout
+from molt.vllm_server import free_port
 
 pytestmark = pytest.mark.gpu
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir):

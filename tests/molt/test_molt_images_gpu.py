@@ -7,22 +7,15 @@ that has AutoModel but neither Ray nor vLLM.
 
 from __future__ import annotations
 
-import socket
-
 import msgspec
 import pytest
 import torch
 
 from molt._batch import RowImages, collate
 from molt.config import Actor, Config, Rollout
+from molt.vllm_server import free_port
 
 pytestmark = pytest.mark.gpu
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_automodel_vl_worker_on_cuda_matches_transformers_and_trains(tiny_vl_model_dir):

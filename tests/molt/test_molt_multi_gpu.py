@@ -19,7 +19,6 @@ Legend: B sequences, T tokens.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import msgspec
@@ -29,6 +28,7 @@ import torch.multiprocessing as mp
 
 from molt._batch import collate
 from molt.config import FSDP, Actor, Config, Model
+from molt.vllm_server import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,12 +41,6 @@ LR = 1e-2  # large against bf16's spacing, so a rounded update still moves every
 LAYOUTS = {"one_gpu": (1, 1), "dp2": (2, 1), "dp2_ep2": (2, 2)}  # name -> (GPUs, ep_size)
 # dtype -> (metric rtol, min update cosine, max sign disagreement, logprob drift / step change)
 TOLERANCE = {"float32": (1e-4, 0.999, 1e-4, 1e-3), "bfloat16": (2e-2, 0.95, 0.03, 0.1)}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_tiny_moe(out_dir: Path, dtype: str) -> Path:
@@ -119,7 +113,7 @@ def _run_layout(model_dir: Path, dtype: str, num_gpus: int, ep_size: int, out: P
     """Start one process per GPU, each seeing only its own GPU; return rank 0's result with the
     logprobs of the whole batch (shards rejoined in row order)."""
     out.mkdir()
-    port, context = _free_port(), mp.get_context("spawn")
+    port, context = free_port(), mp.get_context("spawn")
     processes, visible = [], os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         for rank in range(num_gpus):

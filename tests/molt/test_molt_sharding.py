@@ -7,8 +7,6 @@ Legend: B sequences, T tokens.
 
 from __future__ import annotations
 
-import socket
-
 import msgspec
 import pytest
 import torch
@@ -16,6 +14,7 @@ import torch
 from molt._batch import collate
 from molt._sharding import compute_dtype
 from molt.config import Actor, Config, Model
+from molt.vllm_server import free_port
 
 # Importing AutoModel in this process: megatron_fsdp warns that neither Transformer Engine nor Apex is
 # installed, and some module of it still uses torch.jit.script_method.
@@ -89,12 +88,6 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_one_rank_keeps_float32_weights_and_computes_in_bf16(tiny_model_dir, monkeypatch):
     from torch.distributed.fsdp import FSDPModule
     from transformers import AutoModelForCausalLM
@@ -105,9 +98,7 @@ def test_one_rank_keeps_float32_weights_and_computes_in_bf16(tiny_model_dir, mon
     rows = [([1, 5, 9, 11, 12, 7], [0, 0, 0, 1, 1, 1], [-4.0] * 6, 1.0),
             ([1, 6, 7, 13, 8, 9], [0, 0, 1, 1, 1, 1], [-4.0] * 6, -1.0)]  # fmt: skip
     batch = collate(rows, pad_id=0)
-    worker = PolicyWorker(
-        0, 1, "127.0.0.1", _free_port(), str(tiny_model_dir), _config("float32", "bfloat16")
-    )
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), _config("float32", "bfloat16"))
     try:
         assert isinstance(worker.model, FSDPModule)  # AutoModel leaves one rank unsharded: molt shards it
         before = {name: _full(p).clone() for name, p in worker.model.named_parameters()}
