@@ -133,9 +133,9 @@ class Engine:
     # --- the byte pipe ---
     def connect(self, bucket_bytes: int) -> None:
         """Open this engine's transfer group (trainer = rank 0, its workers = 1..N)."""
-        host, port = self.trainer_host, _free_port(self.trainer_host)
-        world_size = 1 + self.world_size()
-        if self.backend == NCCL_BACKEND:
+        host, world_size = self.trainer_host, 1 + self.world_size()
+        if self.backend == NCCL_BACKEND:  # vLLM's NCCL group binds the port itself: find a free one
+            port = _free_port(host)
             init_info = {
                 "master_address": host, "master_port": port, "rank_offset": 1,
                 "world_size": world_size, "packed": True,
