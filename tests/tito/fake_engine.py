@@ -8,8 +8,11 @@ and logprobs per chunk, weight-version spans over the whole output in the last c
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -24,6 +27,7 @@ class FakeEngine:
         self.prompts: list[list[int]] = []  # every prompt received
         self.requests: list[dict] = []  # every request body received
         self.prompt_fields = None  # body -> top-level reply fields for a prompt with images (expansion)
+        self.route_shape: tuple[int, int] | None = None  # (layers, top_k): reply with MoE routes
         self.app = self._build()
 
     def reply_for(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -31,6 +35,18 @@ class FakeEngine:
         if len(tokens) > max_tokens:
             return tokens[:max_tokens], "length"
         return tokens, "stop"
+
+    def routes(self, tokens: list[int], start: int) -> str:
+        """vLLM's `routed_experts` for a request whose whole trace is `tokens`, from token `start`: the
+        expert of (token, position, layer, slot) is a fixed function of them, as a prefix-cached engine's
+        is of the cached tokens."""
+        layers, top_k = self.route_shape
+        token_T = np.array(tokens[start:-1])[:, None, None]
+        position_T = np.arange(start, len(tokens) - 1)[:, None, None]
+        experts = (token_T * 7 + position_T * 3 + np.arange(layers)[:, None] * 5 + np.arange(top_k)) % 64
+        buffer = io.BytesIO()
+        np.save(buffer, experts.astype(np.uint8))
+        return base64.b64encode(buffer.getvalue()).decode()
 
     def _build(self) -> FastAPI:
         app = FastAPI()
@@ -51,6 +67,8 @@ class FakeEngine:
             tokens, finish = self.reply_for(body["token_ids"], body["sampling_params"].get("max_tokens", 16))
             spans = [{"version": self.version, "start": 0, "end": len(tokens)}]
             stop = self.eos_id if finish == "stop" else None
+            start = body["sampling_params"].get("routed_experts_prompt_start", 0)
+            routes = self.routes(body["token_ids"] + tokens, start) if self.route_shape else None
 
             def choice(ids, last):
                 return {
@@ -60,6 +78,7 @@ class FakeEngine:
                     "finish_reason": finish if last else None,
                     "stop_reason": stop if last else None,
                     "weight_versions": spans if last else None,
+                    "routed_experts": routes if last else None,
                 }
 
             extra = self.prompt_fields(body) if body.get("content_parts") and self.prompt_fields else {}

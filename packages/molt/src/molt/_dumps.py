@@ -4,7 +4,8 @@ One file per optimizer step, `step_000001.jsonl`, ..., each line a `RolloutRecor
 it, its group (the dataset row's index in the prompt stream) and its sample index in the group, the
 reward, what the agent logged in `info`, whether the last turn hit the token limit, and the token-exact
 trajectory (tito's segments: token ids, loss mask, engine logprobs, weight versions per token, and for
-a vision-language policy the images on their placeholder tokens, as data URLs). The decoded text is
+a vision-language policy the images on their placeholder tokens, as data URLs; with
+`--train.routing_replay`, the engine's MoE routes). The decoded text is
 not stored; decode `token_ids` with the run's tokenizer (`<run_dir>/model`).
 
     for record in molt.read_rollouts("runs/my-run/rollouts"):
@@ -38,6 +39,7 @@ class Segment(msgspec.Struct, omit_defaults=True):
     logprobs: list[float]  # the engine's, 0.0 where loss_mask is 0
     versions: list[int]  # the weight version that sampled each token, -1 where loss_mask is 0
     images: list[ImageSpan] = []  # left out of a line without images
+    routed_experts: str = ""  # MoE routes, base64 `.npy` (tito's `Segment`); left out without routes
 
 
 class RolloutRecord(msgspec.Struct):

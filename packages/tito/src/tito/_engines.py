@@ -60,6 +60,7 @@ class Generation:
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (version, start, end)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string, when one ended the turn
+    routed_experts: str | None = None  # MoE routes of the whole request, last chunk only (`_Choice`)
 
     @property
     def versions(self) -> list[int]:
@@ -76,6 +77,7 @@ class Generation:
         self.spans += chunk.spans
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.stop_reason = chunk.stop_reason if chunk.stop_reason is not None else self.stop_reason
+        self.routed_experts = chunk.routed_experts or self.routed_experts
 
 
 # The fields of vLLM's generate reply that tito reads; msgspec skips the rest without building it.
@@ -99,6 +101,9 @@ class _Choice(msgspec.Struct):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     weight_versions: list[_Span] | None = None
+    # An engine started with `--enable-return-routed-experts`: base64 `.npy`, (tokens, layers, top_k),
+    # the experts every forwarded token of the request went to, from `routed_experts_prompt_start` on.
+    routed_experts: str | None = None
 
 
 class _Placeholder(msgspec.Struct):
@@ -132,6 +137,7 @@ def _generation(reply: _Reply) -> Generation | None:
         spans=[(_version(s.version), s.start, s.end) for s in choice.weight_versions or ()],
         finish_reason=choice.finish_reason,
         stop_reason=choice.stop_reason,
+        routed_experts=choice.routed_experts,
     )
 
 
@@ -148,12 +154,21 @@ class Engine:
         self._max_model_len: int | None = None
 
     async def generate(
-        self, token_ids: list[int], sampling: dict, *, images: list = (), stream: bool = False
+        self,
+        token_ids: list[int],
+        sampling: dict,
+        *,
+        images: list = (),
+        stream: bool = False,
+        routes_from: int = 0,
     ):
         """Sample on this engine: one `Generation`, or with `stream` an async iterator of chunks.
-        `images`: the prompt's `ImageSpan`s (module docstring)."""
+        `images`: the prompt's `ImageSpan`s (module docstring). `routes_from`: the leading prompt tokens
+        whose MoE routes the caller already holds; an engine that returns routes skips those."""
         # tito reads token ids only, so the engine skips detokenizing, unless stop strings need the text.
         params = {**sampling, "logprobs": 0, "detokenize": bool(sampling.get("stop"))}
+        if routes_from:
+            params["routed_experts_prompt_start"] = routes_from
         body = {"token_ids": token_ids, "sampling_params": params, "stream": stream}
         if images:
             body["token_ids"] = _collapsed(token_ids, images)

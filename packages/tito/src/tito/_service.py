@@ -123,18 +123,25 @@ class Tito:
         The sampled tokens enter the capture when the turn completes, with their weight versions (a
         stream reports those only at its end); a turn cut short leaves only its prompt captured.
         """
-        session.capture.begin_turn(prompt_ids, images)
+        capture = session.capture
+        capture.begin_turn(prompt_ids, images)
+        routes_from = capture.routes_known  # an MoE engine returns the routes of the tokens after these
         whole = Generation()
         if stream:
             async for chunk in await session.engine.generate(
-                prompt_ids, sampling, images=images, stream=True
+                prompt_ids, sampling, images=images, stream=True, routes_from=routes_from
             ):
                 whole.extend(chunk)
                 yield chunk
         else:
-            whole = await session.engine.generate(prompt_ids, sampling, images=images)
+            whole = await session.engine.generate(
+                prompt_ids, sampling, images=images, routes_from=routes_from
+            )
             yield whole
-        session.capture.add_sampled(whole.token_ids, whole.logprobs, whole.versions)
+        capture.add_sampled(
+            whole.token_ids, whole.logprobs, whole.versions,
+            routed_experts=whole.routed_experts, routes_from=routes_from,
+        )  # fmt: skip
         session.finish_reason = whole.finish_reason
 
     async def generate(

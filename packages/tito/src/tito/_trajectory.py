@@ -8,11 +8,21 @@ engine returned them, with their logprob and weight version, and are the only to
 Images are part of a segment: each sits on its placeholder tokens (`ImageSpan`), and a prompt extends
 the segment only if its images on the shared tokens are the same images. Nothing here tokenizes or
 detokenizes.
+
+MoE routes (engines started with `--enable-return-routed-experts`): each reply carries the experts
+every token of its request was routed to, from the first token whose route the capture does not hold
+yet (`routes_known`, sent to the engine as `routed_experts_prompt_start`). A segment keeps the routes of
+its first tokens as the engine first reported them, which is what its KV cache was computed with; the
+last sampled token was never forwarded and has none.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+
 import msgspec
+import numpy as np
 
 __all__ = ["Capture", "ImageSpan", "Segment", "Trajectory"]
 
@@ -28,13 +38,36 @@ class ImageSpan(msgspec.Struct, frozen=True):
 
 class Segment(msgspec.Struct, omit_defaults=True):
     """A contiguous token trace. loss_mask 1 = sampled by the engine; elsewhere logprob 0.0, version -1.
-    `images`: the images among the tokens, in order (left out of the JSON when there are none)."""
+    `images`: the images among the tokens, in order (left out of the JSON when there are none).
+    `routed_experts`: MoE routes, vLLM's encoding (base64 `.npy`, `(n, layers, top_k)`): the experts
+    the engine sent each of the first n tokens to, n normally `len(token_ids) - 1`; empty (and left out
+    of the JSON) when the engines return none. `routes()` decodes it."""
 
     token_ids: list[int] = msgspec.field(default_factory=list)
     loss_mask: list[int] = msgspec.field(default_factory=list)
     logprobs: list[float] = msgspec.field(default_factory=list)
     versions: list[int] = msgspec.field(default_factory=list)
     images: list[ImageSpan] = msgspec.field(default_factory=list)
+    routed_experts: str = ""
+
+    def routes(self) -> np.ndarray | None:
+        """`routed_experts` as an array `(n, layers, top_k)`, or None without routes."""
+        return _decode_routes(self.routed_experts) if self.routed_experts else None
+
+
+def _decode_routes(encoded: str) -> np.ndarray:
+    routes = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    if routes.ndim != 3:
+        raise ValueError(f"routed experts must be (tokens, layers, top_k), got shape {routes.shape}")
+    return routes
+
+
+def _encode_routes(routes: np.ndarray | None) -> str:
+    if routes is None:
+        return ""
+    buffer = io.BytesIO()
+    np.save(buffer, routes, allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 class Trajectory(msgspec.Struct):
@@ -48,6 +81,7 @@ class Capture:
     def __init__(self, session_id: str) -> None:
         self.session_id = session_id
         self.segments: list[Segment] = [Segment()]
+        self._routes: list[np.ndarray | None] = [None]  # per segment: its first tokens' MoE routes
         self._turn_start = -1  # where the last turn's prompt ended in the current segment
         self._turn_prompt: tuple[list[int], list[ImageSpan]] | None = None
         self.replies: list[list[int]] = []  # each turn's sampled ids as appended; a retried turn's removed
@@ -61,6 +95,12 @@ class Capture:
     def images(self) -> list[ImageSpan]:
         """The current segment's images."""
         return self.segments[-1].images
+
+    @property
+    def routes_known(self) -> int:
+        """How many leading tokens of the current segment have their MoE routes captured."""
+        routes = self._routes[-1]
+        return 0 if routes is None else len(routes)
 
     def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> None:
         """Make the current segment equal `prompt_ids` with `images` (all of the prompt's, in order),
@@ -80,6 +120,7 @@ class Capture:
             self._truncate(self._turn_start)
         elif not self._extends(segment, prompt_ids, images):
             self.segments.append(segment := Segment())
+            self._routes.append(None)
         new = prompt_ids[len(segment.token_ids) :]
         segment.images = list(images)
         segment.token_ids += new
@@ -96,8 +137,18 @@ class Capture:
         shared = [image for image in images if image.offset < length]
         return prompt_ids[:length] == segment.token_ids and shared == segment.images
 
-    def add_sampled(self, token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        """Append tokens the engine sampled, exactly as it returned them."""
+    def add_sampled(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        *,
+        routed_experts: str | None = None,
+        routes_from: int = 0,
+    ) -> None:
+        """Append tokens the engine sampled, exactly as it returned them. `routed_experts`: the routes
+        the engine returned for this turn, starting at token `routes_from` of the segment (module
+        docstring); only those of tokens without a route yet are kept."""
         if not (len(token_ids) == len(logprobs) == len(versions)):
             raise ValueError(
                 f"sampled tokens, logprobs and versions differ in length: "
@@ -109,18 +160,44 @@ class Capture:
         segment.loss_mask += [1] * len(token_ids)
         segment.logprobs += logprobs
         segment.versions += versions
+        if routed_experts:
+            self._add_routes(_decode_routes(routed_experts), routes_from)
+
+    def _add_routes(self, routes: np.ndarray, start: int) -> None:
+        known, length = self.routes_known, len(self.segments[-1].token_ids)
+        if start + len(routes) > length:
+            raise ValueError(
+                f"the engine returned routes for tokens {start}..{start + len(routes) - 1} of a segment "
+                f"of {length} tokens"
+            )
+        if start > known:  # a gap: routes must cover the segment from its first token
+            return
+        old = self._routes[-1]
+        if old is not None and old.shape[1:] != routes.shape[1:]:
+            raise ValueError(f"routes of shape {routes.shape[1:]} follow routes of shape {old.shape[1:]}")
+        new = routes[known - start :]
+        self._routes[-1] = new if old is None else np.concatenate([old, new])
 
     def _truncate(self, length: int) -> None:
         segment = self.segments[-1]
         for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
             del field[length:]
         segment.images = [image for image in segment.images if image.offset < length]
+        if self._routes[-1] is not None:
+            self._routes[-1] = self._routes[-1][:length]
 
     def trajectory(self) -> Trajectory:
         """A copy of the capture, without a trailing empty segment."""
         segments = [
-            Segment(list(s.token_ids), list(s.loss_mask), list(s.logprobs), list(s.versions), list(s.images))
-            for s in self.segments
+            Segment(
+                list(s.token_ids),
+                list(s.loss_mask),
+                list(s.logprobs),
+                list(s.versions),
+                list(s.images),
+                _encode_routes(routes),
+            )  # fmt: skip
+            for s, routes in zip(self.segments, self._routes, strict=True)
             if s.token_ids
         ]
         return Trajectory(self.session_id, segments)
