@@ -38,13 +38,14 @@ def test_decode_refuses_a_trace_of_the_wrong_length():
         decode_routed_experts(_encode(np.zeros((4, 1, 2), dtype=np.uint16)), num_tokens=9)
 
 
-def _tiny_moe():
+def _tiny_moe(num_layers: int = 2, dense_layers: tuple[int, ...] = ()):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=list(dense_layers),
     )  # fmt: skip
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(config).eval()
@@ -86,8 +87,8 @@ def test_replay_uses_the_recorded_experts_after_the_router_changed():
     assert torch.equal(replayed, experts_NLK)
 
 
-def replay_forward(replay, experts, model, ids):
-    with replay.replay(experts.reshape(2, 9, 2, 2)):  # the [B, T, L, K] form works too
+def replay_forward(replay, experts, model, ids, shape=(2, 9)):
+    with replay.replay(experts.reshape(*shape, *experts.shape[-2:])):  # the [B, T, L, K] form works too
         return model(ids)
 
 
@@ -111,3 +112,24 @@ def test_replay_refuses_a_model_without_routers_and_misaligned_tokens():
     replay = RoutingReplay(model)
     with pytest.raises(ValueError, match="align"), replay.replay(torch.zeros(5, 2, 2, dtype=torch.long)):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+@torch.no_grad()
+def test_routes_with_a_column_per_decoder_layer_replay_on_the_moe_layers_only():
+    """vLLM reports a column for every decoder layer; with a dense layer 1 of 3, the routers are those of
+    layers 0 and 2, and they must get columns 0 and 2."""
+    model = _tiny_moe(num_layers=3, dense_layers=(1,))
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(3))
+    replay = RoutingReplay(model)
+    assert replay.layer_ids == [0, 2]
+    with replay.record():
+        model(ids)
+    engine_NLK = torch.full((7, 3, 2), 5, dtype=torch.long)  # the dense layer's column: never read
+    engine_NLK[:, [0, 2]] = replay.recorded
+    for router in replay.routers:
+        router.weight.add_(torch.randn_like(router.weight) * 3)
+    _, replayed = _experts_used(model, lambda: replay_forward(replay, engine_NLK, model, ids, shape=(1, 7)))
+    assert torch.equal(replayed, replay.recorded)
+    bad = replay.replay(engine_NLK[:, :1])
+    with pytest.raises(ValueError, match="one column per router or one per decoder layer"), bad:
+        pass

@@ -16,14 +16,18 @@ so gradients still reach the router. Rows marked -1 keep the router's own choice
   with `MoEConfig.enable_routing_replay`, and AutoModel's process-global `RouterReplay` registry (one
   list for every model built in the process, in construction order) is neither used nor disturbed.
 
-Shapes: `N` tokens as the routers see them (batch × sequence, flattened), `L` MoE layers, `K` top-k,
-`T` tokens of one trace. A model with neither kind of router is refused at construction.
+Shapes: `N` tokens as the routers see them (batch × sequence, flattened), `L` layers, `K` top-k,
+`T` tokens of one trace. vLLM's routes have a column for every decoder layer, dense ones included
+(their column is unused); replay takes either that or one column per router, and finds each router's
+column by the decoder-layer index in its module name (`...layers.<i>...`). A model with neither kind
+of router is refused at construction.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -96,11 +100,15 @@ class RoutingReplay:
     """Record or replay the experts of every router of `model` (in module order = layer order)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.routers = [m for m in model.modules() if _router_kind(m)]
+        named = [(name, module) for name, module in model.named_modules() if _router_kind(module)]
+        self.routers = [module for _, module in named]
         if not self.routers:
             raise ValueError(
                 f"{type(model).__name__} has no router to replay (transformers *TopKRouter or AutoModel Gate)"
             )
+        # Each router's decoder layer (None where its name has no `layers.<i>`).
+        self.layer_ids = [int(m[1]) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else None
+                          for name, _ in named]  # fmt: skip
         self.recorded: torch.Tensor | None = None  # experts_NLK of the last `record()`
 
     @contextmanager
@@ -114,12 +122,17 @@ class RoutingReplay:
 
     @contextmanager
     def replay(self, experts: torch.Tensor) -> Iterator[RoutingReplay]:
-        """Within the block, routers use `experts` (`[N, L, K]` or `[B, T, L, K]`, -1 = router's choice)."""
+        """Within the block, routers use `experts` (`[N, L, K]` or `[B, T, L, K]`, -1 = router's choice);
+        L is one column per router, or one per decoder layer (module docstring)."""
         experts_NLK = experts.reshape(-1, *experts.shape[-2:]).long()
-        if experts_NLK.shape[1] != len(self.routers):
-            raise ValueError(
-                f"replay has {experts_NLK.shape[1]} layers, the model has {len(self.routers)} routers"
-            )
+        num_layers = experts_NLK.shape[1]
+        if num_layers != len(self.routers):
+            if None in self.layer_ids or num_layers <= max(self.layer_ids):
+                raise ValueError(
+                    f"replay has {num_layers} layers, the model has {len(self.routers)} routers in decoder "
+                    f"layers {self.layer_ids}: give one column per router or one per decoder layer"
+                )
+            experts_NLK = experts_NLK[:, self.layer_ids]
         with self._tapped([_Tap(experts_NLK[:, layer]) for layer in range(len(self.routers))]):
             yield self
 
