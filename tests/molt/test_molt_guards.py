@@ -108,8 +108,8 @@ def test_parallel_sizes_that_split_are_accepted_on_cuda(with_cuda):
     assert (config.fsdp.tp_size, config.fsdp.cp_size, config.fsdp.ep_size) == (2, 2, 8)
 
 
-def test_routing_replay_is_refused_until_the_loop_replays_routes(with_cuda):
-    _refused(["--train.routing_replay"], ["--train.routing_replay", "not wired", "--actor.freeze_moe_router"])
+def test_routing_replay_is_accepted_on_cuda(with_cuda):
+    assert resolve(["--train.routing_replay"]).train.routing_replay is True
 
 
 def test_freezing_the_moe_router_freezes_every_gate_and_refuses_a_dense_model(tiny_model_dir):

@@ -77,6 +77,7 @@ def test_replay_uses_the_recorded_experts_after_the_router_changed():
 
     with replay.replay(experts_NLK):  # unchanged router: replay is the identity
         torch.testing.assert_close(model(ids).logits, recorded_logits, rtol=0, atol=0)
+    assert [int(n) for n in replay.mismatch] == [0, 18 * 2]  # no (token, layer) routed elsewhere
 
     for router in replay.routers:  # the "trainer" router drifts away from the "engine" one
         router.weight.add_(torch.randn_like(router.weight) * 3)
@@ -85,6 +86,11 @@ def test_replay_uses_the_recorded_experts_after_the_router_changed():
 
     _, replayed = _experts_used(model, lambda: replay_forward(replay, experts_NLK, model, ids))
     assert torch.equal(replayed, experts_NLK)
+    differed = sum(  # the (token, layer) pairs whose drifted router picks another set of experts
+        not torch.equal(a.sort().values, b.sort().values)
+        for a, b in zip(drifted.flatten(0, 1), experts_NLK.flatten(0, 1), strict=True)
+    )
+    assert differed > 0 and [int(n) for n in replay.mismatch] == [differed, 36]
 
 
 def replay_forward(replay, experts, model, ids, shape=(2, 9)):

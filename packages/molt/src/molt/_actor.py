@@ -26,8 +26,11 @@ Legend: B sequences, T tokens, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,9 @@ from molt._sharding import (
 from molt.config import Config
 from molt.vllm_server import free_port
 from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss, rollout_correction
+
+if TYPE_CHECKING:
+    from refit import RoutingReplay
 
 __all__ = ["EnginesLost", "PolicyGroup", "PolicyWorker"]
 
@@ -89,13 +95,18 @@ class PolicyWorker:
         )
         self.model = self._load(str(model_dir), world_size)
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
-        self.optimizer = self.scheduler = None
+        self.optimizer = self.scheduler = self.replay = None
         if not trainable:
             self.model.requires_grad_(False)
             self.model.eval()
             return
         self.model.train()
         sum_gradients_over_ranks(self.model)
+        self.replay = None  # --train.routing_replay: the policy routes tokens to the engine's experts
+        if config.train.routing_replay and self.name == "actor":
+            from refit import RoutingReplay
+
+            self.replay = RoutingReplay(self.model)
         if config.actor.freeze_moe_router:
             freeze_moe_routers(self.model)
         actor = config.actor
@@ -122,12 +133,31 @@ class PolicyWorker:
         # A vision-language policy also gets the rows' images (`TrainBatch.model_inputs`).
         tokens_BT = mb.tokens_BT.to(self.device)
         images = mb.model_inputs(self.device)
-        if mb.images and not images and dist.get_world_size() > 1:
+        if self._needs_blank_image(mb):
             tokens_BT, images = self._blank_image_column(tokens_BT)
         logits_BTV = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
         logits_BTV = logits_BTV.full_tensor() if isinstance(logits_BTV, DTensor) else logits_BTV
         return logits_BTV[:, : mb.tokens_BT.shape[1]]  # a blank image's column, if any, dropped
+
+    @staticmethod
+    def _needs_blank_image(mb: TrainBatch) -> bool:
+        """A micro-batch without images in a batch with some, on several ranks (`_blank_image_column`)."""
+        return bool(mb.images) and all(row is None for row in mb.images) and dist.get_world_size() > 1
+
+    @contextlib.contextmanager
+    def _routes(self, mb: TrainBatch) -> Iterator[RoutingReplay | None]:
+        """`--train.routing_replay`: within the block, the policy's routers send each token of `mb` to
+        the experts the engine used (`mb.experts_BTLK`, -1: the router's own choice). The block spans
+        the backward too, which recomputes the forward under activation checkpointing."""
+        if self.replay is None or mb.experts_BTLK is None:
+            yield None
+            return
+        experts_BTLK = mb.experts_BTLK
+        if self._needs_blank_image(mb):  # its extra column is routed by the router
+            experts_BTLK = torch.nn.functional.pad(experts_BTLK, (0, 0, 0, 0, 0, 1), value=-1)
+        with self.replay.replay(experts_BTLK.to(self.device)):
+            yield self.replay
 
     def _blank_image_column(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A micro-batch without images, in a batch with some, on several ranks: FSDP2 ranks run every
@@ -154,15 +184,27 @@ class PolicyWorker:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
         temperature = self.config.rollout.temperature
-        logp_BT = [
-            shifted_logprobs(self._logits(mb), mb.tokens_BT.to(self.device), temperature=temperature)
-            for mb in batch.micro_batches(self.config.actor.micro_batch_size)
-        ]
+        logp_BT = []
+        for mb in batch.micro_batches(self.config.actor.micro_batch_size):
+            with self._routes(mb):
+                logits_BTV = self._logits(mb)
+            logp_BT.append(
+                shifted_logprobs(logits_BTV, mb.tokens_BT.to(self.device), temperature=temperature)
+            )
         return torch.cat(logp_BT).cpu()
 
     def _micro_batch_loss(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; returns its metric numerators (token sums, and the
-        row counts of the sequence-level correction)."""
+        """Forward and backward of one micro-batch; returns its metric numerators (token sums, the
+        row counts of the sequence-level correction, and under routing replay the (token, router)
+        pairs it compared and those the router would have routed elsewhere)."""
+        with self._routes(mb) as replay:
+            sums = self._forward_backward(mb, old_logp_BT, ref_logp_BT)
+        if replay is not None:
+            differed, compared = (torch.as_tensor(count, device=self.device) for count in replay.mismatch)
+            sums.update(routes_differed=differed, routes_compared=compared)
+        return sums
+
+    def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
         algo, device = self.config.algo, self.device
         temperature = self.config.rollout.temperature
         tokens_BT, mask_BT = mb.tokens_BT.to(device), mb.loss_mask_BT.to(device)
@@ -271,9 +313,12 @@ class PolicyWorker:
         dist.all_reduce(sums_K)  # SUM over ranks
         sums = dict(zip(totals, sums_K.tolist(), strict=True))
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
+        routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
         metrics = {name: value / counted for name, value in sums.items()}
         metrics["train/seq_masked_frac"] = rows_rejected / rows
+        if self.replay is not None:  # how often the policy's own routers disagree with the engine's
+            metrics["train/routing_mismatch_frac"] = routes_differed / max(routes_compared, 1)
         metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
         return metrics
 

@@ -21,7 +21,12 @@ its token trace, made by the model's processor from the image bytes the engine s
 and checked there against the engine's placeholder expansion. They travel with their row through
 `shard` and `micro_batches`; `model_inputs` turns a (micro-)batch's into the model's keyword arguments.
 
-Legend: B sequences, T tokens, V vocabulary, P image patches, I images.
+MoE routes (`--train.routing_replay`): `experts_BTLK` holds, per token, the experts the engine routed it
+to in each decoder layer (`with_routes`, from the segments' routes); -1 where there is no route (the
+last sampled token, right padding, shard padding rows), which leaves those tokens to the router.
+
+Legend: B sequences, T tokens, V vocabulary, P image patches, I images, L decoder layers, K experts
+per token.
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ import torch
 
 __all__ = [
     "RowImages", "TrainBatch", "collate", "explained_variance", "last_token_rewards", "row_images",
-    "shard_rows", "shifted_logprobs", "whitened", "with_images",
+    "shard_rows", "shifted_logprobs", "whitened", "with_images", "with_routes",
 ]  # fmt: skip
 
 
-def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank `rank`'s contiguous block of ceil(B / world_size) rows, padded with zero rows to that size."""
+def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int, *, fill: int = 0) -> torch.Tensor:
+    """Rank `rank`'s contiguous block of ceil(B / world_size) rows, padded with `fill` rows to that size."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must lie in [0, {world_size}), got {rank}")
     rows_per_rank = math.ceil(tensor_BT.shape[0] / world_size)
@@ -49,7 +54,7 @@ def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int) -> torch.Ten
     missing = rows_per_rank - block_BT.shape[0]
     if missing == 0:
         return block_BT
-    return torch.cat([block_BT, block_BT.new_zeros((missing, *tensor_BT.shape[1:]))])
+    return torch.cat([block_BT, block_BT.new_full((missing, *tensor_BT.shape[1:]), fill)])
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class TrainBatch:
     """The loss denominator: trainable tokens in the whole optimizer-step window (all ranks)."""
     images: tuple[RowImages | None, ...] = ()
     """Per row, its images (None: a row without any); empty for a text-only batch."""
+    experts_BTLK: torch.Tensor | None = None
+    """int16, the engine's MoE route of each token (module docstring); None without routing replay."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.tokens_BT.shape)
@@ -91,25 +98,33 @@ class TrainBatch:
                 raise ValueError(f"{name} must be float32 {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
         if self.images and len(self.images) != shape[0]:
             raise ValueError(f"images must hold one entry per row ({shape[0]}), got {len(self.images)}")
+        experts = self.experts_BTLK
+        if experts is not None and (experts.dim() != 4 or tuple(experts.shape[:2]) != shape):
+            raise ValueError(
+                f"experts_BTLK must be [{shape[0]}, {shape[1]}, L, K], got {tuple(experts.shape)}"
+            )
 
     @property
     def num_rows(self) -> int:
         return self.tokens_BT.shape[0]
 
     def _rows(self, select, start: int, count: int) -> TrainBatch:
-        """`select` applied to every [B, T] tensor; the images of rows start .. start + count (padding
-        rows past the end have none)."""
-        tensors = {f.name: select(getattr(self, f.name)) for f in fields(self) if f.name.endswith("_BT")}
+        """`select(tensor, fill)` applied to every per-row tensor; the images of rows start .. start +
+        count (padding rows past the end have none, and no routes)."""
+        tensors = {f.name: select(getattr(self, f.name), 0) for f in fields(self) if f.name.endswith("_BT")}
         images = self.images[start : start + count]
         images += (None,) * (count - len(images)) if self.images else ()
-        return TrainBatch(**tensors, num_tokens=self.num_tokens, images=images)
+        experts = None if self.experts_BTLK is None else select(self.experts_BTLK, -1)
+        return TrainBatch(**tensors, num_tokens=self.num_tokens, images=images, experts_BTLK=experts)
 
     def shard(self, rank: int, world_size: int) -> TrainBatch:
         """Rank `rank`'s contiguous rows, padded with all-masked rows so that every rank gets
         ceil(B / world_size) of them (module docstring). `num_tokens` stays the global count."""
         rows_per_rank = math.ceil(self.num_rows / world_size)
         return self._rows(
-            lambda tensor_BT: shard_rows(tensor_BT, rank, world_size), rank * rows_per_rank, rows_per_rank
+            lambda tensor, fill: shard_rows(tensor, rank, world_size, fill=fill),
+            rank * rows_per_rank,
+            rows_per_rank,
         )
 
     def micro_batches(self, size: int) -> Iterator[TrainBatch]:
@@ -118,7 +133,7 @@ class TrainBatch:
             raise ValueError(f"micro-batch size must be >= 1, got {size}")
         for start in range(0, self.num_rows, size):
             count = min(size, self.num_rows - start)
-            yield self._rows(lambda tensor_BT, start=start: tensor_BT[start : start + size], start, count)
+            yield self._rows(lambda tensor, _fill, start=start: tensor[start : start + size], start, count)
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The vision-language model's extra forward arguments for these rows ({} without images):
@@ -202,6 +217,31 @@ def with_images(batch: TrainBatch, images_per_row: list[list], processor) -> Tra
             f"images_per_row must hold one list per row ({batch.num_rows}), got {len(images_per_row)}"
         )
     return replace(batch, images=tuple(row_images(spans, processor) for spans in images_per_row))
+
+
+def with_routes(batch: TrainBatch, routes_per_row: list) -> TrainBatch:
+    """`batch` with `experts_BTLK` from each row's routes (`tito.Segment.routes()`: the experts of the
+    row's first n tokens, `(n, L, K)`); -1 past them."""
+    if len(routes_per_row) != batch.num_rows:
+        raise ValueError(
+            f"routes_per_row must hold one entry per row ({batch.num_rows}), got {len(routes_per_row)}"
+        )
+    missing = [row for row, routes in enumerate(routes_per_row) if routes is None]
+    if missing:
+        raise RuntimeError(
+            f"rows {missing} have no MoE routes: their engine returned none (vLLM returns them when started "
+            "with --enable-return-routed-experts, as molt starts its engines under --train.routing_replay; "
+            "engines given by --vllm.urls need that flag)"
+        )
+    shapes = {tuple(routes.shape[1:]) for routes in routes_per_row}
+    if len(shapes) != 1:
+        raise ValueError(f"the rows' routes differ in (layers, top_k): {sorted(shapes)}")
+    experts_BTLK = torch.full((*batch.tokens_BT.shape, *shapes.pop()), -1, dtype=torch.int16)
+    for row, routes in enumerate(routes_per_row):
+        if len(routes) > batch.tokens_BT.shape[1]:
+            raise ValueError(f"row {row} has routes for {len(routes)} tokens, more than the batch's columns")
+        experts_BTLK[row, : len(routes)] = torch.from_numpy(routes.astype("int16"))
+    return replace(batch, experts_BTLK=experts_BTLK)
 
 
 def shifted_logprobs(

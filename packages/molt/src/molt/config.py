@@ -273,7 +273,8 @@ class Train(_Group):
     force_on_policy: bool = False
     """Strict on-policy: sets --rollout.max_lag 0, --rollout.partial_rollout false, queue depth = one step."""
     routing_replay: bool = False
-    """Replay the engines' MoE routing in the trainer (R3)."""
+    """Replay the engines' MoE routing in the trainer (R3): each token goes to the experts the engine
+    used; logs train/routing_mismatch_frac. Needs CUDA engines (vLLM captures routes on GPU only)."""
     rollout_dump_dir: str = ""
     """Directory for JSONL dumps of every trained rollout (read with molt.read_rollouts); empty = none."""
 
@@ -405,11 +406,6 @@ def _check_parallelism(config: Config) -> None:
             "--train.routing_replay needs engines that capture routed experts, which the vLLM CPU build "
             "cannot (routes come from vLLM's GPU model runner): drop --train.routing_replay, or use "
             "--actor.freeze_moe_router"
-        )
-    if config.train.routing_replay:  # refit.RoutingReplay exists; the loop does not carry routes to it yet
-        raise ConfigError(
-            "--train.routing_replay is not wired into the training loop yet (the engines' routes are not "
-            "replayed in the actor): use --actor.freeze_moe_router"
         )
 
 

@@ -24,7 +24,15 @@ import torch
 
 from asyncpool import GroupPool, PoolExhausted
 from molt._actor import EnginesLost, PolicyGroup
-from molt._batch import TrainBatch, collate, explained_variance, last_token_rewards, whitened, with_images
+from molt._batch import (
+    TrainBatch,
+    collate,
+    explained_variance,
+    last_token_rewards,
+    whitened,
+    with_images,
+    with_routes,
+)
 from molt._checkpoint import latest, restore_rng, step_dir, write_loop_state
 from molt._critic import CriticGroup
 from molt._dumps import write_rollouts
@@ -89,9 +97,11 @@ async def run_steps(config: Config, run: Run) -> None:
         group_ids_R = torch.arange(len(groups)).repeat_interleave(config.rollout.group_size)
         batch = collate(segment_rows(rollouts, torch.zeros(len(rollouts))), pad_id=pad_id)  # advantages below
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
+        rows = [segment for rollout in rollouts for segment in rollout.segments]  # the batch's rows
         if (images := run.tito.renderer.images) is not None:  # a vision-language policy: the rows' pixels
-            row_spans = [segment.images for rollout in rollouts for segment in rollout.segments]
-            batch = with_images(batch, row_spans, images.processor)
+            batch = with_images(batch, [row.images for row in rows], images.processor)
+        if config.train.routing_replay:  # the engines' MoE routes, replayed in the policy's forward
+            batch = with_routes(batch, [row.routes() for row in rows])
         mask_BT = batch.loss_mask_BT
 
         train_started = time.monotonic()

@@ -75,11 +75,14 @@ def _router_kind(module: torch.nn.Module) -> str | None:
 
 
 class _Tap:
-    """One router's hook into its own top-k choice: record it (`want_NK` None) or replace it."""
+    """One router's hook into its own top-k choice: record it (`want_NK` None) or replace it, counting
+    the tokens whose recorded experts differ from the router's own (as sets)."""
 
     def __init__(self, want_NK: torch.Tensor | None = None) -> None:
         self.want_NK = want_NK
         self.seen: list[torch.Tensor] = []
+        self.compared: torch.Tensor | int = 0  # tokens with a recorded route
+        self.differed: torch.Tensor | int = 0  # of those, routed elsewhere by the router itself
 
     def apply(self, indices_NK: torch.Tensor) -> torch.Tensor:
         """The indices the router goes on with (AutoModel's Gate calls this by this name)."""
@@ -93,7 +96,11 @@ class _Tap:
                 "(same tokens, same order)"
             )
         want_NK = self.want_NK.to(indices_NK.device)
-        return torch.where((want_NK < 0).any(-1, keepdim=True), indices_NK, want_NK)
+        known_N = (want_NK >= 0).all(-1)
+        same_N = (want_NK.sort(-1).values == indices_NK.sort(-1).values).all(-1)
+        self.compared = self.compared + known_N.sum()
+        self.differed = self.differed + (known_N & ~same_N).sum()
+        return torch.where(known_N[:, None], want_NK, indices_NK)
 
 
 class RoutingReplay:
@@ -110,6 +117,8 @@ class RoutingReplay:
         self.layer_ids = [int(m[1]) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else None
                           for name, _ in named]  # fmt: skip
         self.recorded: torch.Tensor | None = None  # experts_NLK of the last `record()`
+        # Of the last `replay()`: (token-layers routed elsewhere by the routers themselves, compared).
+        self.mismatch: tuple[torch.Tensor | int, torch.Tensor | int] = (0, 0)
 
     @contextmanager
     def record(self) -> Iterator[RoutingReplay]:
@@ -123,7 +132,8 @@ class RoutingReplay:
     @contextmanager
     def replay(self, experts: torch.Tensor) -> Iterator[RoutingReplay]:
         """Within the block, routers use `experts` (`[N, L, K]` or `[B, T, L, K]`, -1 = router's choice);
-        L is one column per router, or one per decoder layer (module docstring)."""
+        L is one column per router, or one per decoder layer (module docstring). After it, `mismatch`
+        counts the (token, router) pairs whose router would have chosen other experts."""
         experts_NLK = experts.reshape(-1, *experts.shape[-2:]).long()
         num_layers = experts_NLK.shape[1]
         if num_layers != len(self.routers):
@@ -133,8 +143,12 @@ class RoutingReplay:
                     f"layers {self.layer_ids}: give one column per router or one per decoder layer"
                 )
             experts_NLK = experts_NLK[:, self.layer_ids]
-        with self._tapped([_Tap(experts_NLK[:, layer]) for layer in range(len(self.routers))]):
-            yield self
+        taps = [_Tap(experts_NLK[:, layer]) for layer in range(len(self.routers))]
+        try:
+            with self._tapped(taps):
+                yield self
+        finally:
+            self.mismatch = (sum(tap.differed for tap in taps), sum(tap.compared for tap in taps))
 
     @contextmanager
     def _tapped(self, taps: list[_Tap]) -> Iterator[None]:
