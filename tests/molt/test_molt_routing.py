@@ -177,6 +177,7 @@ def test_the_actor_trains_on_the_engines_experts_after_its_routers_drifted(tmp_p
     _replays_the_engines_experts(tmp_path, dense_layers=[1])  # vLLM gives dense layer 1 a column too
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu  # torch.compile of AutoModel's RMSNorm op, recompiled under checkpointing, warns:
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
 def test_automodels_moe_on_cuda_trains_on_the_engines_experts(tmp_path):
     _replays_the_engines_experts(tmp_path, dense_layers=[])  # AutoModel's Qwen3-MoE: every layer MoE
