@@ -1,8 +1,11 @@
-"""The policy actor on two GPUs: data and expert parallelism give the one-GPU update (a small Qwen3-MoE).
+"""The policy actor on two GPUs: data, expert, context and tensor parallelism give the one-GPU update (a
+small Qwen3-MoE).
 
-One global batch, one `train_step`, three layouts of the same seeded MoE checkpoint: one GPU, data
-parallel 2 (FSDP2 over both GPUs), and data parallel 2 with expert parallel 2 (each GPU holds half the
-experts, tokens travel between them). Each layout runs in its own processes, one per GPU, driven without
+One global batch, one `train_step`, layouts of the same seeded MoE checkpoint: one GPU; data parallel 2
+(FSDP2 over both GPUs); data parallel 2 with expert parallel 2 (each GPU holds half the experts, tokens
+travel between them); context parallel 2 (both GPUs take every row, each half of its positions, ring
+attention between them); tensor parallel 2 (both take every row, each half of every layer's heads).
+Each layout runs in its own processes, one per GPU, driven without
 Ray: `PolicyWorker` is a plain class, and each process sees only its GPU (`CUDA_VISIBLE_DEVICES`, as Ray
 sets it), so the worker's `cuda:0` is its own device.
 
@@ -38,7 +41,10 @@ pytestmark = [
 LENGTHS = (9, 14, 7, 12, 10, 16)  # even: both data-parallel ranks get real rows only
 PROMPT_LEN = 4
 LR = 1e-2  # large against bf16's spacing, so a rounded update still moves every weight
-LAYOUTS = {"one_gpu": (1, 1), "dp2": (2, 1), "dp2_ep2": (2, 2)}  # name -> (GPUs, ep_size)
+LAYOUTS = {  # name -> (GPUs, ep_size, cp_size, tp_size)
+    "one_gpu": (1, 1, 1, 1), "dp2": (2, 1, 1, 1), "dp2_ep2": (2, 2, 1, 1),
+    "cp2": (2, 1, 2, 1), "tp2": (2, 1, 1, 2),
+}  # fmt: skip
 # dtype -> (metric rtol, min update cosine, max sign disagreement, logprob drift / step change)
 TOLERANCE = {"float32": (1e-4, 0.999, 1e-4, 1e-3), "bfloat16": (2e-2, 0.95, 0.03, 0.1)}
 
@@ -79,7 +85,7 @@ def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.to_local().shape if hasattr(param, "to_local") else param.shape)
 
 
-def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, ep_size: int, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, sizes: tuple, out: str) -> None:
     """One GPU's part of one layout: logprobs, one train step, logprobs again; saves what it saw."""
     import torch.distributed as dist
 
@@ -89,7 +95,7 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, ep_
         Config(),
         model=Model(dtype=dtype),
         actor=Actor(lr=LR, micro_batch_size=2, num_ranks=world_size),
-        fsdp=FSDP(ep_size=ep_size),
+        fsdp=FSDP(ep_size=sizes[0], cp_size=sizes[1], tp_size=sizes[2]),
     )
     worker = PolicyWorker(rank, world_size, "127.0.0.1", port, model_dir, config)
     experts = {  # the mesh axes an expert weight is split over, its local and global shapes
@@ -97,7 +103,8 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, ep_
         for name, p in worker.model.named_parameters()
         if "experts" in name
     }
-    shard = _batch().shard(rank, world_size)
+    replicas = sizes[1] * sizes[2]  # the CP and TP ranks of a data-parallel group share its rows
+    shard = _batch().shard(rank // replicas, world_size // replicas)
     before = worker.full_state()
     logp_BT = worker.logprobs(shard)  # on-policy: each layout's own logprobs, ratio 1
     metrics = worker.train_step(shard, logp_BT)
@@ -109,7 +116,7 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, ep_
     dist.destroy_process_group()
 
 
-def _run_layout(model_dir: Path, dtype: str, num_gpus: int, ep_size: int, out: Path) -> dict:
+def _run_layout(model_dir: Path, dtype: str, num_gpus: int, sizes: tuple, out: Path) -> dict:
     """Start one process per GPU, each seeing only its own GPU; return rank 0's result with the
     logprobs of the whole batch (shards rejoined in row order)."""
     out.mkdir()
@@ -118,7 +125,7 @@ def _run_layout(model_dir: Path, dtype: str, num_gpus: int, ep_size: int, out: P
     try:
         for rank in range(num_gpus):
             os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)  # inherited by the child at start
-            args = (rank, num_gpus, port, str(model_dir), dtype, ep_size, str(out))
+            args = (rank, num_gpus, port, str(model_dir), dtype, sizes, str(out))
             processes.append(context.Process(target=_rank, args=args))
             processes[-1].start()
     finally:
@@ -134,10 +141,10 @@ def _run_layout(model_dir: Path, dtype: str, num_gpus: int, ep_size: int, out: P
             process.kill()
     assert codes == [0] * num_gpus, f"{out.name}: rank exit codes {codes}"
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(num_gpus)]
-    num_rows = len(LENGTHS)
+    num_rows, replicas = len(LENGTHS), sizes[1] * sizes[2]
     result = ranks[0]
-    for key in ("logp_BT", "after_logp_BT"):
-        result[key] = torch.cat([r[key] for r in ranks])[:num_rows]
+    for key in ("logp_BT", "after_logp_BT"):  # one rank per data-parallel group
+        result[key] = torch.cat([r[key] for r in ranks[::replicas]])[:num_rows]
     result["rank_experts"] = [r["experts"] for r in ranks]
     return result
 
@@ -152,8 +159,8 @@ class _Layouts(dict):
         self.model_dir = build_tiny_moe(root / "model", dtype)
 
     def __missing__(self, name: str) -> dict:
-        num_gpus, ep_size = LAYOUTS[name]
-        self[name] = _run_layout(self.model_dir, self.dtype, num_gpus, ep_size, self.root / name)
+        num_gpus, *sizes = LAYOUTS[name]
+        self[name] = _run_layout(self.model_dir, self.dtype, num_gpus, tuple(sizes), self.root / name)
         return self[name]
 
 
@@ -190,7 +197,7 @@ def _update_agreement(one: dict, two: dict) -> tuple[float, float]:
     return cosine, (flipped.sum() / moved.sum()).item()
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2_ep2"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2_ep2", "cp2", "tp2"])
 def test_two_gpus_give_the_one_gpu_update(layouts, layout):
     dtype, runs = layouts
     one, two = runs["one_gpu"], runs[layout]

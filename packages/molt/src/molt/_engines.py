@@ -71,7 +71,7 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
 
     on_gpu = torch.cuda.is_available()
     gpus = config.vllm.tensor_parallel_size * config.vllm.data_parallel_size if on_gpu else 0
-    remote = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
+    remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # as the actor's
     args = engine_extra_args(config)
     return [
         remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"))
