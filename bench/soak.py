@@ -1,8 +1,9 @@
 """A soak of the default recipe: does any process of a `molt train` run grow in memory, step after step?
 
-`molt train --train.num_steps S` (no algorithm flags: the default recipe) runs as a subprocess in its own
-session. After every step (the run appends one line to `metrics.jsonl` per step; it is polled every
-0.2 s) the resident set size (RSS) of every process of the run is read with psutil and summed per part:
+`molt train --train.num_steps S+1` (no algorithm flags: the default recipe) runs as a subprocess in its
+own session, and steps 1..S are sampled (a sample of the last step would race with the run's shutdown).
+After every step (the run appends one line to `metrics.jsonl` per step; it is polled every 0.2 s) the
+resident set size (RSS) of every process of the run is read with psutil and summed per part:
 
   driver                the `molt train` process (the loop, tito, the pool)
   vllm:<name>           the vLLM server (`api_server`) and its children, by title (`EngineCore`)
@@ -128,7 +129,10 @@ def fit(steps: list[int], values: list[float]) -> tuple[float, float]:
 def soak(args, run_dir: Path, tag: str) -> list[dict]:
     """Start the run, sample after every step until it exits; the samples."""
     molt = Path(sys.executable).with_name("molt")
-    command = [str(molt), "train", "--train.num_steps", str(args.steps), "--logger.run_dir", str(run_dir)]
+    # One step more than sampled: the last step's sample would race with the run's shutdown (a sample
+    # taken while the engine exits reads as a fall).
+    steps = str(args.steps + 1)
+    command = [str(molt), "train", "--train.num_steps", steps, "--logger.run_dir", str(run_dir)]
     command += args.extra
     print(f"command: {' '.join(command)}", flush=True)
     metrics = run_dir / "metrics.jsonl"
@@ -148,6 +152,8 @@ def soak(args, run_dir: Path, tag: str) -> list[dict]:
                 continue
             seen += len(complete)
             step = json.loads(complete[-1])["step"]  # steps that ended between two polls share a sample
+            if step > args.steps:
+                continue
             samples.append({"step": step, "seconds": time.monotonic() - began, "parts": sample(driver, tag)})
             if step == 1 or step % args.print_every == 0:
                 print(f"step {step}: {grouped(samples[-1]['parts'])}", flush=True)

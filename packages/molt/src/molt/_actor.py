@@ -120,8 +120,7 @@ class PolicyWorker:
             return
         self.model.train()
         sum_gradients_over_ranks(self.model)
-        self.replay = None  # --train.routing_replay: the policy routes tokens to the engine's experts
-        if config.train.routing_replay and self.name == "actor":
+        if config.train.routing_replay and self.name == "actor":  # tokens go to the engine's experts
             from refit import RoutingReplay
 
             self.replay = RoutingReplay(self.model)
@@ -377,7 +376,7 @@ class PolicyWorker:
         sums = dict(zip(totals, sums_K.tolist(), strict=True))
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
-        counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
+        counted = batch.num_tokens * replicas(self.config)  # a DP group's TP and CP ranks hold equal sums
         metrics = {name: value / counted for name, value in sums.items()}
         metrics["train/seq_masked_frac"] = rows_rejected / rows
         if self.replay is not None:  # how often the policy's own routers disagree with the engine's
