@@ -12,12 +12,11 @@ gradient of the global token mean, so the update does not depend on the number o
 Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
 
 Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (dp * cp + c) * tp + t),
-with EP groups carved out of them. Rows are sharded by the data-parallel coordinate: the TP and CP ranks
-of one DP group see the same rows, and their identical metric sums are counted once. Context parallelism
-splits each micro-batch's positions over the CP ranks (AutoModel's load-balanced split, torch's ring
-attention): each rank computes the logprobs and entropies of its positions, and these are gathered into
-whole rows, so no rank holds a row's logits (`_split`, `_token_stats`). On CPU the actor runs data
-parallelism only (TP, EP and CP go through AutoModel's CUDA loader; see `check_parallelism`).
+with EP groups carved out of them. Rows are sharded by the data-parallel coordinate: the TP ranks of one
+DP group see the same rows, and their identical metric sums are counted once. Refuses context
+parallelism (`--fsdp.cp_size` > 1): its sequence split over CP ranks is not wired (AutoModel 0.7 splits
+sequences only with Transformer Engine attention). On CPU the actor runs data parallelism only (TP and EP
+go through AutoModel's CUDA loader; see `check_parallelism`).
 
 The same workers, built with `trainable=False`, are the frozen groups: the reference policy of
 `--algo.kl.coef` and the teacher of on-policy distillation (no optimizer, logprobs only). The PPO
@@ -31,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,7 +48,7 @@ from molt._sharding import (
 )
 from molt.config import Config
 from molt.vllm_server import free_port
-from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss, rollout_correction, token_logprobs
+from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss, rollout_correction
 
 if TYPE_CHECKING:
     from refit import RoutingReplay
@@ -66,21 +64,6 @@ class EnginesLost(RuntimeError):
         self.failed, self.updated = failed, updated
         lines = [f"  {url}: {why}" for url, why in failed.items()]
         super().__init__("refit failed on engine(s):\n" + "\n".join(lines) + f"\n  updated: {updated}")
-
-
-@dataclass
-class _SplitRows:
-    """A micro-batch split over the context-parallel ranks: this rank's model inputs (its positions,
-    S of them), the next token at each, and the split (to gather per-position values back to rows)."""
-
-    inputs: dict[str, torch.Tensor]
-    next_tokens_BS: torch.Tensor
-    sharder: object  # AutoModel's ContextParallelSharder
-
-    def gather(self, values_BS: torch.Tensor) -> torch.Tensor:
-        """This rank's [B, S] values, joined with the other ranks' into the rows' [B, T] (differentiable:
-        the backward sums the ranks' gradients)."""
-        return self.sharder.gather_token_tensor(values_BS, seq_dim=1, trim=True)
 
 
 class PolicyWorker:
@@ -111,7 +94,7 @@ class PolicyWorker:
             rank=rank,
             world_size=world_size,
         )
-        self.model, self.mesh = self._load(str(model_dir), world_size)
+        self.model = self._load(str(model_dir), world_size)
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.optimizer = self.scheduler = self.replay = None
         if not trainable:
@@ -137,8 +120,7 @@ class PolicyWorker:
             self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
         )
 
-    def _load(self, model_dir: str, world_size: int):
-        """The sharded model and AutoModel's device mesh of the ranks."""
+    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_model(model_dir, self.config, world_size, self.device)
 
     def _learning_rate(self) -> float:
@@ -159,53 +141,18 @@ class PolicyWorker:
         return logits_BTV[:, : mb.tokens_BT.shape[1]]  # a blank image's column, if any, dropped
 
     def _token_stats(
-        self, mb: TrainBatch, split: _SplitRows | None, *, entropy: str = "none"
+        self, mb: TrainBatch, *, entropy: str = "none"
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per token t of `mb`: log p(token t | tokens before t) at the sampling temperature, and with
-        `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0.
-
-        `split` (context parallelism): this rank computes its share of the positions from its share of
-        the logits, and the shares are gathered (differentiably): no rank holds a whole row's logits.
-        """
+        `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0."""
         temperature = self.config.rollout.temperature
-        if split is None:
-            logits_BTV = self._logits(mb)
-            logp_BT = shifted_logprobs(logits_BTV, mb.tokens_BT.to(self.device), temperature=temperature)
-            if entropy == "none":
-                return logp_BT, None
-            logits_BTV = logits_BTV if entropy == "grad" else logits_BTV.detach()
-            entropy_next_BT = entropy_from_logits(logits_BTV, temperature=temperature)
-        else:  # S: this rank's positions; the split's padding slots have label -100 and are dropped
-            logits_BSV = self.model(**split.inputs, use_cache=False).logits
-            next_BS = split.next_tokens_BS.clamp(min=0)
-            logp_next_BT = split.gather(token_logprobs(logits_BSV, next_BS, temperature=temperature))
-            logp_BT = torch.nn.functional.pad(logp_next_BT[:, :-1], (1, 0))
-            if entropy == "none":
-                return logp_BT, None
-            logits_BSV = logits_BSV if entropy == "grad" else logits_BSV.detach()
-            entropy_next_BT = split.gather(entropy_from_logits(logits_BSV, temperature=temperature))
+        logits_BTV = self._logits(mb)
+        logp_BT = shifted_logprobs(logits_BTV, mb.tokens_BT.to(self.device), temperature=temperature)
+        if entropy == "none":
+            return logp_BT, None
+        logits_BTV = logits_BTV if entropy == "grad" else logits_BTV.detach()
+        entropy_next_BT = entropy_from_logits(logits_BTV, temperature=temperature)  # of the next token
         return logp_BT, torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0))
-
-    @contextlib.contextmanager
-    def _split(self, mb: TrainBatch) -> Iterator[_SplitRows | None]:
-        """`--fsdp.cp_size` > 1: within the block, `mb`'s rows are split over the context-parallel ranks
-        (AutoModel's load-balanced split and torch's ring attention); the block spans the backward."""
-        if self.config.fsdp.cp_size == 1:
-            yield None
-            return
-        from nemo_automodel.components.distributed.context_parallel import ContextParallelSharder
-
-        tokens_BT = mb.tokens_BT.to(self.device)
-        batch = {
-            "input_ids": tokens_BT,
-            "position_ids": torch.arange(tokens_BT.shape[1], device=self.device).expand_as(tokens_BT),
-            "labels": tokens_BT.roll(-1, dims=1),  # each position's next token (the last one's: unused)
-        }
-        sharder = ContextParallelSharder(self.model, self.mesh, batch)  # reads the mesh's "cp" and "tp"
-        forward_context, inputs = sharder.shard(batch)
-        next_tokens_BS = inputs.pop("labels")
-        with forward_context():
-            yield _SplitRows(inputs, next_tokens_BS, sharder)
 
     @staticmethod
     def _needs_blank_image(mb: TrainBatch) -> bool:
@@ -252,27 +199,27 @@ class PolicyWorker:
         """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
         logp_BT = []
         for mb in batch.micro_batches(self.config.actor.micro_batch_size):
-            with self._routes(mb), self._split(mb) as split:
-                logp_BT.append(self._token_stats(mb, split)[0])
+            with self._routes(mb):
+                logp_BT.append(self._token_stats(mb)[0])
         return torch.cat(logp_BT).cpu()
 
     def _micro_batch_loss(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch; returns its metric numerators (token sums, the
         row counts of the sequence-level correction, and under routing replay the (token, router)
         pairs it compared and those the router would have routed elsewhere)."""
-        with self._routes(mb) as replay, self._split(mb) as split:
-            sums = self._forward_backward(mb, split, old_logp_BT, ref_logp_BT)
+        with self._routes(mb) as replay:
+            sums = self._forward_backward(mb, old_logp_BT, ref_logp_BT)
         if replay is not None:
             differed, compared = (torch.as_tensor(count, device=self.device) for count in replay.mismatch)
             sums.update(routes_differed=differed, routes_compared=compared)
         return sums
 
-    def _forward_backward(self, mb: TrainBatch, split, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
+    def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
         algo, device = self.config.algo, self.device
         mask_BT = mb.loss_mask_BT.to(device)
         # The entropy of the distribution each token was sampled from; a bonus trains it.
         bonus = algo.entropy_coef != 0
-        logp_BT, entropy_BT = self._token_stats(mb, split, entropy="grad" if bonus else "detached")
+        logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if bonus else "detached")
         # One forward: with one optimizer step per batch, the logprobs "before the step" are this
         # forward's, detached (train_step's docstring).
         old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT.to(device)
@@ -309,11 +256,7 @@ class PolicyWorker:
             kl_sum = masked_sum(kl(logp_BT, ref_logp_BT.to(device), kind=algo.kl.kind), mask_BT)
             loss = loss + algo.kl.coef * kl_sum
             sums["train/kl"] = kl_sum.detach()
-        # The ONE global denominator (module docstring). Under context parallelism every rank of a split
-        # computes this same loss from the gathered logprobs, and the gather's backward sums the ranks'
-        # gradients: each rank therefore backpropagates 1 / cp_size of it.
-        cp_size = 1 if split is None else self.config.fsdp.cp_size
-        (loss / (mb.num_tokens * cp_size)).backward()
+        (loss / mb.num_tokens).backward()  # the ONE global denominator (module docstring)
         return sums
 
     def _optimizer_step(self) -> tuple[float, float]:
@@ -376,7 +319,7 @@ class PolicyWorker:
         sums = dict(zip(totals, sums_K.tolist(), strict=True))
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
-        counted = batch.num_tokens * replicas(self.config)  # a DP group's TP and CP ranks hold equal sums
+        counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
         metrics = {name: value / counted for name, value in sums.items()}
         metrics["train/seq_masked_frac"] = rows_rejected / rows
         if self.replay is not None:  # how often the policy's own routers disagree with the engine's

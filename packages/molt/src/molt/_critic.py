@@ -39,8 +39,7 @@ def data_parallel_only(config: Config) -> Config:
 
 
 def load_value_model(model_dir: str, config: Config, world_size: int, device: torch.device):
-    """A causal LM's body with a one-output value head, sharded over the ranks by AutoModel, and the
-    device mesh of the ranks."""
+    """A causal LM's body with a one-output value head, sharded over the ranks by AutoModel."""
     import transformers
     from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
 
@@ -62,7 +61,7 @@ def load_value_model(model_dir: str, config: Config, world_size: int, device: to
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
-    return parallelize_model(model.to(device), setup.mesh_context), setup.mesh_context.device_mesh
+    return parallelize_model(model.to(device), setup.mesh_context)
 
 
 class CriticWorker(PolicyWorker):
@@ -70,7 +69,7 @@ class CriticWorker(PolicyWorker):
 
     name = "critic"
 
-    def _load(self, model_dir: str, world_size: int):
+    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_value_model(model_dir, self.config, world_size, self.device)
 
     def _learning_rate(self) -> float:

@@ -128,22 +128,20 @@ def check_launch(config: Config, model_dir: str | Path) -> None:
     check_gpus(config, ray.cluster_resources().get("GPU", 0.0), on_gpu=torch.cuda.is_available())
 
 
-_CONTEXT_PARALLEL_RUN = False  # the split is written (`PolicyWorker._split`) but not yet tested
-
-
 def check_parallelism(config: Config, num_ranks: int, *, on_gpu: bool) -> None:
     """The actor's parallel sizes against its ranks and device (the worker and the group both check)."""
     fsdp = config.fsdp
-    if fsdp.cp_size > 1 and not _CONTEXT_PARALLEL_RUN:
+    if fsdp.cp_size > 1:
         raise ValueError(
-            f"--fsdp.cp_size {fsdp.cp_size}: the actor's context-parallel split has not run on two GPUs "
-            "yet; pass --fsdp.cp_size 1"
+            f"--fsdp.cp_size {fsdp.cp_size}: the actor does not split sequences over context-parallel ranks "
+            "yet (each would train the whole row, scaling its gradient by cp_size; AutoModel 0.7 splits them "
+            "only with Transformer Engine attention); pass --fsdp.cp_size 1"
         )
-    if not on_gpu and (fsdp.tp_size, fsdp.ep_size, fsdp.cp_size) != (1, 1, 1):
+    if not on_gpu and (fsdp.tp_size, fsdp.ep_size) != (1, 1):
         raise ValueError(
             f"the CPU actor runs FSDP2 data parallelism only; got --fsdp.tp_size {fsdp.tp_size} "
-            f"--fsdp.ep_size {fsdp.ep_size} --fsdp.cp_size {fsdp.cp_size}: pass 1 for each (tensor, expert "
-            "and context parallelism go through AutoModel's CUDA loader and torch's ring attention)"
+            f"--fsdp.ep_size {fsdp.ep_size}: pass 1 for each (tensor and expert parallelism go through "
+            "AutoModel's CUDA loader)"
         )
     if num_ranks % (fsdp.tp_size * fsdp.cp_size) or num_ranks % fsdp.ep_size:
         raise ValueError(

@@ -56,12 +56,11 @@ def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gp
     )
 
 
-def load_model(model_dir: str, config: Config, world_size: int, device: torch.device):
-    """The policy, sharded over the ranks, and AutoModel's device mesh of them: AutoModel's own loader
-    on GPU (it needs CUDA), a transformers model parallelized by AutoModel on CPU (FACTS: both shard
-    with `parallelize_model`). A model whose config has a vision tower (Qwen-VL) loads as an
-    image-text-to-text model, the class that takes `pixel_values` (`TrainBatch.model_inputs`);
-    AutoModelForCausalLM refuses its config."""
+def load_model(model_dir: str, config: Config, world_size: int, device: torch.device) -> torch.nn.Module:
+    """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
+    model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`). A model whose
+    config has a vision tower (Qwen-VL) loads as an image-text-to-text model, the class that takes
+    `pixel_values` (`TrainBatch.model_inputs`); AutoModelForCausalLM refuses its config."""
     from transformers import AutoConfig
 
     vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
@@ -85,7 +84,7 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
     use_lean_rms_norms(model)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
         shard_one_rank(model, setup.strategy_config, device)
-    return model, setup.mesh_context.device_mesh
+    return model
 
 
 def use_lean_rms_norms(model: torch.nn.Module) -> int:

@@ -401,11 +401,6 @@ def _check_parallelism(config: Config) -> None:
             "--vllm.mtp_num_speculative_tokens need CUDA engines; the CPU engine runs one process without "
             "speculation: leave them at their defaults"
         )
-    if config.train.routing_replay and fsdp.cp_size > 1:
-        raise ConfigError(
-            "--train.routing_replay with --fsdp.cp_size > 1: the recorded routes are not split over the "
-            "context-parallel ranks yet; pass --fsdp.cp_size 1, or --actor.freeze_moe_router instead"
-        )
     if config.train.routing_replay and not _cuda_available():
         raise ConfigError(
             "--train.routing_replay needs engines that capture routed experts, which the vLLM CPU build "
