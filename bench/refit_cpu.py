@@ -3,9 +3,10 @@
 Starts one vLLM CPU server (refit_gloo backend) on a seeded tiny Qwen3 of the given size, refits it
 `--rounds` times with alternating weight sets, and prints the median seconds of each phase: pause,
 start (engine: initialise layerwise reload), transfer (trainer wall clock; the engine's share split
-into receiving and loading), finish (finalise reload), prefix-cache reset, resume. In the same run it
-broadcasts one buffer of the same byte count over a plain two-process gloo group: the floor for the
-transfer phase on this machine. Usage:
+into receiving and loading), finish (finalise reload), prefix-cache reset, resume. Between refits it
+broadcasts one buffer of the same byte count over a plain two-process gloo group, into a reused
+buffer and into fresh memory (round by round, so both sides of the ratio see the same load): the
+floor for the transfer on this machine. Usage:
 
     uv run --no-sync python bench/refit_cpu.py --hidden 512 --layers 8 --bucket-mb 64
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from tito_overhead import machine
 
 import refit
 from refit._transport import broadcast, join_gloo_group
@@ -32,26 +34,28 @@ def _raw_peer(port: int, num_bytes: int, rounds: int, fresh: bool) -> None:
         broadcast(group, torch.empty(num_bytes, dtype=torch.uint8) if fresh else buffer).wait()
 
 
-def raw_gloo_broadcast(num_bytes: int, rounds: int, *, fresh: bool) -> float:
-    """Median seconds to broadcast one `num_bytes` buffer to one peer process over gloo.
+class RawBroadcast:
+    """One `num_bytes` buffer broadcast to a peer process over gloo, a round at a time (`once`).
 
     `fresh`: the peer receives into newly allocated memory every time (as the engine must: layerwise
     reload keeps views of its buckets), so the page faults of first touch are in the time.
     """
-    from molt.vllm_server import free_port
 
-    port = free_port()
-    peer = mp.get_context("spawn").Process(target=_raw_peer, args=(port, num_bytes, rounds, fresh))
-    peer.start()
-    group = join_gloo_group("127.0.0.1", port, 0, 2, 120)
-    buffer = torch.ones(num_bytes, dtype=torch.uint8)
-    samples = []
-    for _ in range(rounds + 1):  # the first one is warm-up
+    def __init__(self, num_bytes: int, rounds: int, *, fresh: bool) -> None:
+        from molt.vllm_server import free_port
+
+        port = free_port()
+        args = (port, num_bytes, rounds, fresh)
+        self.peer = mp.get_context("spawn").Process(target=_raw_peer, args=args)
+        self.peer.start()
+        self.group = join_gloo_group("127.0.0.1", port, 0, 2, 120)
+        self.buffer = torch.ones(num_bytes, dtype=torch.uint8)
+        self.once()  # warm-up
+
+    def once(self) -> float:
         began = time.perf_counter()
-        broadcast(group, buffer).wait()
-        samples.append(time.perf_counter() - began)
-    peer.join()
-    return statistics.median(samples[1:])
+        broadcast(self.group, self.buffer).wait()
+        return time.perf_counter() - began
 
 
 def main() -> None:
@@ -79,9 +83,13 @@ def main() -> None:
     rows: dict[str, list[float]] = {}
     with VLLMServer(dirs[0], extra_args=refit.engine_flags(), log_path=work / "server.log") as server:
         engine = refit.Engine(server.url)
-        refit.update_weights(
+        stats = refit.update_weights(
             [engine], refit.full_params(models[1]), version="warmup", bucket_bytes=bucket_bytes
         )
+        raws = {
+            "raw": RawBroadcast(stats.num_bytes, args.rounds, fresh=False),
+            "raw_fresh": RawBroadcast(stats.num_bytes, args.rounds, fresh=True),
+        }
         for round_ in range(args.rounds):
             stats = refit.update_weights(
                 [engine], refit.full_params(models[round_ % 2]), version=round_, bucket_bytes=bucket_bytes
@@ -91,13 +99,14 @@ def main() -> None:
             seconds["total"] = sum(
                 v for k, v in stats.seconds.items() if k not in ("check", "connect", "gather_pack", "send")
             )
+            seconds.update({name: raw_broadcast.once() for name, raw_broadcast in raws.items()})
             for name, value in seconds.items():
                 rows.setdefault(name, []).append(value)
         engine.close()
-    raw = raw_gloo_broadcast(stats.num_bytes, args.rounds, fresh=False)
-    raw_fresh = raw_gloo_broadcast(stats.num_bytes, args.rounds, fresh=True)
+    raw, raw_fresh = statistics.median(rows["raw"]), statistics.median(rows["raw_fresh"])
 
     size_mib = stats.num_bytes / 2**20
+    print(f"machine: {machine()}")
     print(f"model: tiny Qwen3 hidden={args.hidden} layers={args.layers} fp32, {size_mib:.1f} MiB")
     print(f"{stats.num_buckets} bucket(s) of <= {args.bucket_mb:g} MiB (+1 tensor), median of {args.rounds}")
     print(f"{'phase':<28} {'seconds':>9}")
