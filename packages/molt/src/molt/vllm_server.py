@@ -88,10 +88,6 @@ def _engine_env() -> dict[str, str]:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
-        # A fixed mmap threshold: glibc otherwise raises it each time a large block is freed, after
-        # which a refit's bucket buffers and the like come from the heap and stay there fragmented
-        # (bench/soak.py: the engine grew 28-36 MiB per 100 steps at step 200, 5 with this).
-        env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
     return env
 
 
