@@ -133,9 +133,9 @@ def time_engine_calls() -> None:
 
     generate = Engine.generate
 
-    async def timed_generate(self, token_ids, sampling, *, stream=False):
+    async def timed_generate(self, token_ids, sampling, *, stream=False, **options):  # images=, ...
         began = time.perf_counter()
-        result = await generate(self, token_ids, sampling, stream=stream)
+        result = await generate(self, token_ids, sampling, stream=stream, **options)
         if not stream and (record := _REQUEST.get(None)) is not None:
             record["engine"] += time.perf_counter() - began
         return result
