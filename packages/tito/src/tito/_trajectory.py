@@ -196,7 +196,7 @@ class Capture:
                 list(s.versions),
                 list(s.images),
                 _encode_routes(routes),
-            )  # fmt: skip
+            )
             for s, routes in zip(self.segments, self._routes, strict=True)
             if s.token_ids
         ]
