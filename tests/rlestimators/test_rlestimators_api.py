@@ -27,6 +27,7 @@ def test_public_names_are_pinned():
         "gae",
         "grpo",
         "kl",
+        "lm_head_logprobs",
         "masked_sum",
         "maxrl",
         "opd",

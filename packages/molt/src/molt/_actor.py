@@ -42,6 +42,7 @@ from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
     load_model,
+    logprob_head,
     params_by_mesh,
     replicas,
     sum_gradients_over_ranks,
@@ -95,6 +96,7 @@ class PolicyWorker:
             world_size=world_size,
         )
         self.model = self._load(str(model_dir), world_size)
+        self._logprob_head = logprob_head(self.model, config)
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.optimizer = self.scheduler = self.replay = None
         if not trainable:
@@ -126,7 +128,9 @@ class PolicyWorker:
     def _learning_rate(self) -> float:
         return self.config.actor.lr
 
-    def _logits(self, mb: TrainBatch) -> torch.Tensor:
+    def _forward(self, mb: TrainBatch) -> torch.Tensor:
+        """The model over `mb`: [B, T, 2] (log p of each next token, entropy of its distribution) from the
+        logprob head, or the [B, T, V] logits where it is not installed (`molt._sharding.logprob_head`)."""
         from torch.distributed.tensor import DTensor
 
         # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
@@ -135,10 +139,17 @@ class PolicyWorker:
         images = mb.model_inputs(self.device)
         if self._needs_blank_image(mb):
             tokens_BT, images = self._blank_image_column(tokens_BT)
-        logits_BTV = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
+        head = self._logprob_head
+        if head is not None:  # the last column's next token wraps to column 0: `_token_stats` drops it
+            head["next_tokens_BT"] = tokens_BT.roll(-1, dims=1)
+        try:
+            out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
+        finally:
+            if head is not None:
+                head.pop("next_tokens_BT")
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
-        logits_BTV = logits_BTV.full_tensor() if isinstance(logits_BTV, DTensor) else logits_BTV
-        return logits_BTV[:, : mb.tokens_BT.shape[1]]  # a blank image's column, if any, dropped
+        out_BTX = out_BTX.full_tensor() if isinstance(out_BTX, DTensor) else out_BTX
+        return out_BTX[:, : mb.tokens_BT.shape[1]]  # a blank image's column, if any, dropped
 
     def _token_stats(
         self, mb: TrainBatch, *, entropy: str = "none"
@@ -146,12 +157,19 @@ class PolicyWorker:
         """Per token t of `mb`: log p(token t | tokens before t) at the sampling temperature, and with
         `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0."""
         temperature = self.config.rollout.temperature
-        logits_BTV = self._logits(mb)
-        logp_BT = shifted_logprobs(logits_BTV, mb.tokens_BT.to(self.device), temperature=temperature)
+        out_BTX = self._forward(mb)
+        if self._logprob_head is not None:  # the head gave them: no [B, T, V] logits exist
+            logp_next_BT, entropy_next_BT = out_BTX.unbind(dim=-1)
+            logp_BT = torch.nn.functional.pad(logp_next_BT[:, :-1], (1, 0))
+        else:
+            logp_BT = shifted_logprobs(out_BTX, mb.tokens_BT.to(self.device), temperature=temperature)
+            if entropy == "none":
+                return logp_BT, None
+            logits_BTV = out_BTX if entropy == "grad" else out_BTX.detach()
+            entropy_next_BT = entropy_from_logits(logits_BTV, temperature=temperature)
         if entropy == "none":
             return logp_BT, None
-        logits_BTV = logits_BTV if entropy == "grad" else logits_BTV.detach()
-        entropy_next_BT = entropy_from_logits(logits_BTV, temperature=temperature)  # of the next token
+        entropy_next_BT = entropy_next_BT if entropy == "grad" else entropy_next_BT.detach()
         return logp_BT, torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0))
 
     @staticmethod

@@ -11,7 +11,8 @@ import torch
 from molt.config import Config
 
 __all__ = [
-    "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "params_by_mesh", "replicas",
+    "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "logprob_head", "params_by_mesh",
+    "replicas",
     "sum_gradients_over_ranks", "use_lean_rms_norms",
 ]  # fmt: skip
 
@@ -106,6 +107,37 @@ def use_lean_rms_norms(model: torch.nn.Module) -> int:
     for norm in norms:
         norm.forward = functools.partial(lean_forward, norm)
     return len(norms)
+
+
+def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:
+    """Make the policy's LM head give token logprobs and entropies instead of logits; returns its request.
+
+    While `request["next_tokens_BT"]` is set, the head maps the final hidden states [B, T, H] to [B, T, 2]:
+    log p(next token) and the entropy at each position, at the sampling temperature, through
+    `rlestimators.lm_head_logprobs`, so the [B, T, V] logits and their gradient never exist (at 16k tokens
+    and a 152k vocabulary, 2 x 4.6 GiB in bf16). Without it the head gives logits as before. It runs inside
+    the head's own call, where FSDP2 has gathered its weight (tied embeddings included). Not installed
+    (None) under tensor parallelism, whose plans shard the head over the vocabulary, or for a head that is
+    not a bias-free linear layer.
+    """
+    from rlestimators import lm_head_logprobs
+
+    head = model.get_output_embeddings()
+    if config.fsdp.tp_size > 1 or type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    request: dict[str, torch.Tensor] = {}
+    logits_forward, temperature = head.forward, config.rollout.temperature
+
+    def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
+        if "next_tokens_BT" not in request:
+            return logits_forward(hidden_BTH)
+        logp_BT, entropy_BT = lm_head_logprobs(
+            hidden_BTH, head.weight, request["next_tokens_BT"], temperature=temperature
+        )
+        return torch.stack([logp_BT, entropy_BT], dim=-1)
+
+    head.forward = forward
+    return request
 
 
 def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> None:

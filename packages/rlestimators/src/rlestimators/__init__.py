@@ -18,7 +18,7 @@ from rlestimators._advantages import (
     rloo,
 )
 from rlestimators._correction import CorrectionMode, rollout_correction
-from rlestimators._logprobs import entropy_from_logits, token_logprobs
+from rlestimators._logprobs import entropy_from_logits, lm_head_logprobs, token_logprobs
 from rlestimators._losses import KLKind, PolicyLossKind, kl, masked_sum, policy_loss, value_loss
 from rlestimators._shaping import dynamic_filter, pass_at_k
 
@@ -34,6 +34,7 @@ __all__ = [
     "gae",
     "grpo",
     "kl",
+    "lm_head_logprobs",
     "masked_sum",
     "maxrl",
     "opd",

@@ -161,3 +161,115 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> to
     vocab = logits.shape[-1]
     entropy_N = _Entropy.apply(logits.reshape(-1, vocab), float(temperature))
     return entropy_N.view(logits.shape[:-1])
+
+
+
+# --- from the LM head's input: the [B, T, V] logits never exist ---
+
+# Bytes of one float32 [C, V] chunk of `lm_head_logprobs`. Each chunk is also one [C, H] x [H, V] matmul,
+# so C is a multiple of 128 rows (whole matmul tiles).
+_HEAD_CHUNK_BYTES = 512 * 2**20
+
+
+def _head_chunks(num_rows: int, vocab: int):
+    rows_per_chunk = max(128, _HEAD_CHUNK_BYTES // (4 * vocab) // 128 * 128)
+    for start in range(0, num_rows, rows_per_chunk):
+        yield slice(start, min(start + rows_per_chunk, num_rows))
+
+
+def _chunk_logp(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(hidden @ weight.T / temperature) of one chunk, [C, V] float32. The logits are rounded to
+    the weights' dtype first, as the linear layer itself gives them (and as the engine computes them)."""
+    z_CV = _scaled_f32(hidden_CH @ weight_VH.T, temperature)  # a fresh tensor: safe to change in place
+    return z_CV.sub_(torch.logsumexp(z_CV, dim=-1, keepdim=True))
+
+
+def _add_matmul_f32(out_f32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out += a @ b, accumulated in float32 whatever the dtype of a and b (one rounding at the end)."""
+    if a.dtype == torch.float32:
+        out_f32.addmm_(a, b)
+    elif a.is_cuda:  # the matmul writes float32 itself: no low-precision partial sums
+        torch.addmm(out_f32, a, b, out_dtype=torch.float32, out=out_f32)
+    else:
+        out_f32.add_((a @ b).float())
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, tokens_N1, temperature):
+        num_rows, vocab = hidden_NH.shape[0], weight_VH.shape[0]
+        logp_N1 = hidden_NH.new_empty((num_rows, 1), dtype=torch.float32)
+        entropy_N1 = hidden_NH.new_empty((num_rows, 1), dtype=torch.float32)
+        for rows in _head_chunks(num_rows, vocab):
+            logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
+            torch.gather(logp_CV, 1, tokens_N1[rows], out=logp_N1[rows])
+            # H = -sum_v p_v log p_v; exp(-inf) = 0 and 0 * -inf is avoided by entr on p.
+            entropy_N1[rows] = torch.special.entr(logp_CV.exp_()).sum(dim=-1, keepdim=True)
+            del logp_CV
+        ctx.save_for_backward(hidden_NH, weight_VH, tokens_N1, entropy_N1)
+        ctx.temperature = temperature
+        ctx.set_materialize_grads(False)
+        return logp_N1, entropy_N1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp_N1, grad_entropy_N1):
+        hidden_NH, weight_VH, tokens_N1, entropy_N1 = ctx.saved_tensors
+        temperature = ctx.temperature
+        num_rows, vocab = hidden_NH.shape[0], weight_VH.shape[0]
+        zeros_N1 = torch.zeros_like(entropy_N1)
+        g_logp_N1 = zeros_N1 if grad_logp_N1 is None else grad_logp_N1.float()
+        g_entropy_N1 = zeros_N1 if grad_entropy_N1 is None else grad_entropy_N1.float()
+        grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for rows in _head_chunks(num_rows, vocab):
+            logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
+            p_CV = torch.exp(logp_CV)
+            # dz_v = [g_logp (1[v == y] - p_v) - g_H p_v (log p_v + H)] / temperature, in float32
+            grad_z_CV = logp_CV.add_(entropy_N1[rows]).mul_(g_entropy_N1[rows]).add_(g_logp_N1[rows])
+            grad_z_CV.mul_(p_CV).neg_()
+            del p_CV
+            grad_z_CV.scatter_add_(1, tokens_N1[rows], g_logp_N1[rows])
+            grad_z_CV = grad_z_CV.div_(temperature).to(hidden_NH.dtype)
+            if grad_hidden_NH is not None:
+                torch.mm(grad_z_CV, weight_VH, out=grad_hidden_NH[rows])
+            if grad_weight_VH is not None:
+                _add_matmul_f32(grad_weight_VH, grad_z_CV.T, hidden_NH[rows])
+            del grad_z_CV
+        grad_weight_VH = None if grad_weight_VH is None else grad_weight_VH.to(weight_VH.dtype)
+        return grad_hidden_NH, grad_weight_VH, None, None
+
+
+def lm_head_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token logprobs and entropies straight from the LM head's input: [B, T, H] hidden states, the head's
+    [V, H] weight and [B, T] token ids -> (log p(token), entropy), both [B, T] float32.
+
+    The same numbers as `token_logprobs` and `entropy_from_logits` of `hidden @ weight.T` (logits rounded
+    to the weight's dtype, then float32), but the [B, T, V] logits are never held, forward or backward:
+    each chunk of rows is projected, reduced and dropped, and the backward projects it again (one more
+    head matmul) to form that chunk's logit gradient. At 16k tokens and a 152k vocabulary that is the
+    logits and their gradient, 2 x 4.6 GiB in bf16. Gradients flow to `hidden` and `weight` (the weight's
+    accumulated in float32 over the chunks, rounded once) from either output; an unused output costs none.
+    """
+    if hidden.dim() != 3 or hidden.numel() == 0:
+        raise ValueError(f"hidden must be a non-empty [B, T, H] tensor, got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}")
+    check_floating(hidden=hidden, weight=weight)
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    if not (0.0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+    if tokens.shape != hidden.shape[:-1]:
+        raise ValueError(f"tokens must be [B, T] = {tuple(hidden.shape[:-1])}, got {tuple(tokens.shape)}")
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
+    vocab = weight.shape[0]
+    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+        raise ValueError(f"token ids must lie in [0, {vocab}) (the head's vocabulary); some do not")
+    logp_N1, entropy_N1 = _HeadLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1, 1).long(), float(temperature)
+    )
+    return logp_N1.view(tokens.shape), entropy_N1.view(tokens.shape)
