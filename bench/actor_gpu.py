@@ -7,11 +7,13 @@ runs in its own subprocess, one after the other on the same GPU, on the same bat
 - `plain`: transformers' `AutoModelForCausalLM` in float32 on the GPU, computing in bf16 under
   `torch.autocast`, activation checkpointing on (`gradient_checkpointing_enable`), naive float32
   logprobs (`logits.float().log_softmax(-1)`), the PPO clipped loss, gradient clipping, torch AdamW.
-- `molt`, `molt-ac`, `molt-offload`, `molt-cudnn`: the real `molt._actor.PolicyWorker` (NeMo AutoModel
-  + FSDP2, one rank) built in-process as the GPU tests build it, with float32 master weights and bf16
-  compute (`--model.dtype float32 --actor.compute_dtype bfloat16`); `molt-ac` adds
-  `--actor.activation_checkpointing`, `molt-offload` adds `--fsdp.offload`, and `molt-cudnn` is `molt`
-  with cuDNN's attention made the only SDPA kernel of the process (torch ranks it last). A step is
+- `molt`, `molt-ac`, `molt-offload`, `molt-cudnn`, `molt-logits`: the real `molt._actor.PolicyWorker`
+  (NeMo AutoModel + FSDP2, one rank) built in-process as the GPU tests build it, with float32 master
+  weights and bf16 compute (`--model.dtype float32 --actor.compute_dtype bfloat16`); `molt-ac` adds
+  `--actor.activation_checkpointing`, `molt-offload` adds `--fsdp.offload`, `molt-cudnn` is `molt` with
+  cuDNN's attention made the only SDPA kernel of the process (torch ranks it last), and `molt-logits` is
+  `molt` with the policy's LM head giving logits again (the path before `rlestimators.lm_head_logprobs`,
+  still the one under tensor parallelism): chunked logprobs and entropy from [B, T, V] logits. A step is
   `train_step(batch)`: the forward gives the logprobs (old logprobs are that forward's, detached: one
   update per batch), rollout correction, loss, entropy, backward, clipping and the AdamW step.
 
@@ -21,6 +23,9 @@ length, random token ids, the first quarter of each row a prompt (loss mask 0), 
 same number of tokens per step at every context. One warm-up step, then `--steps` timed steps (wall
 clock around a synchronised step); tokens/s is trained-row tokens (prompt included) over the median step.
 Peak memory is `torch.cuda.max_memory_allocated` over the steps (the model loaded, stats reset first).
+
+`--profile`: each case also runs one more step under torch's profiler and prints where the GPU's time
+went: kernel time by kind (attention, matmul, elementwise, reduction, copy, other) and the slowest kernels.
 
 MFU counts model FLOPs only: per token 6 x the parameters a token passes through (every linear layer
 including the LM head; for the MoE the router and its top-k experts, not all experts) plus causal
@@ -61,7 +66,7 @@ MODELS = {
         mlp_only_layers=[], tie_word_embeddings=False,
     ),
 }  # fmt: skip
-CASES = ("plain", "molt", "molt-ac", "molt-offload", "molt-cudnn")
+CASES = ("plain", "molt", "molt-logits", "molt-ac", "molt-offload", "molt-cudnn")
 PROMPT_FRACTION = 4  # the first 1/4 of every row is prompt (not trained)
 
 
@@ -173,6 +178,8 @@ def molt_stepper(model_dir: str, case: str, micro_batch_size: int):
         fsdp=FSDP(offload=case == "molt-offload"),
     )
     worker = PolicyWorker(0, 1, "127.0.0.1", _free_port(), model_dir, config)
+    if case == "molt-logits":
+        worker._logprob_head = None  # the head's forward then gives logits (molt._sharding.logprob_head)
     return worker.train_step
 
 
@@ -205,6 +212,49 @@ def plain_stepper(model_dir: str, micro_batch_size: int, clip: tuple[float, floa
     return step
 
 
+KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name, lower case), the first match wins
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn_generated")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "matmul")),
+    ("copy", ("memcpy", "memset", "copy", "cat")),
+    ("reduction", ("reduce", "softmax", "norm", "logsumexp")),
+    ("elementwise", ("elementwise", "vectorized", "foreach")),
+)
+
+
+def profile_step(step, batch) -> dict:
+    """One step under torch's profiler: GPU kernel time by kind and the 12 slowest kernels (ms)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        began = time.perf_counter()
+        step(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - began
+    by_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            by_kernel[event.name] = by_kernel.get(event.name, 0.0) + event.device_time_total / 1e3
+    by_kind: dict[str, float] = {}
+    for name, ms in by_kernel.items():
+        lower = name.lower()
+        kind = next((kind for kind, keys in KERNEL_KINDS if any(key in lower for key in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms
+    slowest = sorted(by_kernel.items(), key=lambda item: -item[1])[:12]
+    return {"wall_ms": 1e3 * wall, "gpu_ms": sum(by_kernel.values()), "by_kind": by_kind,
+            "slowest": [(name[:110], ms) for name, ms in slowest]}  # fmt: skip
+
+
+def print_profile(label: str, profile: dict) -> None:
+    print(
+        f"  profile {label}: wall {profile['wall_ms']:.0f} ms (profiled), kernels {profile['gpu_ms']:.0f} ms"
+    )
+    for kind, ms in sorted(profile["by_kind"].items(), key=lambda item: -item[1]):
+        print(f"    {kind:12s} {ms:8.1f} ms  {ms / profile['gpu_ms']:6.1%}")
+    for name, ms in profile["slowest"]:
+        print(f"      {ms:8.1f} ms  {name}")
+
+
 def run_case(args: argparse.Namespace) -> dict:
     batch = make_batch(MODELS[args.model]["vocab_size"], args.context, args.tokens_per_step)
     micro_batch_size = max(1, args.micro_batch_tokens // args.context)
@@ -227,7 +277,9 @@ def run_case(args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         if index > 0:  # the first step warms up (allocator, kernels, optimizer state)
             seconds.append(time.perf_counter() - began)
+    profile = profile_step(step, batch) if args.profile else None
     return {
+        "profile": profile,
         "step_s": statistics.median(seconds),
         "steps_s": seconds,
         "tokens": batch.tokens_BT.numel(),
@@ -245,7 +297,8 @@ def run_in_subprocess(args: argparse.Namespace, model: str, model_dir: Path, con
     command = [sys.executable, __file__, "--child", "--case", case, "--model", model,
                "--model-dir", str(model_dir), "--context", str(context), "--steps", str(args.steps),
                "--tokens-per-step", str(args.tokens_per_step),
-               "--micro-batch-tokens", str(args.micro_batch_tokens)]  # fmt: skip
+               "--micro-batch-tokens", str(args.micro_batch_tokens),
+               *["--profile"] * args.profile]  # fmt: skip
     try:
         done = subprocess.run(
             command,
@@ -295,6 +348,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/molt-actor-bench", help="where the random models go")
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--case-timeout", type=float, default=300, help="seconds one case may take")
+    parser.add_argument("--profile", action="store_true", help="profile one more step of each case")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -317,8 +371,11 @@ def main() -> None:
                 if case == "molt-offload" and context not in offload_contexts:
                     continue
                 result = run_in_subprocess(args, model, model_dir, context, case)
+                profile = result.pop("profile", None)
                 results.append({"model": model, "context": context, "case": case, **result})
                 print(json.dumps(results[-1]), flush=True)
+                if profile:
+                    print_profile(f"{model} {context} {case}", profile)
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_tflops": peak_tflops, "results": results}, indent=1))
     print_table(results, peak_tflops)

@@ -228,7 +228,9 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
     # order noise shows (up to 2e-5 seen). Every weight moves the same way, by the same step within 5%.
     for name, tensor in after_one.items():
         assert not torch.equal(tensor, before[name]), f"{name} did not move"
-        assert ((after_two[name] - before[name]) * (tensor - before[name]) >= 0).all(), f"{name}: opposite moves"
+        assert ((after_two[name] - before[name]) * (tensor - before[name]) >= 0).all(), (
+            f"{name}: opposite moves"
+        )
         torch.testing.assert_close(after_two[name], tensor, atol=5e-5, rtol=0, msg=name)
 
 

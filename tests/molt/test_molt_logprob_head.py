@@ -47,7 +47,10 @@ def _step(model_dir, *, through_the_logits: bool) -> tuple[torch.Tensor, dict, d
             worker._logprob_head = None  # the head's forward then gives the logits, as before
         advantages = [1.0, -1.0]
         batch = collate(
-            [(tokens, mask, [-2.0] * len(tokens), a) for (tokens, mask), a in zip(ROWS, advantages, strict=True)],
+            [
+                (tokens, mask, [-2.0] * len(tokens), a)
+                for (tokens, mask), a in zip(ROWS, advantages, strict=True)
+            ],
             pad_id=0,
         )
         logp_BT = worker.logprobs(batch)

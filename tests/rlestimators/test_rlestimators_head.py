@@ -49,18 +49,24 @@ def relative_error(value, reference):
     return ((value.double() - reference.double()).norm() / reference.double().norm()).item()
 
 
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"]
+)
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
 @pytest.mark.parametrize("chunk_rows", [128, 10_000], ids=["128-row-chunks", "one-chunk"])
 @pytest.mark.parametrize("used", ["both", "logp", "entropy"])
-def test_equals_the_logits_path_in_value_and_gradient(monkeypatch, dtype, tolerance, temperature, chunk_rows, used):
+def test_equals_the_logits_path_in_value_and_gradient(
+    monkeypatch, dtype, tolerance, temperature, chunk_rows, used
+):
     set_chunk_rows(monkeypatch, chunk_rows)
     hidden_BTH, weight_VH, tokens_BT, g_logp_BT, g_entropy_BT = make_inputs(dtype)
     g_logp_BT = None if used == "entropy" else g_logp_BT
     g_entropy_BT = None if used == "logp" else g_entropy_BT
     args = (hidden_BTH, weight_VH, tokens_BT, g_logp_BT, g_entropy_BT, temperature)
     logp_BT, entropy_BT, grad_hidden, grad_weight = values_and_grads(lm_head_logprobs, *args)
-    ref_logp_BT, ref_entropy_BT, ref_grad_hidden, ref_grad_weight = values_and_grads(through_the_logits, *args)
+    ref_logp_BT, ref_entropy_BT, ref_grad_hidden, ref_grad_weight = values_and_grads(
+        through_the_logits, *args
+    )
     assert logp_BT.dtype == entropy_BT.dtype == torch.float32 and logp_BT.shape == tokens_BT.shape
     # Forward: the same rounded logits, the same float32 reductions.
     assert_close(logp_BT, ref_logp_BT, rtol=1e-5, atol=1e-5)
@@ -82,7 +88,9 @@ def test_the_weight_gradient_is_summed_in_float32_over_chunks(monkeypatch):
     )
     *_, grad_weight = values_and_grads(lm_head_logprobs, hidden_BTH, weight_VH, *args)
     *_, ref_grad_weight = values_and_grads(through_the_logits, hidden_BTH, weight_VH, *args)
-    assert relative_error(grad_weight, exact_grad_weight) <= 1.1 * relative_error(ref_grad_weight, exact_grad_weight)
+    assert relative_error(grad_weight, exact_grad_weight) <= 1.1 * relative_error(
+        ref_grad_weight, exact_grad_weight
+    )
 
 
 class LargestVocabularyTensor(TorchDispatchMode):
@@ -128,7 +136,8 @@ def test_no_tensor_of_the_whole_logits_forward_or_backward(monkeypatch):
                      "tokens must be", id="tokens-shape"),
         pytest.param(torch.zeros(1, 2, 3), torch.zeros(5, 3), torch.tensor([[0, 5]]), 1.0, r"\[0, 5\)",
                      id="id-too-large"),
-        pytest.param(torch.zeros(1, 2, 3), torch.zeros(5, 3), torch.zeros(1, 2), 1.0, "integer", id="float-ids"),
+        pytest.param(torch.zeros(1, 2, 3), torch.zeros(5, 3), torch.zeros(1, 2), 1.0, "integer",
+                     id="float-ids"),
         pytest.param(torch.zeros(1, 2, 3), torch.zeros(5, 3), torch.zeros(1, 2, dtype=torch.int64), 0.0,
                      "temperature", id="zero-temperature"),
     ],
@@ -146,7 +155,9 @@ def test_on_cuda_bf16_equals_the_logits_path(monkeypatch, temperature):
     inputs = [t.cuda() for t in make_inputs(torch.bfloat16)]
     args = (*inputs, temperature)
     logp_BT, entropy_BT, grad_hidden, grad_weight = values_and_grads(lm_head_logprobs, *args)
-    ref_logp_BT, ref_entropy_BT, ref_grad_hidden, ref_grad_weight = values_and_grads(through_the_logits, *args)
+    ref_logp_BT, ref_entropy_BT, ref_grad_hidden, ref_grad_weight = values_and_grads(
+        through_the_logits, *args
+    )
     assert_close(logp_BT, ref_logp_BT, rtol=1e-5, atol=1e-5)
     assert_close(entropy_BT, ref_entropy_BT, rtol=1e-5, atol=1e-5)
     assert relative_error(grad_hidden, ref_grad_hidden) < 1e-2

@@ -327,9 +327,13 @@ class PolicyWorker:
             for t_BT in (old_logp_BT, ref_logp_BT)
         )
         totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
+        one_rank = dist.get_world_size() == 1
         for index, (mb, old_BT, ref_BT) in enumerate(zip(micro_batches, olds, refs, strict=True)):
-            if isinstance(self.model, FSDPModule):  # reduce-scatter once, after the last micro-batch
-                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+            # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
+            # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
+            # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
             for name, value in self._micro_batch_loss(mb, old_BT, ref_BT).items():
                 totals[name] = totals[name] + value if name in totals else value
         sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank

@@ -11,9 +11,8 @@ import torch
 from molt.config import Config
 
 __all__ = [
-    "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "logprob_head", "params_by_mesh",
-    "replicas",
-    "sum_gradients_over_ranks", "use_lean_rms_norms",
+    "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "logprob_head",
+    "params_by_mesh", "replicas", "sum_gradients_over_ranks", "use_lean_rms_norms",
 ]  # fmt: skip
 
 

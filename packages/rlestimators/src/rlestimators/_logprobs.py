@@ -163,7 +163,6 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> to
     return entropy_N.view(logits.shape[:-1])
 
 
-
 # --- from the LM head's input: the [B, T, V] logits never exist ---
 
 # Bytes of one float32 [C, V] chunk of `lm_head_logprobs`. Each chunk is also one [C, H] x [H, V] matmul,
@@ -256,7 +255,9 @@ def lm_head_logprobs(
     if hidden.dim() != 3 or hidden.numel() == 0:
         raise ValueError(f"hidden must be a non-empty [B, T, H] tensor, got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}"
+        )
     check_floating(hidden=hidden, weight=weight)
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
