@@ -25,7 +25,8 @@ clock around a synchronised step); tokens/s is trained-row tokens (prompt includ
 Peak memory is `torch.cuda.max_memory_allocated` over the steps (the model loaded, stats reset first).
 
 `--profile`: each case also runs one more step under torch's profiler and prints where the GPU's time
-went: kernel time by kind (attention, matmul, elementwise, reduction, copy, other) and the slowest kernels.
+went: kernel time by kind (attention, matmul, elementwise, reduction, copy, other), the slowest kernels,
+and the torch ops (with their input shapes) that launched the most GPU time.
 
 MFU counts model FLOPs only: per token 6 x the parameters a token passes through (every linear layer
 including the LM head; for the MoE the router and its top-k experts, not all experts) plus causal
@@ -226,7 +227,7 @@ def profile_step(step, batch) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         began = time.perf_counter()
         step(batch)
         torch.cuda.synchronize()
@@ -241,8 +242,14 @@ def profile_step(step, batch) -> dict:
         kind = next((kind for kind, keys in KERNEL_KINDS if any(key in lower for key in keys)), "other")
         by_kind[kind] = by_kind.get(kind, 0.0) + ms
     slowest = sorted(by_kernel.items(), key=lambda item: -item[1])[:12]
+    ops = [  # torch ops by their own GPU time, with their input shapes
+        (f"{op.key} x{op.count} {op.input_shapes}"[:150], op.self_device_time_total / 1e3)
+        for op in prof.key_averages(group_by_input_shape=True)
+        if op.self_device_time_total > 0 and op.device_type == DeviceType.CPU
+    ]
     return {"wall_ms": 1e3 * wall, "gpu_ms": sum(by_kernel.values()), "by_kind": by_kind,
-            "slowest": [(name[:110], ms) for name, ms in slowest]}  # fmt: skip
+            "slowest": [(name[:110], ms) for name, ms in slowest],
+            "ops": sorted(ops, key=lambda item: -item[1])[:25]}  # fmt: skip
 
 
 def print_profile(label: str, profile: dict) -> None:
@@ -252,6 +259,9 @@ def print_profile(label: str, profile: dict) -> None:
     for kind, ms in sorted(profile["by_kind"].items(), key=lambda item: -item[1]):
         print(f"    {kind:12s} {ms:8.1f} ms  {ms / profile['gpu_ms']:6.1%}")
     for name, ms in profile["slowest"]:
+        print(f"      {ms:8.1f} ms  {name}")
+    print("    torch ops by own GPU time:")
+    for name, ms in profile["ops"]:
         print(f"      {ms:8.1f} ms  {name}")
 
 

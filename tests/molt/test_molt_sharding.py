@@ -81,6 +81,42 @@ def test_lean_rms_norms_compute_what_transformers_computes(dtype):
         torch.testing.assert_close(lean.float(), reference.float(), **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_mlps_compute_what_transformers_computes_and_keep_less(dtype):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    from molt._sharding import use_lean_mlps
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=16, intermediate_size=48, hidden_act="silu")
+    mlps = [Qwen3MLP(config).to(dtype) for _ in range(2)]
+    mlps[1].load_state_dict(mlps[0].state_dict())
+    assert use_lean_mlps(torch.nn.Sequential(mlps[1])) == 1
+    x = torch.randn(3, 5, 16, dtype=dtype)
+    outs, grads, saved = [], [], []
+    for mlp in mlps:
+        x_ = x.clone().requires_grad_()
+        kept: list[int] = []  # the bytes autograd keeps for the backward
+
+        def keep(tensor: torch.Tensor, kept: list[int] = kept) -> torch.Tensor:
+            kept.append(tensor.nbytes)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            out = mlp(x_)
+        out.pow(2).sum().backward()
+        outs.append(out)
+        grads.append((x_.grad, *(p.grad for p in mlp.parameters())))
+        saved.append(sum(kept))
+    # The same ops in the same order: equal to the last bit, forward and backward.
+    assert torch.equal(outs[1], outs[0])
+    for lean, reference in zip(grads[1], grads[0], strict=True):
+        assert torch.equal(lean, reference)
+    activation = 3 * 5 * 48 * x.element_size()  # silu(gate): the one tensor no longer kept
+    assert saved[1] == saved[0] - activation
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's full value: FSDP2 holds a DTensor shard, except while a module is unsharded."""
     from torch.distributed.tensor import DTensor

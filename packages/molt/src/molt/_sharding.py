@@ -12,7 +12,7 @@ from molt.config import Config
 
 __all__ = [
     "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "logprob_head",
-    "params_by_mesh", "replicas", "sum_gradients_over_ranks", "use_lean_rms_norms",
+    "params_by_mesh", "replicas", "sum_gradients_over_ranks", "use_lean_mlps", "use_lean_rms_norms",
 ]  # fmt: skip
 
 
@@ -82,6 +82,8 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
         model = loader.from_pretrained(model_dir, dtype=dtype)
         model = parallelize_model(model, setup.mesh_context)
     use_lean_rms_norms(model)
+    if config.fsdp.tp_size == 1:  # under TP the projections' outputs may be DTensors: left as they are
+        use_lean_mlps(model)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
         shard_one_rank(model, setup.strategy_config, device)
     return model
@@ -106,6 +108,43 @@ def use_lean_rms_norms(model: torch.nn.Module) -> int:
     for norm in norms:
         norm.forward = functools.partial(lean_forward, norm)
     return len(norms)
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up for the backward and recomputing silu(gate) there."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        grad_up = grad * torch.nn.functional.silu(gate)
+        return torch.ops.aten.silu_backward(grad * up, gate), grad_up
+
+
+def use_lean_mlps(model: torch.nn.Module) -> int:
+    """Run SwiGLU MLPs (`down(silu(gate(x)) * up(x))`, transformers' Qwen/Llama MLP) through one autograd
+    function that keeps only silu's input and recomputes silu in the backward; returns how many.
+
+    Same numbers (the same ops, rounded the same way), less memory: autograd would also keep silu's
+    output for the product's backward, one [tokens, intermediate] tensor per layer (at 16k tokens on a
+    Qwen3-1.7B, 192 MiB a layer, 5.3 GiB in all), for one more elementwise pass in the backward.
+    """
+    mlps = [
+        m for m in model.modules()
+        if all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
+        and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    ]  # fmt: skip
+
+    def lean_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(_SiluMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
+
+    for mlp in mlps:
+        mlp.forward = functools.partial(lean_forward, mlp)
+    return len(mlps)
 
 
 def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:

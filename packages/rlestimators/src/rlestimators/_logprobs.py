@@ -179,8 +179,7 @@ def _head_chunks(num_rows: int, vocab: int):
 def _chunk_logp(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(hidden @ weight.T / temperature) of one chunk, [C, V] float32. The logits are rounded to
     the weights' dtype first, as the linear layer itself gives them (and as the engine computes them)."""
-    z_CV = _scaled_f32(hidden_CH @ weight_VH.T, temperature)  # a fresh tensor: safe to change in place
-    return z_CV.sub_(torch.logsumexp(z_CV, dim=-1, keepdim=True))
+    return torch.log_softmax(_scaled_f32(hidden_CH @ weight_VH.T, temperature), dim=-1)
 
 
 def _add_matmul_f32(out_f32: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -202,10 +201,10 @@ class _HeadLogprobs(torch.autograd.Function):
         for rows in _head_chunks(num_rows, vocab):
             logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
             torch.gather(logp_CV, 1, tokens_N1[rows], out=logp_N1[rows])
-            # H = -sum_v p_v log p_v; exp(-inf) = 0 and 0 * -inf is avoided by entr on p.
-            entropy_N1[rows] = torch.special.entr(logp_CV.exp_()).sum(dim=-1, keepdim=True)
+            # H = -sum_v p_v log p_v: entr(p) is 0 where p is 0 (no 0 * -inf).
+            torch.sum(torch.special.entr(logp_CV.exp_()), dim=-1, keepdim=True, out=entropy_N1[rows])
             del logp_CV
-        ctx.save_for_backward(hidden_NH, weight_VH, tokens_N1, entropy_N1)
+        ctx.save_for_backward(hidden_NH, weight_VH, tokens_N1, logp_N1, entropy_N1)
         ctx.temperature = temperature
         ctx.set_materialize_grads(False)
         return logp_N1, entropy_N1
@@ -213,23 +212,35 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp_N1, grad_entropy_N1):
-        hidden_NH, weight_VH, tokens_N1, entropy_N1 = ctx.saved_tensors
+        hidden_NH, weight_VH, tokens_N1, logp_N1, entropy_N1 = ctx.saved_tensors
         temperature = ctx.temperature
         num_rows, vocab = hidden_NH.shape[0], weight_VH.shape[0]
-        zeros_N1 = torch.zeros_like(entropy_N1)
-        g_logp_N1 = zeros_N1 if grad_logp_N1 is None else grad_logp_N1.float()
-        g_entropy_N1 = zeros_N1 if grad_entropy_N1 is None else grad_entropy_N1.float()
+        g_logp_N1 = torch.zeros_like(logp_N1) if grad_logp_N1 is None else grad_logp_N1.float()
+        # The usual case, the logprobs' gradient alone at temperature 1, as `token_logprobs`: softmax reads
+        # the logits in their dtype (accumulating in float32) and its product with the coefficient is the
+        # logit gradient, two passes over a low-precision chunk. Otherwise all of it in float32.
+        low_precision = grad_entropy_N1 is None and temperature == 1.0
+        neg_coef_N1 = (-g_logp_N1 / temperature).to(hidden_NH.dtype)
+        # The sampled token's entry of d log p_y, coef * (1 - p_y), from the saved float32 log p_y.
+        target_N1 = g_logp_N1 / temperature * -torch.expm1(logp_N1)
         grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for rows in _head_chunks(num_rows, vocab):
-            logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
-            p_CV = torch.exp(logp_CV)
-            # dz_v = [g_logp (1[v == y] - p_v) - g_H p_v (log p_v + H)] / temperature, in float32
-            grad_z_CV = logp_CV.add_(entropy_N1[rows]).mul_(g_entropy_N1[rows]).add_(g_logp_N1[rows])
-            grad_z_CV.mul_(p_CV).neg_()
-            del p_CV
-            grad_z_CV.scatter_add_(1, tokens_N1[rows], g_logp_N1[rows])
-            grad_z_CV = grad_z_CV.div_(temperature).to(hidden_NH.dtype)
+            if low_precision:
+                grad_z_CV = torch.softmax(hidden_NH[rows] @ weight_VH.T, dim=-1).mul_(neg_coef_N1[rows])
+                grad_z_CV.scatter_(1, tokens_N1[rows], target_N1[rows].to(grad_z_CV.dtype))
+            else:
+                logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
+                p_CV = torch.exp(logp_CV)
+                # dz_v = [g_logp (1[v == y] - p_v) - g_H p_v (log p_v + H)] / temperature
+                if grad_entropy_N1 is None:
+                    grad_z_CV = p_CV.mul_(-g_logp_N1[rows])
+                else:
+                    grad_z_CV = logp_CV.add_(entropy_N1[rows]).mul_(grad_entropy_N1[rows].float())
+                    grad_z_CV = grad_z_CV.add_(g_logp_N1[rows]).mul_(p_CV).neg_()
+                del logp_CV, p_CV
+                grad_z_CV.scatter_add_(1, tokens_N1[rows], g_logp_N1[rows])
+                grad_z_CV = grad_z_CV.div_(temperature).to(hidden_NH.dtype)
             if grad_hidden_NH is not None:
                 torch.mm(grad_z_CV, weight_VH, out=grad_hidden_NH[rows])
             if grad_weight_VH is not None:
