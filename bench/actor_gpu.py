@@ -67,7 +67,7 @@ MODELS = {
         mlp_only_layers=[], tie_word_embeddings=False,
     ),
 }  # fmt: skip
-CASES = ("plain", "molt", "molt-logits", "molt-ac", "molt-offload", "molt-cudnn")
+CASES = ("plain", "molt", "molt-logits", "molt-ac", "molt-offload", "molt-cudnn", "molt-compile")
 PROMPT_FRACTION = 4  # the first 1/4 of every row is prompt (not trained)
 
 
@@ -181,6 +181,10 @@ def molt_stepper(model_dir: str, case: str, micro_batch_size: int):
     worker = PolicyWorker(0, 1, "127.0.0.1", _free_port(), model_dir, config)
     if case == "molt-logits":
         worker._logprob_head = None  # the head's forward then gives logits (molt._sharding.logprob_head)
+    if case == "molt-compile":  # experiment: each decoder layer's forward through torch.compile
+        torch._dynamo.config.cache_size_limit = 64
+        for layer in worker.model.model.layers:
+            layer.forward = torch.compile(layer.forward)
     return worker.train_step
 
 

@@ -26,21 +26,21 @@ ROWS = [  # (tokens, loss mask): the second row is right padded
 ]
 
 
-def _config() -> Config:
+def _config(temperature: float, entropy_coef: float) -> Config:
     config = Config()
     return msgspec.structs.replace(
         config,
         actor=msgspec.structs.replace(config.actor, lr=1e-2, micro_batch_size=1),
-        algo=msgspec.structs.replace(config.algo, entropy_coef=0.05),  # the entropy's gradient trains too
-        rollout=msgspec.structs.replace(config.rollout, temperature=0.7),
+        algo=msgspec.structs.replace(config.algo, entropy_coef=entropy_coef),
+        rollout=msgspec.structs.replace(config.rollout, temperature=temperature),
     )
 
 
-def _step(model_dir, *, through_the_logits: bool) -> tuple[torch.Tensor, dict, dict[str, torch.Tensor]]:
+def _step(model_dir, config: Config, *, through_the_logits: bool) -> tuple[torch.Tensor, dict, dict]:
     """Logprobs before the step, the step's metrics and the parameters after it."""
     from molt._actor import PolicyWorker
 
-    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), _config())
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), config)
     try:
         assert worker._logprob_head is not None
         if through_the_logits:
@@ -61,9 +61,17 @@ def _step(model_dir, *, through_the_logits: bool) -> tuple[torch.Tensor, dict, d
         torch.distributed.destroy_process_group()
 
 
-def test_a_train_step_with_the_head_equals_one_through_the_logits(tiny_model_dir):
-    head_logp_BT, head_metrics, head_params = _step(tiny_model_dir, through_the_logits=False)
-    logits_logp_BT, logits_metrics, logits_params = _step(tiny_model_dir, through_the_logits=True)
+@pytest.mark.parametrize(
+    ("temperature", "entropy_coef"),
+    [
+        pytest.param(1.0, 0.0, id="logprobs-alone-at-T1"),  # the head's low-precision backward
+        pytest.param(0.7, 0.05, id="entropy-bonus-at-T0.7"),  # the entropy's gradient trains too
+    ],
+)
+def test_a_train_step_with_the_head_equals_one_through_the_logits(tiny_model_dir, temperature, entropy_coef):
+    config = _config(temperature, entropy_coef)
+    head_logp_BT, head_metrics, head_params = _step(tiny_model_dir, config, through_the_logits=False)
+    logits_logp_BT, logits_metrics, logits_params = _step(tiny_model_dir, config, through_the_logits=True)
     torch.testing.assert_close(head_logp_BT, logits_logp_BT, rtol=1e-5, atol=1e-5)
     assert head_metrics.keys() == logits_metrics.keys()
     for name, value in head_metrics.items():

@@ -128,9 +128,10 @@ class PolicyWorker:
     def _learning_rate(self) -> float:
         return self.config.actor.lr
 
-    def _forward(self, mb: TrainBatch) -> torch.Tensor:
-        """The model over `mb`: [B, T, 2] (log p of each next token, entropy of its distribution) from the
-        logprob head, or the [B, T, V] logits where it is not installed (`molt._sharding.logprob_head`)."""
+    def _forward(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over `mb`: from the logprob head, log p of each next token [B, T, 1] and the entropy
+        of its distribution [B, T]; where the head is not installed (`molt._sharding.logprob_head`), the
+        [B, T, V] logits and None."""
         from torch.distributed.tensor import DTensor
 
         # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
@@ -144,12 +145,14 @@ class PolicyWorker:
             head["next_tokens_BT"] = tokens_BT.roll(-1, dims=1)
         try:
             out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
+            entropy_BT = None if head is None else head.pop("entropy_BT")
         finally:
             if head is not None:
                 head.pop("next_tokens_BT")
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
         out_BTX = out_BTX.full_tensor() if isinstance(out_BTX, DTensor) else out_BTX
-        return out_BTX[:, : mb.tokens_BT.shape[1]]  # a blank image's column, if any, dropped
+        num_cols = mb.tokens_BT.shape[1]  # a blank image's column, if any, dropped
+        return out_BTX[:, :num_cols], None if entropy_BT is None else entropy_BT[:, :num_cols]
 
     def _token_stats(
         self, mb: TrainBatch, *, entropy: str = "none"
@@ -157,10 +160,9 @@ class PolicyWorker:
         """Per token t of `mb`: log p(token t | tokens before t) at the sampling temperature, and with
         `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0."""
         temperature = self.config.rollout.temperature
-        out_BTX = self._forward(mb)
-        if self._logprob_head is not None:  # the head gave them: no [B, T, V] logits exist
-            logp_next_BT, entropy_next_BT = out_BTX.unbind(dim=-1)
-            logp_BT = torch.nn.functional.pad(logp_next_BT[:, :-1], (1, 0))
+        out_BTX, entropy_next_BT = self._forward(mb)
+        if entropy_next_BT is not None:  # the head gave them: no [B, T, V] logits exist
+            logp_BT = torch.nn.functional.pad(out_BTX[:, :-1, 0], (1, 0))
         else:
             logp_BT = shifted_logprobs(out_BTX, mb.tokens_BT.to(self.device), temperature=temperature)
             if entropy == "none":

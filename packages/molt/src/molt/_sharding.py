@@ -150,9 +150,10 @@ def use_lean_mlps(model: torch.nn.Module) -> int:
 def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:
     """Make the policy's LM head give token logprobs and entropies instead of logits; returns its request.
 
-    While `request["next_tokens_BT"]` is set, the head maps the final hidden states [B, T, H] to [B, T, 2]:
-    log p(next token) and the entropy at each position, at the sampling temperature, through
-    `rlestimators.lm_head_logprobs`, so the [B, T, V] logits and their gradient never exist (at 16k tokens
+    While `request["next_tokens_BT"]` is set, the head maps the final hidden states [B, T, H] to [B, T, 1],
+    log p(next token) at each position at the sampling temperature, and leaves the entropy there [B, T] in
+    `request["entropy_BT"]` (apart, so that a detached entropy sends no gradient back), both through
+    `rlestimators.lm_head_logprobs`: the [B, T, V] logits and their gradient never exist (at 16k tokens
     and a 152k vocabulary, 2 x 4.6 GiB in bf16). Without it the head gives logits as before. It runs inside
     the head's own call, where FSDP2 has gathered its weight (tied embeddings included). Not installed
     (None) under tensor parallelism, whose plans shard the head over the vocabulary, or for a head that is
@@ -169,10 +170,10 @@ def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:
     def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
         if "next_tokens_BT" not in request:
             return logits_forward(hidden_BTH)
-        logp_BT, entropy_BT = lm_head_logprobs(
+        logp_BT, request["entropy_BT"] = lm_head_logprobs(
             hidden_BTH, head.weight, request["next_tokens_BT"], temperature=temperature
         )
-        return torch.stack([logp_BT, entropy_BT], dim=-1)
+        return logp_BT[..., None]
 
     head.forward = forward
     return request
