@@ -10,7 +10,9 @@ runs in its own subprocess, one after the other on the same GPU, on the same bat
 - `molt`, `molt-ac`, `molt-offload`, `molt-cudnn`, `molt-logits`: the real `molt._actor.PolicyWorker`
   (NeMo AutoModel + FSDP2, one rank) built in-process as the GPU tests build it, with float32 master
   weights and bf16 compute (`--model.dtype float32 --actor.compute_dtype bfloat16`); `molt-ac` adds
-  `--actor.activation_checkpointing`, `molt-offload` adds `--fsdp.offload`, `molt-cudnn` is `molt` with
+  `--actor.activation_checkpointing`, `molt-offload` adds `--fsdp.offload`, `molt-compile*` add
+  `--actor.compile` (each decoder layer through torch.compile) to `molt`, `molt-ac`, `molt-offload`;
+  the compilation happens in the warm-up step, outside the timed ones. `molt-cudnn` is `molt` with
   cuDNN's attention made the only SDPA kernel of the process (torch ranks it last), and `molt-logits` is
   `molt` with the policy's LM head giving logits again (the path before `rlestimators.lm_head_logprobs`,
   still the one under tensor parallelism): chunked logprobs and entropy from [B, T, V] logits. A step is
@@ -67,7 +69,8 @@ MODELS = {
         mlp_only_layers=[], tie_word_embeddings=False,
     ),
 }  # fmt: skip
-CASES = ("plain", "molt", "molt-logits", "molt-ac", "molt-offload", "molt-cudnn", "molt-compile")
+CASES = ("plain", "molt", "molt-compile", "molt-ac", "molt-compile-ac", "molt-offload",
+         "molt-compile-offload", "molt-logits", "molt-cudnn")  # fmt: skip
 PROMPT_FRACTION = 4  # the first 1/4 of every row is prompt (not trained)
 
 
@@ -174,17 +177,14 @@ def molt_stepper(model_dir: str, case: str, micro_batch_size: int):
             lr=1e-6,
             compute_dtype="bfloat16",
             micro_batch_size=micro_batch_size,
-            activation_checkpointing=case == "molt-ac",
+            activation_checkpointing=case in ("molt-ac", "molt-compile-ac"),
+            compile=case.startswith("molt-compile"),
         ),
-        fsdp=FSDP(offload=case == "molt-offload"),
+        fsdp=FSDP(offload=case in ("molt-offload", "molt-compile-offload")),
     )
     worker = PolicyWorker(0, 1, "127.0.0.1", _free_port(), model_dir, config)
     if case == "molt-logits":
         worker._logprob_head = None  # the head's forward then gives logits (molt._sharding.logprob_head)
-    if case == "molt-compile":  # experiment: each decoder layer's forward through torch.compile
-        torch._dynamo.config.cache_size_limit = 64
-        for layer in worker.model.model.layers:
-            layer.forward = torch.compile(layer.forward)
     return worker.train_step
 
 
@@ -382,7 +382,7 @@ def main() -> None:
         model_dir = build_model(model, Path(args.workdir) / model)
         for context in (int(c) for c in args.contexts.split(",")):
             for case in args.cases.split(","):
-                if case == "molt-offload" and context not in offload_contexts:
+                if case.endswith("offload") and context not in offload_contexts:
                     continue
                 result = run_in_subprocess(args, model, model_dir, context, case)
                 profile = result.pop("profile", None)

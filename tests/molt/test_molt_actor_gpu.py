@@ -74,3 +74,36 @@ def test_critic_and_frozen_workers_on_cuda(tiny_model_dir):
     assert frozen.optimizer is None and not any(p.requires_grad for p in frozen.model.parameters())
     assert frozen.logprobs(batch).shape == batch.tokens_BT.shape
     torch.distributed.destroy_process_group()
+
+
+def test_compiled_layers_train_as_the_eager_ones(tiny_model_dir):
+    """--actor.compile: the same logprobs and the same step, over two row lengths (a static compile, then a
+    dynamic one)."""
+    from molt._actor import PolicyWorker
+
+    batches = [
+        collate([([1, 5, 9, 11, 12], [0, 0, 0, 1, 1], [-4.0] * 5, 1.0),
+                 ([1, 6, 7, 13], [0, 0, 1, 1], [-4.0] * 4, -1.0)], pad_id=0),
+        collate([([1, 8, 14, 3, 5, 9, 2], [0, 0, 1, 1, 1, 1, 1], [-4.0] * 7, 0.5)], pad_id=0),
+    ]  # fmt: skip
+    results = []
+    for compiled in (False, True):
+        config = msgspec.structs.replace(
+            Config(),
+            actor=Actor(lr=1e-2, micro_batch_size=2, compile=compiled),
+            rollout=Rollout(temperature=0.7),
+        )
+        worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+        layers = worker.model.model.layers
+        assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") == compiled for layer in layers)
+        runs = []
+        for batch in batches:
+            logp_BT = worker.logprobs(batch)
+            runs.append((logp_BT, worker.train_step(batch), worker.logprobs(batch)))
+        results.append(runs)
+        torch.distributed.destroy_process_group()
+    for (eager_logp, eager_metrics, eager_after), (logp, metrics, after) in zip(*results, strict=True):
+        torch.testing.assert_close(logp, eager_logp, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(after, eager_after, atol=1e-4, rtol=1e-4)
+        for name, value in eager_metrics.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-3, abs=1e-5), name

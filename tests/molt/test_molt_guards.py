@@ -53,10 +53,16 @@ def _refused(args: list[str], flags: list[str]) -> None:
         pytest.param(
             ["--vllm.tensor_parallel_size", "2"], ["--vllm.tensor_parallel_size"], id="engine-tp-on-cpu"
         ),
+        pytest.param(["--actor.compile"], ["--actor.compile", "CUDA"], id="compile-on-cpu"),
     ],
 )
 def test_config_guards_refuse_on_cpu(cpu_only, args, flags):
     _refused(args, flags)
+
+
+def test_compiled_layers_are_refused_with_routing_replay(with_cuda):
+    _refused(["--actor.compile", "--train.routing_replay"], ["--actor.compile", "--train.routing_replay"])
+    assert resolve(["--actor.compile"]).actor.compile
 
 
 def test_context_parallelism_message_says_sequences_must_be_unpacked(cpu_only):

@@ -12,7 +12,8 @@ from molt.config import Config
 
 __all__ = [
     "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "logprob_head",
-    "params_by_mesh", "replicas", "sum_gradients_over_ranks", "use_lean_mlps", "use_lean_rms_norms",
+    "compile_layers", "params_by_mesh", "replicas", "sum_gradients_over_ranks", "use_lean_mlps",
+    "use_lean_rms_norms",
 ]  # fmt: skip
 
 
@@ -86,6 +87,8 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
         use_lean_mlps(model)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
         shard_one_rank(model, setup.strategy_config, device)
+    if config.actor.compile:
+        compile_layers(model)
     return model
 
 
@@ -179,6 +182,26 @@ def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:
     return request
 
 
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: a ModuleList, or a ModuleDict in AutoModel's MoE models."""
+    layers = model.model.layers
+    return list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """--actor.compile: each decoder layer's forward through torch.compile; returns how many.
+
+    Only the layer's own computation is compiled: FSDP2's hooks (gathering the weights, reducing the
+    gradients) run around it as before. The layers share one code object and, with their weights as
+    inputs, one compiled graph; a new row length compiles again once, then shapes are dynamic.
+    """
+    layers = decoder_layers(model)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
+
+
 def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> None:
     """FSDP2 over a one-rank mesh, one unit per decoder layer plus the root, in place.
 
@@ -192,8 +215,7 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
 
     mesh = init_device_mesh(device.type, (1,))
     policies = {"mp_policy": strategy.mp_policy, "offload_policy": strategy.offload_policy or OffloadPolicy()}
-    layers = model.model.layers  # decoder layers: a ModuleList, or a ModuleDict in AutoModel's MoE models
-    for layer in layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers:
+    for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, **policies)
     fully_shard(model, mesh=mesh, **policies)
 

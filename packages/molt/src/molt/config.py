@@ -186,6 +186,10 @@ class Actor(_Group):
     """Sequences per forward/backward pass; does not change the update."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    compile: bool = False
+    """Compile each decoder layer with torch.compile (CUDA only): its elementwise work (norms, rotary
+    embeddings, activations, casts) fuses into fewer kernels. The first steps of each new row length pay
+    the compilation."""
     compute_dtype: Literal["model", "float32", "bfloat16"] = "model"
     """dtype of the forward and backward passes and of the weights a refit sends; model = --model.dtype.
     --model.dtype float32 with bfloat16 here keeps float32 master weights and optimizer state (FSDP2 mixed
@@ -400,6 +404,16 @@ def _check_parallelism(config: Config) -> None:
             "--vllm.tensor_parallel_size, --vllm.data_parallel_size, --vllm.enable_expert_parallel and "
             "--vllm.mtp_num_speculative_tokens need CUDA engines; the CPU engine runs one process without "
             "speculation: leave them at their defaults"
+        )
+    if config.actor.compile and not _cuda_available():
+        raise ConfigError(
+            "--actor.compile runs only on CUDA (the CPU actor trains small models in eager mode): "
+            "drop --actor.compile"
+        )
+    if config.actor.compile and config.train.routing_replay:
+        raise ConfigError(
+            "--actor.compile with --train.routing_replay: replay swaps each router's choice per call from "
+            "Python hooks, which compiled layers are not tested to follow; drop one of the two"
         )
     if config.train.routing_replay and not _cuda_available():
         raise ConfigError(
