@@ -60,8 +60,10 @@ def test_config_guards_refuse_on_cpu(cpu_only, args, flags):
     _refused(args, flags)
 
 
-def test_compiled_layers_are_refused_with_routing_replay(with_cuda):
+def test_compiled_layers_are_refused_with_routing_replay_or_checkpointing(with_cuda):
     _refused(["--actor.compile", "--train.routing_replay"], ["--actor.compile", "--train.routing_replay"])
+    both = ["--actor.compile", "--actor.activation_checkpointing"]
+    _refused(both, both)
     assert resolve(["--actor.compile"]).actor.compile
 
 

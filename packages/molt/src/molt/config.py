@@ -410,6 +410,12 @@ def _check_parallelism(config: Config) -> None:
             "--actor.compile runs only on CUDA (the CPU actor trains small models in eager mode): "
             "drop --actor.compile"
         )
+    if config.actor.compile and config.actor.activation_checkpointing:
+        raise ConfigError(
+            "--actor.compile with --actor.activation_checkpointing: AutoModel's checkpoint wrapper passes "
+            "torch.utils.checkpoint a context that torch.compile refuses; drop one of the two (compiled "
+            "layers without checkpointing fit where the logprob head and lean MLPs leave room)"
+        )
     if config.actor.compile and config.train.routing_replay:
         raise ConfigError(
             "--actor.compile with --train.routing_replay: replay swaps each router's choice per call from "
