@@ -176,7 +176,7 @@ def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:
         logp_BT, request["entropy_BT"] = lm_head_logprobs(
             hidden_BTH, head.weight, request["next_tokens_BT"], temperature=temperature
         )
-        return logp_BT[..., None]
+        return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
 
     head.forward = forward
     return request
