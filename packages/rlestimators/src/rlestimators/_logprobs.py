@@ -220,15 +220,16 @@ class _HeadLogprobs(torch.autograd.Function):
         # the logits in their dtype (accumulating in float32) and its product with the coefficient is the
         # logit gradient, two passes over a low-precision chunk. Otherwise all of it in float32.
         low_precision = grad_entropy_N1 is None and temperature == 1.0
-        neg_coef_N1 = (-g_logp_N1 / temperature).to(hidden_NH.dtype)
-        # The sampled token's entry of d log p_y, coef * (1 - p_y), from the saved float32 log p_y.
-        target_N1 = g_logp_N1 / temperature * -torch.expm1(logp_N1)
+        if low_precision:
+            neg_coef_N1 = (-g_logp_N1).to(hidden_NH.dtype)
+            # The sampled token's entry, g_logp * (1 - p_y), from the saved float32 log p_y: one rounding.
+            target_N1 = (g_logp_N1 * -torch.expm1(logp_N1)).to(hidden_NH.dtype)
         grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for rows in _head_chunks(num_rows, vocab):
             if low_precision:
                 grad_z_CV = torch.softmax(hidden_NH[rows] @ weight_VH.T, dim=-1).mul_(neg_coef_N1[rows])
-                grad_z_CV.scatter_(1, tokens_N1[rows], target_N1[rows].to(grad_z_CV.dtype))
+                grad_z_CV.scatter_(1, tokens_N1[rows], target_N1[rows])
             else:
                 logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
                 p_CV = torch.exp(logp_CV)
