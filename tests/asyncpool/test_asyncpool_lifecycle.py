@@ -71,8 +71,8 @@ def test_an_instant_failure_backs_off_and_its_traceback_is_logged_once(caplog):
     with caplog.at_level(logging.DEBUG, logger="asyncpool"):
         asyncio.run(main())
     # 3 prompts x 2 samples x (1 + 2 retries) at most. A group fails as soon as one sample runs out of
-    # retries, so its sibling's last attempt may be cancelled with the group (seen once in CI: 17).
-    assert 3 * (1 + 2) <= len(attempts) <= 18
+    # retries, so its sibling, on the same back-off schedule, may lose its last attempt (seen once: 17).
+    assert 3 * (3 + 2) <= len(attempts) <= 18
     assert attempts[-1] - attempts[0] >= 0.05 + 0.1  # the back-off doubles: 0.05 s, then 0.1 s
     assert len([record for record in caplog.records if record.exc_info]) == 1
 
