@@ -2,7 +2,8 @@
 
 It exists so a test can have a second engine (this machine runs one real vLLM server at a time) and
 kill it mid-refit. It speaks the same HTTP endpoints and the same refit_gloo wire protocol (header,
-then bucket, planned by refit._buckets) as refit.vllm_worker, and stores what it receives.
+then bucket, planned by refit._buckets, received by refit._transport) as refit.vllm_worker, and
+stores what it receives.
 Run: python fake_engine.py MODEL_DIR PORT
 """
 
@@ -19,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
-from refit._transport import ABORT, broadcast, join_gloo_group
+from refit._transport import Incoming, join_gloo_group
 
 STATE = {"version": "0", "paused": False, "group": None, "weights": {}}
 LOCK = threading.Lock()
@@ -39,15 +40,15 @@ def receive(info: dict) -> None:
     specs = [
         ParamSpec.from_json(i) for i in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)
     ]
-    header = torch.zeros(1, dtype=torch.int64)
-    for bucket in plan_buckets(specs, info["bucket_bytes"]):
-        broadcast(STATE["group"], header).wait()
-        if int(header) == ABORT:
-            raise RuntimeError("trainer aborted")
-        payload = torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8)
-        broadcast(STATE["group"], payload).wait()
-        for name, tensor in unpack_bucket(payload, [specs[i] for i in bucket]):
-            STATE["weights"][name] = tensor.clone()
+    plan = plan_buckets(specs, info["bucket_bytes"])
+    payloads = [torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8) for bucket in plan]
+    incoming = Incoming(STATE["group"], payloads)
+    try:
+        for index, bucket in enumerate(plan):
+            for name, tensor in unpack_bucket(incoming.wait(index), [specs[i] for i in bucket]):
+                STATE["weights"][name] = tensor.clone()
+    finally:
+        incoming.drain()
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -172,34 +173,41 @@ class _Run:
         receivers = {
             e: self.pool.submit(e.update_weights, e.update_info(specs, bucket_bytes)) for e in self.live
         }
+        self.buckets_sent = 0
         try:
             self._send(params, specs, plan)
         except BaseException as exc:  # the trainer itself failed: tell every engine to roll back
+            unsent = [bucket_nbytes(specs, b) for b in plan[self.buckets_sent :]]
             for engine in list(self.live):
-                self._abort(engine)
+                self._abort(engine, unsent)
                 self.fail(engine, "transfer", RuntimeError(f"trainer aborted the transfer: {exc!r}"))
         for engine, future in receivers.items():
             if engine in self.live:
                 self._result(engine, "transfer", future)
         self.seconds["transfer"] = time.perf_counter() - began
 
-    def _abort(self, engine: Engine) -> None:
+    def _abort(self, engine: Engine, unsent: list[int]) -> None:
         with contextlib.suppress(Exception):  # it is reported as failed already; its pipe may be gone too
-            engine.channel.abort()
+            engine.channel.abort(unsent)
 
     def _send(self, params: FullParams, specs: list[ParamSpec], plan: list[range]) -> None:
-        """Gather, pack and send bucket by bucket; two buffers so packing overlaps the previous send."""
+        """Gather, pack and send bucket by bucket, into two buffers: each bucket is queued for sending as
+        soon as it is packed (behind the one on the wire), and packing the next waits only for the
+        send of the bucket whose buffer it reuses, so the wire never waits for the packing."""
         device = "cuda" if any(e.backend == NCCL_BACKEND for e in self.live) else "cpu"
         buffers_2N = _send_buffers(device, max((bucket_nbytes(specs, b) for b in plan), default=0))
-        pending: dict[Engine, list] = {}
+        in_flight: deque[dict[Engine, list]] = deque()
         self.seconds["gather_pack"] = 0.0
         began = started = time.perf_counter()
         for index, payload_N in packed_buckets(iter(params), specs, plan, buffers_2N):
             self.seconds["gather_pack"] += time.perf_counter() - began
-            self._wait(pending)  # bucket index-1 is out, so bucket index+1 may reuse its buffer
-            pending = {e: self._try_send(e, index, payload_N) for e in self.live}
+            in_flight.append({e: self._try_send(e, index, payload_N) for e in self.live})
+            self.buckets_sent = index + 1
+            if len(in_flight) == len(buffers_2N):  # the next bucket reuses the oldest one's buffer
+                self._wait(in_flight.popleft())
             began = time.perf_counter()
-        self._wait(pending)
+        while in_flight:
+            self._wait(in_flight.popleft())
         self.seconds["send"] = time.perf_counter() - started  # gather + pack + broadcast, all buckets
 
     def _try_send(self, engine: Engine, index: int, payload_N: torch.Tensor) -> list:

@@ -5,8 +5,10 @@ group, so the others still receive every bucket. Two kinds:
 
 - gloo (CPU, our `refit_gloo` vLLM backend): a TCPStore hosted by the trainer plus a ProcessGroupGloo,
   built from torch alone on both ends (no global process group is touched). Each bucket is preceded by
-  a one-element header (the bucket index, or -1 to abort), so a trainer-side failure mid-transfer tells
-  the engine to roll back instead of leaving it blocked in a receive.
+  a one-element header (the bucket index, or -1 = aborted). The receiver posts every receive of the
+  refit at once (`Incoming`), so the stream must always run to its end: a trainer that fails
+  mid-transfer sends the remaining buckets as aborted junk (`GlooChannel.abort`), and the engine,
+  having seen an aborted header, rolls back instead of loading.
 - nccl (GPU, vLLM's own `nccl` backend): vLLM's StatelessProcessGroup + PyNcclCommunicator, because the
   engine side rendezvouses that way. vLLM is imported only here, lazily. vLLM's NCCL consumer has no
   header, so an abort cannot be signalled: the engine stays paused and is reported (see `_refit.py`).
@@ -14,12 +16,13 @@ group, so the others still receive every bucket. Two kinds:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["join_gloo_group", "GlooChannel", "NcclChannel", "ABORT"]
+__all__ = ["join_gloo_group", "Incoming", "GlooChannel", "NcclChannel", "ABORT"]
 
 ABORT = -1  # header value that tells a gloo engine to roll back
 
@@ -50,6 +53,38 @@ def broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> dist.Work:
     return group.broadcast([tensor], options)
 
 
+class Incoming:
+    """One refit's buckets arriving into `buffers` (uint8, one per bucket, sized by the plan).
+
+    Every receive is posted at once, before the first is waited for, so gloo's threads take bucket
+    after bucket off the wire with no Python (and no GIL) between them, whatever the caller does
+    meanwhile. The stream always runs to its end (a trainer that fails sends the rest as aborted
+    junk), so `drain` must follow, even after an error, before the group carries another refit.
+    """
+
+    def __init__(self, group: dist.ProcessGroupGloo, buffers: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.headers = torch.full((len(buffers),), ABORT - 1, dtype=torch.int64)
+        self.works = [
+            (broadcast(group, self.headers[index : index + 1]), broadcast(group, buffer_N))
+            for index, buffer_N in enumerate(buffers)
+        ]
+
+    def wait(self, index: int) -> torch.Tensor:
+        """Bucket `index`, once it has arrived; raises `RuntimeError` if the trainer aborted it."""
+        for work in self.works[index]:
+            work.wait()
+        if int(self.headers[index]) != index:
+            raise RuntimeError(f"refit_gloo: the trainer aborted the transfer at bucket {index}")
+        return self.buffers[index]
+
+    def drain(self) -> None:
+        """Wait for the rest of the stream (errors here are the ones already raised, or a dead peer)."""
+        for work in (work for pair in self.works for work in pair):
+            with contextlib.suppress(Exception):
+                work.wait()
+
+
 class GlooChannel:
     """Trainer end of one engine's gloo group. `send` is asynchronous: `wait` on what it returns."""
 
@@ -62,8 +97,16 @@ class GlooChannel:
         header = torch.tensor([index], dtype=torch.int64)
         return [broadcast(self.group, header), broadcast(self.group, payload_N)]
 
-    def abort(self) -> None:
-        broadcast(self.group, torch.tensor([ABORT], dtype=torch.int64)).wait()
+    def abort(self, sizes: list[int]) -> None:
+        """Send the buckets not yet sent (their byte `sizes`) as aborted: an ABORT header and junk each,
+        so the engine's posted receives all complete and it rolls back."""
+        header = torch.tensor([ABORT], dtype=torch.int64)
+        junk_N = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
+        works = []
+        for num_bytes in sizes:
+            works += [broadcast(self.group, header), broadcast(self.group, junk_N[:num_bytes])]
+        for work in works:
+            work.wait()
 
     def close(self) -> None:
         self.group = None
@@ -84,7 +127,7 @@ class NcclChannel:
         self.comm.broadcast(payload_N, src=0)
         return []
 
-    def abort(self) -> None:
+    def abort(self, sizes: list[int]) -> None:
         pass  # vLLM's NCCL consumer has no abort signal; the caller keeps the engine paused.
 
     def close(self) -> None:

@@ -8,8 +8,8 @@ its own lifecycle (`/start_weight_update`, `/update_weights`, `/finish_weight_up
 
 Why a backend of our own: vLLM's built-in backends are CUDA-only. This one receives the same buckets
 the sender packs for vLLM's NCCL engine (`refit._buckets`), over a gloo group, each bucket preceded by
-a header (its index, or -1 = the trainer aborted), on a receiver thread that runs ahead of the
-loads. It reloads layer by layer
+a header (its index, or -1 = the trainer aborted), into receive buffers kept between refits (one copy
+of the weights in host memory), every receive posted before the first load. It reloads layer by layer
 (`initialize_layerwise_reload` → `load_weights` → `finalize_layerwise_reload`), because on the CPU
 build a plain `load_weights` fails half way (weights are repacked for oneDNN).
 
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +35,18 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.logger import init_logger
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
 from refit._engine import GLOO_BACKEND
 from refit._names import in_trainer_names
-from refit._transport import ABORT, broadcast, join_gloo_group
+from refit._transport import Incoming, join_gloo_group
 
 __all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension"]
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.last_timings: dict[str, float] = {}
+        self._arena: torch.Tensor | None = None  # receive buffers, kept between refits
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -108,46 +110,50 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise
 
     def _receive(self, specs: list[ParamSpec], bucket_bytes: int) -> None:
-        """Load buckets as a thread receives them. The receiver never waits for a load, so the
-        trainer's broadcasts never do either and small buckets pipeline packing, wire and reload.
-        Its price: received buckets may pile up, at most the refit's bytes (CPU engines only)."""
+        """Post the receive of every bucket at once, then load each as it arrives: the wire never
+        waits for a load or for this thread (which holds the GIL while loading), so small buckets
+        pipeline the trainer's packing, the wire and the reload."""
         plan = plan_buckets(specs, bucket_bytes)
-        inbox: queue.SimpleQueue = queue.SimpleQueue()  # received, not yet loaded
-        receiver = threading.Thread(target=self._receive_into, args=(specs, plan, inbox), daemon=True)
-        receiver.start()
-        try:
-            for bucket in plan:
-                payload_N = inbox.get()
-                if isinstance(payload_N, BaseException):
-                    raise payload_N
-                began = time.perf_counter()
-                self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
-                self.last_timings["load_s"] += time.perf_counter() - began
-        finally:  # after a load error the receiver still takes the rest: the trainer's stream completes
-            receiver.join()
-
-    def _receive_into(self, specs: list[ParamSpec], plan: list[range], inbox: queue.SimpleQueue) -> None:
-        """Receiver thread: every bucket (or the error that stopped it) goes into `inbox`, in order."""
-        began, header = time.perf_counter(), torch.zeros(1, dtype=torch.int64)
+        incoming = Incoming(self.group, self._receive_buffers([bucket_nbytes(specs, b) for b in plan]))
+        began = time.perf_counter()
         try:
             for index, bucket in enumerate(plan):
-                broadcast(self.group, header).wait()
-                if int(header) == ABORT:
-                    raise RuntimeError(f"refit_gloo: the trainer aborted the transfer before bucket {index}")
-                assert int(header) == index, f"bucket {int(header)} arrived, expected {index}"
-                # A fresh buffer per bucket: layerwise reload keeps views of it until the layer is
-                # complete, which may be several buckets later.
-                payload_N = torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8)
-                broadcast(self.group, payload_N).wait()
-                inbox.put(payload_N)
-        except BaseException as exc:
-            inbox.put(exc)
-        self.last_timings["recv_s"] = time.perf_counter() - began
+                payload_N = incoming.wait(index)
+                loading = time.perf_counter()
+                self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
+                self.last_timings["load_s"] += time.perf_counter() - loading
+        finally:  # after an error the rest of the stream still arrives: take it before rolling back
+            incoming.drain()
+            self.last_timings["recv_s"] = time.perf_counter() - began
+
+    def _receive_buffers(self, sizes: list[int]) -> list[torch.Tensor]:
+        """One buffer per bucket, carved from host memory kept between refits (one copy of the weights):
+        fresh memory costs a page fault per 4 KiB on every refit (a raw gloo broadcast into fresh memory
+        takes 2-3x as long as into a warm buffer, bench/refit_cpu.py). Reusing it is safe because
+        layerwise reload copies each loaded tensor into the layer's own storage
+        (`_forget_buffers_if_kept` checks that after every refit)."""
+        starts = [0]
+        for num_bytes in sizes:  # each bucket starts 64-byte aligned, so its tensors view as any dtype
+            starts.append(starts[-1] + -(-num_bytes // 64) * 64)
+        if self._arena is None or self._arena.numel() < starts[-1]:
+            self._arena = torch.empty(starts[-1], dtype=torch.uint8)
+        return [self._arena[start : start + n] for start, n in zip(starts, sizes, strict=False)]
+
+    def _forget_buffers_if_kept(self) -> None:
+        """Drop the receive buffers if any model tensor lives in them (then the next refit allocates)."""
+        if self._arena is None:
+            return
+        arena = self._arena.untyped_storage().data_ptr()
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if any(t.untyped_storage().data_ptr() == arena for t in tensors):
+            logger.warning("refit_gloo: a model tensor kept a view of the receive buffers; not reusing them")
+            self._arena = None
 
     def finish_weight_update(self) -> None:
         began = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         _repack_tied(self.model)
+        self._forget_buffers_if_kept()
         self.last_timings["finish_s"] = time.perf_counter() - began
 
     def _roll_back(self) -> None:
@@ -160,6 +166,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         # With nothing buffered, finalize places each waiting layer's kernel tensors back.
         finalize_layerwise_reload(self.model, self.model_config)
         _repack_tied(self.model)
+        self._forget_buffers_if_kept()
 
     def shutdown(self) -> None:
         self.group = None
