@@ -2,9 +2,9 @@
 
 Starts one vLLM CPU server (refit_gloo backend) on a seeded tiny Qwen3 of the given size, refits it
 `--rounds` times with alternating weight sets, and prints the median seconds of each phase: pause,
-start (engine: initialise layerwise reload), transfer (trainer wall clock; the engine's share split
-into receiving and loading), finish (finalise reload), prefix-cache reset, resume. Between refits it
-broadcasts one buffer of the same byte count over a plain two-process gloo group, into a reused
+start (engine: initialise layerwise reload), transfer (trainer wall clock; on the engine, the wall
+clock from posting its receives to the last bucket, loads included, and the loads' own sum), finish
+(finalise reload), prefix-cache reset, resume. Between refits it broadcasts one buffer of the same byte count over a plain two-process gloo group, into a reused
 buffer and into fresh memory (round by round, so both sides of the ratio see the same load): the
 floor for the transfer on this machine. Usage:
 
@@ -114,7 +114,7 @@ def main() -> None:
         "check": "check names/shapes (HTTP)", "pause": "pause (mode=keep)", "start": "start (init reload)",
         "transfer": "transfer (trainer wall)", "send": "  trainer: gather+pack+bcast",
         "gather_pack": "    of which gather + pack",
-        "engine_recv": "  engine: receiver thread", "engine_load": "  engine: load_weights (sum)",
+        "engine_recv": "  engine: receive+load wall", "engine_load": "  engine: load_weights (sum)",
         "finish": "finish (finalize reload)", "reset_prefix_cache": "reset prefix cache", "resume": "resume",
         "total": "total (pause..resume)",
     }  # fmt: skip
