@@ -4,9 +4,10 @@ Starts one vLLM CPU server (refit_gloo backend) on a seeded tiny Qwen3 of the gi
 `--rounds` times with alternating weight sets, and prints the median seconds of each phase: pause,
 start (engine: initialise layerwise reload), transfer (trainer wall clock; on the engine, the wall
 clock from posting its receives to the last bucket, loads included, and the loads' own sum), finish
-(finalise reload), prefix-cache reset, resume. Between refits it broadcasts one buffer of the same byte count over a plain two-process gloo group, into a reused
-buffer and into fresh memory (round by round, so both sides of the ratio see the same load): the
-floor for the transfer on this machine. Usage:
+(finalise reload), prefix-cache reset, resume. Between refits it broadcasts one buffer of the same
+byte count over a plain two-process gloo group, into a reused buffer and into fresh memory (round by
+round, so both sides of the ratio see the same load): the floor for the transfer on this machine.
+Usage:
 
     uv run --no-sync python bench/refit_cpu.py --hidden 512 --layers 8 --bucket-mb 64
 """
