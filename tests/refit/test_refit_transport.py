@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from refit._transport import GlooChannel, Incoming, host_store, join_gloo_group
+from refit._transport import GlooChannel, Incoming, ReceiveBuffers, host_store, join_gloo_group
 
 SIZES = [4096, 17, 100_000, 64]  # bytes per bucket, one of them odd
 
@@ -85,24 +85,17 @@ def test_an_aborted_stream_names_its_bucket_completes_and_leaves_the_group_usabl
     assert all(torch.equal(g, w) for g, w in zip(out["got"], sent, strict=True))
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-def test_the_engine_reuses_its_receive_buffers_unless_a_weight_lives_in_them():
-    from refit.vllm_worker import GlooWeightTransferEngine
-
-    engine = object.__new__(GlooWeightTransferEngine)  # its buffer logic only: no vLLM worker here
-    engine._arena, engine.model = None, torch.nn.Linear(4, 4)
-    first = engine._receive_buffers(SIZES)
+def test_receive_buffers_are_kept_between_refits_unless_a_weight_lives_in_them():
+    buffers, model = ReceiveBuffers(), torch.nn.Linear(4, 4)
+    first = buffers.carve(SIZES)
     assert [b.numel() for b in first] == SIZES
     assert all(b.data_ptr() % 64 == 0 for b in first)  # any dtype views from a bucket's start
     assert len({b.untyped_storage().data_ptr() for b in first}) == 1  # carved from one block
-    engine._forget_buffers_if_kept()
-    again = engine._receive_buffers(SIZES)
+    assert not buffers.forget_if_used_by(list(model.parameters()))
+    again = buffers.carve(SIZES)
     assert [b.data_ptr() for b in again] == [b.data_ptr() for b in first]  # kept: no fresh pages
 
-    engine.model.weight.data = again[2][:64].view(torch.float32).view(4, 4)  # a loader that aliased
-    engine._forget_buffers_if_kept()
-    assert engine._arena is None
-    assert (
-        engine._receive_buffers(SIZES)[2].untyped_storage().data_ptr()
-        != again[2].untyped_storage().data_ptr()
-    )
+    model.weight.data = again[2][:64].view(torch.float32).view(4, 4)  # a loader that aliased
+    assert buffers.forget_if_used_by(list(model.parameters()))
+    fresh = buffers.carve(SIZES)[2]
+    assert fresh.untyped_storage().data_ptr() != again[2].untyped_storage().data_ptr()

@@ -22,7 +22,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-__all__ = ["join_gloo_group", "Incoming", "GlooChannel", "NcclChannel", "ABORT"]
+__all__ = ["join_gloo_group", "Incoming", "ReceiveBuffers", "GlooChannel", "NcclChannel", "ABORT"]
 
 ABORT = -1  # header value that tells a gloo engine to roll back
 
@@ -83,6 +83,34 @@ class Incoming:
         for work in (work for pair in self.works for work in pair):
             with contextlib.suppress(Exception):
                 work.wait()
+
+
+class ReceiveBuffers:
+    """An engine's receive buffers, one per bucket, carved from one block of host memory kept between
+    refits (one copy of the weights): fresh memory costs a page fault per 4 KiB on every refit (a raw
+    gloo broadcast into fresh memory takes 2-3x as long as into a warm buffer, bench/refit_cpu.py).
+    Reusing the block is safe only while no weight lives in it: `forget_if_used_by` checks that."""
+
+    def __init__(self) -> None:
+        self.block_N: torch.Tensor | None = None
+
+    def carve(self, sizes: list[int]) -> list[torch.Tensor]:
+        starts = [0]
+        for num_bytes in sizes:  # each bucket starts 64-byte aligned, so its tensors view as any dtype
+            starts.append(starts[-1] + -(-num_bytes // 64) * 64)
+        if self.block_N is None or self.block_N.numel() < starts[-1]:
+            self.block_N = torch.empty(starts[-1], dtype=torch.uint8)
+        return [self.block_N[start : start + n] for start, n in zip(starts, sizes, strict=False)]
+
+    def forget_if_used_by(self, tensors: list[torch.Tensor]) -> bool:
+        """Drop the block if any of `tensors` lives in it (the next `carve` allocates); True if so."""
+        if self.block_N is None:
+            return False
+        block = self.block_N.untyped_storage().data_ptr()
+        if any(t.untyped_storage().data_ptr() == block for t in tensors):
+            self.block_N = None
+            return True
+        return False
 
 
 class GlooChannel:

@@ -42,7 +42,7 @@ from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
 from refit._engine import GLOO_BACKEND
 from refit._names import in_trainer_names
-from refit._transport import Incoming, join_gloo_group
+from refit._transport import Incoming, ReceiveBuffers, join_gloo_group
 
 __all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension"]
 
@@ -82,7 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.last_timings: dict[str, float] = {}
-        self._arena: torch.Tensor | None = None  # receive buffers, kept between refits
+        self.buffers = ReceiveBuffers()  # kept between refits
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -114,7 +114,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         waits for a load or for this thread (which holds the GIL while loading), so small buckets
         pipeline the trainer's packing, the wire and the reload."""
         plan = plan_buckets(specs, bucket_bytes)
-        incoming = Incoming(self.group, self._receive_buffers([bucket_nbytes(specs, b) for b in plan]))
+        incoming = Incoming(self.group, self.buffers.carve([bucket_nbytes(specs, b) for b in plan]))
         began = time.perf_counter()
         try:
             for index, bucket in enumerate(plan):
@@ -126,28 +126,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             incoming.drain()
             self.last_timings["recv_s"] = time.perf_counter() - began
 
-    def _receive_buffers(self, sizes: list[int]) -> list[torch.Tensor]:
-        """One buffer per bucket, carved from host memory kept between refits (one copy of the weights):
-        fresh memory costs a page fault per 4 KiB on every refit (a raw gloo broadcast into fresh memory
-        takes 2-3x as long as into a warm buffer, bench/refit_cpu.py). Reusing it is safe because
-        layerwise reload copies each loaded tensor into the layer's own storage
-        (`_forget_buffers_if_kept` checks that after every refit)."""
-        starts = [0]
-        for num_bytes in sizes:  # each bucket starts 64-byte aligned, so its tensors view as any dtype
-            starts.append(starts[-1] + -(-num_bytes // 64) * 64)
-        if self._arena is None or self._arena.numel() < starts[-1]:
-            self._arena = torch.empty(starts[-1], dtype=torch.uint8)
-        return [self._arena[start : start + n] for start, n in zip(starts, sizes, strict=False)]
-
     def _forget_buffers_if_kept(self) -> None:
-        """Drop the receive buffers if any model tensor lives in them (then the next refit allocates)."""
-        if self._arena is None:
-            return
-        arena = self._arena.untyped_storage().data_ptr()
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        if any(t.untyped_storage().data_ptr() == arena for t in tensors):
+        """Layerwise reload copies each loaded tensor into the layer's own storage, so no weight should
+        live in the receive buffers; if one does, they are not reused (the next refit allocates)."""
+        if self.buffers.forget_if_used_by([*self.model.parameters(), *self.model.buffers()]):
             logger.warning("refit_gloo: a model tensor kept a view of the receive buffers; not reusing them")
-            self._arena = None
 
     def finish_weight_update(self) -> None:
         began = time.perf_counter()
