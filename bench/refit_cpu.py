@@ -10,12 +10,21 @@ round, so both sides of the ratio see the same load): the floor for the transfer
 Usage:
 
     uv run --no-sync python bench/refit_cpu.py --hidden 512 --layers 8 --bucket-mb 64
+
+`--engine fake` puts the refit tests' fake engine (tests/refit/fake_engine.py: the same HTTP calls and
+the same gloo receiver, `refit._transport.Incoming` into kept `ReceiveBuffers`, with a copy of each
+tensor as its load) in place of vLLM, for a machine without vLLM: the send and its ratio measure the
+same wire; the engine's phases are not vLLM's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -59,11 +68,46 @@ class RawBroadcast:
         return time.perf_counter() - began
 
 
+@contextlib.contextmanager
+def fake_engine(model_dir: Path, log_path: Path):
+    """The refit tests' fake engine in a process of its own; yields its URL."""
+    import httpx
+
+    from molt.vllm_server import free_port
+
+    port = free_port()
+    script = Path(__file__).resolve().parents[1] / "tests" / "refit" / "fake_engine.py"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(script), str(model_dir), str(port)], stdout=log, stderr=log
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        else:
+            raise RuntimeError(f"the fake engine did not answer; see {log_path}")
+        yield url
+    finally:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def vllm_engine(model_dir: Path, log_path: Path):
+    from molt.vllm_server import VLLMServer
+
+    with VLLMServer(model_dir, extra_args=refit.engine_flags(), log_path=log_path) as server:
+        yield server.url
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from molt.tiny import build_tiny_model
-    from molt.vllm_server import VLLMServer
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,6 +116,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--bucket-mb", type=float, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--engine", choices=["vllm", "fake"], default="vllm")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="refit-bench-"))
@@ -82,8 +127,9 @@ def main() -> None:
     models = [AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in dirs]
     bucket_bytes = int(args.bucket_mb * 2**20)
     rows: dict[str, list[float]] = {}
-    with VLLMServer(dirs[0], extra_args=refit.engine_flags(), log_path=work / "server.log") as server:
-        engine = refit.Engine(server.url)
+    serve = vllm_engine if args.engine == "vllm" else fake_engine
+    with serve(dirs[0], work / "server.log") as url:
+        engine = refit.Engine(url)
         stats = refit.update_weights(
             [engine], refit.full_params(models[1]), version="warmup", bucket_bytes=bucket_bytes
         )
@@ -95,8 +141,10 @@ def main() -> None:
             stats = refit.update_weights(
                 [engine], refit.full_params(models[round_ % 2]), version=round_, bucket_bytes=bucket_bytes
             )
-            worker = engine.worker_timings()[0]
-            seconds = dict(stats.seconds, engine_recv=worker["recv_s"], engine_load=worker["load_s"])
+            seconds = dict(stats.seconds, engine_recv=math.nan, engine_load=math.nan)
+            if args.engine == "vllm":
+                worker = engine.worker_timings()[0]
+                seconds.update(engine_recv=worker["recv_s"], engine_load=worker["load_s"])
             seconds["total"] = sum(
                 v for k, v in stats.seconds.items() if k not in ("check", "connect", "gather_pack", "send")
             )
@@ -108,6 +156,7 @@ def main() -> None:
 
     size_mib = stats.num_bytes / 2**20
     print(f"machine: {machine()}")
+    print(f"engine: {args.engine}")
     print(f"model: tiny Qwen3 hidden={args.hidden} layers={args.layers} fp32, {size_mib:.1f} MiB")
     print(f"{stats.num_buckets} bucket(s) of <= {args.bucket_mb:g} MiB (+1 tensor), median of {args.rounds}")
     print(f"{'phase':<28} {'seconds':>9}")

@@ -16,13 +16,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlparse
 
-import torch
 from safetensors import safe_open
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
-from refit._transport import Incoming, join_gloo_group
+from refit._transport import Incoming, ReceiveBuffers, join_gloo_group
 
 STATE = {"version": "0", "paused": False, "group": None, "weights": {}}
+BUFFERS = ReceiveBuffers()  # kept between refits, as the vLLM worker keeps its own
 LOCK = threading.Lock()
 
 
@@ -41,8 +41,7 @@ def receive(info: dict) -> None:
         ParamSpec.from_json(i) for i in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)
     ]
     plan = plan_buckets(specs, info["bucket_bytes"])
-    payloads = [torch.empty(bucket_nbytes(specs, bucket), dtype=torch.uint8) for bucket in plan]
-    incoming = Incoming(STATE["group"], payloads)
+    incoming = Incoming(STATE["group"], BUFFERS.carve([bucket_nbytes(specs, bucket) for bucket in plan]))
     try:
         for index, bucket in enumerate(plan):
             for name, tensor in unpack_bucket(incoming.wait(index), [specs[i] for i in bucket]):
