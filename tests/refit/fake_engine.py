@@ -42,12 +42,13 @@ def receive(info: dict) -> None:
     ]
     plan = plan_buckets(specs, info["bucket_bytes"])
     incoming = Incoming(STATE["group"], BUFFERS.carve([bucket_nbytes(specs, bucket) for bucket in plan]))
-    try:
-        for index, bucket in enumerate(plan):
-            for name, tensor in unpack_bucket(incoming.wait(index), [specs[i] for i in bucket]):
-                STATE["weights"][name] = tensor.clone()
+    try:  # every bucket first, then the copies: nothing here competes with the wire for the cores
+        payloads = [incoming.wait(index) for index in range(len(plan))]
     finally:
         incoming.drain()
+    for payload, bucket in zip(payloads, plan, strict=True):
+        for name, tensor in unpack_bucket(payload, [specs[i] for i in bucket]):
+            STATE["weights"][name] = tensor.clone()
 
 
 class Handler(BaseHTTPRequestHandler):

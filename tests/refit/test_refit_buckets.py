@@ -63,6 +63,30 @@ def test_pack_then_unpack_round_trips_bytes_exactly():
             torch.testing.assert_close(got, named[i][1], rtol=0, atol=0)
 
 
+def test_pack_on_several_threads_in_pieces_writes_the_same_bytes(monkeypatch):
+    import refit._buckets as buckets
+
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(n, generator=gen) for n in (1000, 7, 4096, 333, 2500)]
+    serial = torch.empty(sum(t.numel() * 4 for t in tensors), dtype=torch.uint8)
+    monkeypatch.setattr(buckets, "_pack_threads", lambda: 1)
+    pack_bucket(serial, tensors)
+    monkeypatch.setattr(buckets, "_pack_threads", lambda: 3)
+    monkeypatch.setattr(buckets, "_PACK_PIECE_BYTES", 1000)  # tensors split across pieces and threads
+    threaded = torch.zeros_like(serial)
+    assert pack_bucket(threaded, tensors) == serial.numel()
+    assert torch.equal(threaded, serial)
+    assert torch.equal(threaded[:4000].view(torch.float32), tensors[0])
+
+
+def test_pack_threads_leave_two_cores_to_the_wire(monkeypatch):
+    import refit._buckets as buckets
+
+    for cores, threads in ((1, 1), (2, 1), (4, 1), (6, 2), (16, 4), (64, 4)):
+        monkeypatch.setattr(buckets.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert buckets._pack_threads() == threads
+
+
 def test_pack_reads_non_contiguous_tensors_by_value():
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     buffer = torch.empty(48, dtype=torch.uint8)

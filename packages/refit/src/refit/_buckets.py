@@ -13,8 +13,11 @@ without vLLM (bench/refit_pack.py runs there). It refuses nothing; validation li
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -66,10 +69,11 @@ def pack_bucket(buffer_N: torch.Tensor, tensors: Iterable[torch.Tensor]) -> int:
 
     On a GPU: one `torch.cat(..., out=)` into a reused buffer, one batched kernel instead of a copy per
     tensor (per-tensor copies were host-bound at a third of cat's rate on an H200, bench/refit_pack.py).
-    On a CPU: one plain memcpy per tensor on the calling thread (numpy). torch's CPU copy (and cat, which
-    copies input by input) splits every tensor over its OpenMP threads, and on a loaded machine each
-    such split waits for a preempted thread: ~7 ms per 256 KiB tensor on the 2-core CI VM, a tenth of
-    memcpy's rate over a small model (bench/refit_cpu.py).
+    On a CPU: plain memcpys (numpy, which lets go of the GIL while it copies), in pieces of at most
+    4 MiB spread over `_pack_threads()` threads. torch's CPU copy (and cat, which copies input by
+    input) splits every tensor over its OpenMP threads, and on a loaded machine each such split waits
+    for a preempted thread: ~7 ms per 256 KiB tensor on the 2-core CI VM, a tenth of memcpy's rate over
+    a small model (bench/refit_cpu.py).
     """
     flats = [tensor.detach().contiguous().view(-1).view(torch.uint8) for tensor in tensors]
     num_bytes = sum(flat.numel() for flat in flats)
@@ -78,11 +82,34 @@ def pack_bucket(buffer_N: torch.Tensor, tensors: Iterable[torch.Tensor]) -> int:
         return num_bytes
     import numpy as np
 
-    out_N, offset = buffer_N.numpy(), 0
+    out_N, offset, pieces = buffer_N.numpy(), 0, []
     for flat in flats:
-        np.copyto(out_N[offset : offset + flat.numel()], flat.numpy())
-        offset += flat.numel()
+        source = flat.numpy()
+        for start in range(0, source.size, _PACK_PIECE_BYTES):
+            piece = source[start : start + _PACK_PIECE_BYTES]
+            pieces.append((out_N[offset + start : offset + start + piece.size], piece))
+        offset += source.size
+    threads = _pack_threads()
+    if threads == 1 or len(pieces) == 1:
+        for out, piece in pieces:
+            np.copyto(out, piece)
+    else:
+        list(_pack_pool(threads).map(lambda job: np.copyto(*job), pieces))
     return num_bytes
+
+
+_PACK_PIECE_BYTES = 4 << 20
+
+
+def _pack_threads() -> int:
+    """Threads that pack on a CPU: one per two cores beyond the two the wire itself keeps busy (the
+    sender's and the receiver's socket copies), at most four; one on a machine of two to five cores."""
+    return max(1, min(4, (len(os.sched_getaffinity(0)) - 2) // 2))
+
+
+@functools.cache
+def _pack_pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="refit-pack")
 
 
 def packed_buckets(
