@@ -104,7 +104,8 @@ _PACK_PIECE_BYTES = 4 << 20
 def _pack_threads() -> int:
     """Threads that pack on a CPU: one per two cores beyond the two the wire itself keeps busy (the
     sender's and the receiver's socket copies), at most four; one on a machine of two to five cores."""
-    return max(1, min(4, (len(os.sched_getaffinity(0)) - 2) // 2))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, (cores - 2) // 2))
 
 
 @functools.cache
