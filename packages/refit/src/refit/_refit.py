@@ -136,6 +136,7 @@ class _Run:
         self.live = engines
         self.failures: dict[str, tuple[str, BaseException]] = {}
         self.seconds: dict[str, float] = {}
+        self.buckets_sent = 0  # by `_send`: where a failed transfer's aborted rest begins
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="refit")
 
     def fail(self, engine: Engine, phase: str, error: BaseException) -> None:
@@ -173,7 +174,6 @@ class _Run:
         receivers = {
             e: self.pool.submit(e.update_weights, e.update_info(specs, bucket_bytes)) for e in self.live
         }
-        self.buckets_sent = 0
         try:
             self._send(params, specs, plan)
         except BaseException as exc:  # the trainer itself failed: tell every engine to roll back
