@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextvars
 import cProfile
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -143,14 +144,30 @@ def time_engine_calls() -> None:
     Engine.generate = timed_generate
 
 
+class GcPauses:
+    """Seconds of each garbage collection in this process (all of it tito's: the other threads wait)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._began = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._began)
+
+
 class ThreadServer:
     """uvicorn on loopback in a background thread of this process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, *, freeze: bool = True) -> None:
         import uvicorn
 
         from molt.vllm_server import free_port
 
+        self.freeze = freeze
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -158,6 +175,10 @@ class ThreadServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ThreadServer:
+        from tito._loopback import freeze_startup_objects
+
+        if self.freeze:  # as `tito serve` and molt's embedded server do when they start
+            freeze_startup_objects()
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -256,9 +277,11 @@ def measure(pool, engine_url: str, server: ThreadServer, app: TimedApp, engine_p
     for arm in urls:
         pool.submit(run_arm, arm, urls[arm], *workload).result()
     runs = []
+    collections = GcPauses()
     for round_index in range(1, args.rounds + 1):
         for arm in urls:
             app.records.clear()
+            collections.pauses.clear()
             tito_cpu, engine_cpu = server.cpu_seconds(), group_cpu_seconds(engine_pgid)
             result = pool.submit(run_arm, arm, urls[arm], *workload).result()
             result.update(
@@ -267,6 +290,7 @@ def measure(pool, engine_url: str, server: ThreadServer, app: TimedApp, engine_p
                 tito_cpu=server.cpu_seconds() - tito_cpu,
                 engine_cpu=group_cpu_seconds(engine_pgid) - engine_cpu,
                 records=list(app.records),
+                gc_pauses=list(collections.pauses),
             )
             runs.append(result)
     app.records.clear()
@@ -285,6 +309,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds of each arm (alternating)")
     parser.add_argument("--hidden", type=int, default=64, help="tiny model hidden size")
     parser.add_argument("--layers", type=int, default=2, help="tiny model layers")
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true",
+        help="serve without freezing startup objects out of garbage collection (for comparison)",
+    )  # fmt: skip
     parser.add_argument(
         "--profile", choices=("auto", "always", "never"), default="auto",
         help="one more cProfiled tito round (excluded from the numbers); auto: when a target is missed",
@@ -309,7 +337,8 @@ def main() -> None:
     tito = Tito([engine.url], model_dir, served_model_name=MODEL)
     app = TimedApp(create_app(tito))
     spawn = mp.get_context("spawn")
-    with engine, ThreadServer(app) as server, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+    server = ThreadServer(app, freeze=not args.no_gc_freeze)
+    with engine, server, ProcessPoolExecutor(1, mp_context=spawn) as pool:
         pgid = engine.process.pid  # the engine runs in its own session: its pid is the group id
         idle = group_cpu_seconds(pgid)
         time.sleep(2.0)
@@ -348,6 +377,7 @@ def report(runs: list[dict], alone: dict, args) -> bool:
     own = [record["total"] - record["engine"] for record in records]
     alone_own = [record["total"] - record["engine"] for record in alone["records"]]
     cpu_per_request = sum(r["tito_cpu"] for r in arms["tito"]) / len(latency["tito"])
+    pauses = [pause for run in arms["tito"] for pause in run["gc_pauses"]]
     ratio, own_p50 = rate["tito"] / rate["engine"], pct(own, 50)
     difference = pct(latency["tito"], 50) - pct(latency["engine"], 50)
     print(
@@ -361,7 +391,9 @@ def report(runs: list[dict], alone: dict, args) -> bool:
         f"(target p50 <= 2 ms: {'met' if own_p50 <= 2e-3 else 'NOT met'})\n"
         f"  one conversation alone ({len(alone_own)} turns): {p50_p90(alone_own)}\n"
         f"  its engine calls, as tito saw them: {p50_p90([r['engine'] for r in records])}\n"
-        f"  CPU of tito's server thread: {1e3 * cpu_per_request:.2f} ms per request"
+        f"  CPU of tito's server thread: {1e3 * cpu_per_request:.2f} ms per request\n"
+        f"  garbage collections in tito's process during its rounds: {len(pauses)}, "
+        f"{1e3 * sum(pauses):.0f} ms in all, longest {1e3 * max(pauses, default=0.0):.1f} ms"
     )
     return ratio >= 0.95 and own_p50 <= 2e-3
 

@@ -4,7 +4,9 @@ parameters fixed by the host, over the fake engine (see fake_engine.py)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
+import weakref
 
 import openai
 import pytest
@@ -37,6 +39,32 @@ async def test_served_on_the_callers_loop_to_a_real_sdk_client(fake_tito, fake_e
     assert session.capture.replies == [[11, 12, 13]]
     params = fake_engine.requests[-1]["sampling_params"]
     assert (params["temperature"], params["top_p"], params["max_tokens"]) == (0.7, 0.9, 3)
+
+
+class _Cyclic:
+    def __init__(self) -> None:
+        self.me = self
+
+
+async def test_serving_leaves_what_exists_at_start_out_of_cyclic_collection(fake_tito):
+    """Objects from before serving are frozen (a full collection of them would stall the loop); later
+    garbage is collected as usual."""
+    gc.unfreeze()
+    before = _Cyclic()
+    before_ref = weakref.ref(before)
+    try:
+        async with serve_on_loop(create_app(fake_tito)):
+            assert gc.get_freeze_count() > 0
+            after = _Cyclic()
+            after_ref = weakref.ref(after)
+            del before, after
+            gc.collect()
+            assert after_ref() is None
+            assert before_ref() is not None
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert before_ref() is None
 
 
 async def test_a_taken_port_is_an_error_not_an_exit(fake_tito):

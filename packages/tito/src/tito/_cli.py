@@ -36,10 +36,11 @@ def serve(
         raise typer.BadParameter(f"binding {host} exposes the server beyond this machine; pass --api-key too")
     import uvicorn
 
-    from ._loopback import KEEP_ALIVE_S
+    from ._loopback import KEEP_ALIVE_S, freeze_startup_objects
     from ._server import create_app
     from ._service import Tito
 
     tito = Tito(engine, model, served_model_name=served_model_name, dump=dump)
     app = create_app(tito, api_key=api_key)
+    freeze_startup_objects()
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
