@@ -8,8 +8,9 @@ engine when a seeded prompt's prefill is chunked: "CPU Generator does not use of
   tito:   the SDK talks to tito (uvicorn on loopback, in this process), one tito session per conversation
           (POST /sessions, the SDK's `base_url`, DELETE at the end); tito renders, detokenizes, captures,
           and calls the engine's token-level `/inference/v1/generate`.
-Each conversation has its own SDK client, as each agent would. Arms alternate (engine, tito, engine,
-tito, ...) after one warm-up of each, so drift in machine load hits both. The load generator runs in
+Each conversation has its own SDK client, as each agent would, made before the clock starts. Arms
+alternate (engine, tito, engine, tito, ...) after one warm-up of each, so drift in machine load hits
+both. The load generator runs in
 its own process, so its CPU work never holds the GIL tito needs.
 Prompts may differ by a few tokens between arms (vLLM re-tokenizes earlier replies where tito keeps the
 sampled ids) and so may output lengths (a random model's EOS): throughput is completion tokens/s.
@@ -66,35 +67,38 @@ async def _run_arm(arm: str, url: str, num_sessions: int, num_turns: int, max_to
     latencies: list[float] = []
     counts = {"prompt": 0, "completion": 0}
 
-    async def conversation(index: int) -> None:
+    # One SDK client per conversation, as an agent would make one: its own connection pool. Made before
+    # the clock starts: each costs ~30 ms of CPU (an SSL context), which is not the workload's.
+    timeout = httpx.Timeout(600.0, connect=60.0)  # the SDK's 5 s connect limit trips on a busy machine
+    sdks = [
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout)
+        for _ in range(num_sessions)
+    ]
+
+    async def conversation(index: int, sdk: openai.AsyncOpenAI) -> None:
         if arm == "tito":
             session = (await http.post(f"{url}/sessions")).raise_for_status().json()
-            base_url = session["base_url"]
-        else:
-            base_url = f"{url}/v1"
-        # One SDK client per conversation, as an agent would make one: its own connection pool.
-        timeout = httpx.Timeout(600.0, connect=60.0)  # the SDK's 5 s connect limit trips on a busy machine
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=timeout) as sdk:
-            messages = [{"role": "system", "content": "answer with one word"}]
-            for turn in range(num_turns):
-                word = WORDS[(index + turn) % len(WORDS)]
-                messages.append({"role": "user", "content": f"copy the word: {word}"})
-                began = time.perf_counter()
-                reply = await sdk.chat.completions.create(
-                    model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0
-                )
-                latencies.append(time.perf_counter() - began)
-                counts["prompt"] += reply.usage.prompt_tokens
-                counts["completion"] += reply.usage.completion_tokens
-                messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+            sdk.base_url = session["base_url"]
+        messages = [{"role": "system", "content": "answer with one word"}]
+        for turn in range(num_turns):
+            word = WORDS[(index + turn) % len(WORDS)]
+            messages.append({"role": "user", "content": f"copy the word: {word}"})
+            began = time.perf_counter()
+            reply = await sdk.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0.0
+            )
+            latencies.append(time.perf_counter() - began)
+            counts["prompt"] += reply.usage.prompt_tokens
+            counts["completion"] += reply.usage.completion_tokens
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
         if arm == "tito":
             (await http.delete(f"{url}/sessions/{session['id']}")).raise_for_status()
 
     cpu, began = time.process_time(), time.perf_counter()
-    await asyncio.gather(*(conversation(i) for i in range(num_sessions)))
-    wall = time.perf_counter() - began
-    await http.aclose()
-    return {"wall": wall, "latencies": latencies, "client_cpu": time.process_time() - cpu, **counts}
+    await asyncio.gather(*(conversation(i, sdk) for i, sdk in enumerate(sdks)))
+    wall, client_cpu = time.perf_counter() - began, time.process_time() - cpu
+    await asyncio.gather(http.aclose(), *(sdk.close() for sdk in sdks))
+    return {"wall": wall, "latencies": latencies, "client_cpu": client_cpu, **counts}
 
 
 # ---- tito in this process, timed server side -------------------------------------------------------
