@@ -10,8 +10,7 @@ engine when a seeded prompt's prefill is chunked: "CPU Generator does not use of
           and calls the engine's token-level `/inference/v1/generate`.
 Each conversation has its own SDK client, as each agent would, made before the clock starts. Arms
 alternate (engine, tito, engine, tito, ...) after one warm-up of each, so drift in machine load hits
-both. The load generator runs in
-its own process, so its CPU work never holds the GIL tito needs.
+both. The load generator runs in its own process, so its CPU work never holds the GIL tito needs.
 Prompts may differ by a few tokens between arms (vLLM re-tokenizes earlier replies where tito keeps the
 sampled ids) and so may output lengths (a random model's EOS): throughput is completion tokens/s.
 
