@@ -83,8 +83,8 @@ def ray_head(log_path: Path):
             yield SimpleNamespace(address=f"127.0.0.1:{port}", process=head, env=env)
         finally:
             os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
-            try:
-                head.wait(timeout=30)
+            try:  # once drivers have used the cluster it does not finish within 30 s: kill it after 5
+                head.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(head.pid, signal.SIGKILL)
                 head.wait()
