@@ -16,7 +16,8 @@ import torch
 
 from asyncpool import GroupPool
 from molt._batch import collate
-from molt._rollout import RolloutRunner, check_agent
+from molt._rollout import RolloutRunner
+from molt._validate import validate
 from molt._runners import AgentHost, launch_hosts
 from molt.agent import load_agent
 from molt.config import Agent, Config, Data, Rollout
@@ -82,11 +83,12 @@ def test_runners_0_host_the_agents_in_process_and_an_ended_episode_needs_no_clos
 
 
 def test_a_chat_agent_needs_the_template_applied_by_molt():
-    agent = load_agent(str(EXAMPLES / "openai_agent.py"))
     cfg = msgspec.structs.replace(config(), data=Data(apply_chat_template=False))
+    chat = msgspec.structs.replace(cfg, agent=Agent(module=str(EXAMPLES / "openai_agent.py")))
     with pytest.raises(ValueError, match="ChatAgent.*apply_chat_template false"):
-        check_agent(cfg, agent)
-    check_agent(cfg, load_agent(str(EXAMPLES / "math_env.py")))  # an Env may take rendered rows
+        validate(chat)
+    env = msgspec.structs.replace(cfg, agent=Agent(module=str(EXAMPLES / "math_env.py")))
+    validate(env)  # an Env may take rendered rows
 
 
 def test_a_compacting_agent_trains_as_one_rollout_with_several_segments(tiny_model_dir, vllm_server):

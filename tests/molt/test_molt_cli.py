@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from molt._cli import app
 from molt._flags import flag_help, resolve
-from molt.config import Config, validate
+from molt._validate import validate
+from molt.config import Config
 
 runner = CliRunner()
 

@@ -9,9 +9,11 @@ from typing import get_args
 import msgspec
 import pytest
 
+import molt._validate
 import molt.config
 from molt._flags import flag_help, render_toml, resolve
-from molt.config import Config, ConfigError, validate, with_run_dir
+from molt._validate import validate
+from molt.config import Config, ConfigError, with_run_dir
 
 
 def _write(tmp_path, text: str) -> str:
@@ -103,18 +105,19 @@ def test_group_of_one_refused_with_a_group_baseline(estimator):
         resolve(["--algo.advantage.estimator", estimator, "--rollout.group_size", "1"])
 
 
-def test_group_of_one_accepted_for_token_level_estimators():
+def test_group_of_one_accepted_for_token_level_estimators(tiny_model_dir):
     assert resolve(["--algo.advantage.estimator", "gae", "--rollout.group_size", "1"]).rollout.group_size == 1
-    opd = ["--algo.advantage.estimator", "opd", "--algo.teacher.model", "/t", "--rollout.group_size", "1"]
-    assert resolve(opd).algo.teacher.model == "/t"
+    teacher = str(tiny_model_dir)
+    opd = ["--algo.advantage.estimator", "opd", "--algo.teacher.model", teacher, "--rollout.group_size", "1"]
+    assert resolve([*opd, "--model.path", teacher]).algo.teacher.model == teacher
 
 
-def test_context_parallelism_needs_cuda(monkeypatch):
-    monkeypatch.setattr(molt.config, "_cuda_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"--fsdp\.cp_size"):
-        resolve(["--fsdp.cp_size", "2"])
-    monkeypatch.setattr(molt.config, "_cuda_available", lambda: True)
-    assert resolve(["--fsdp.cp_size", "2", "--actor.num_ranks", "2"]).fsdp.cp_size == 2
+@pytest.mark.parametrize("cuda", [False, True])
+def test_context_parallelism_is_refused_with_the_reason(monkeypatch, cuda):
+    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: cuda)
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 8)
+    with pytest.raises(ConfigError, match=r"--fsdp\.cp_size 2: the actor does not split sequences"):
+        resolve(["--fsdp.cp_size", "2", "--actor.num_ranks", "2"])
 
 
 def test_force_on_policy_derives_strict_on_policy_and_allows_no_correction():
@@ -229,7 +232,7 @@ def test_none_and_tuple_and_negative_values():
     assert resolve(["--algo.loss.dual_clip", "none"]).algo.loss.dual_clip is None
     assert resolve(["--ray.num_cpus=None"]).ray.num_cpus is None
     assert resolve(["--algo.correction.token_bounds", "0.25, 4"]).algo.correction.token_bounds == (0.25, 4.0)
-    assert resolve(["--algo.kl.coef", "-0.5"]).algo.kl.coef == -0.5
+    assert resolve(["--eval.pass_reward", "-0.5"]).eval.pass_reward == -0.5
     assert resolve(["--actor.lr", "3e-6"]).actor.lr == 3e-6
     assert resolve(["--vllm.urls", "http://a:1, http://b:2"]).vllm.urls == ["http://a:1", "http://b:2"]
     assert resolve(["--vllm.urls", ""]).vllm.urls == []

@@ -180,15 +180,20 @@ def test_a_refit_reaches_the_vl_engine(tiny_vl_model_dir, vl_vllm_server, proces
         pytest.param({"algo": {"advantage": {"estimator": "gae"}}}, "the gae critic does not load", id="gae"),
     ],
 )
-def test_what_a_vision_language_policy_cannot_run_yet_is_refused(tiny_vl_model_dir, groups, says):
+def test_what_a_vision_language_policy_cannot_run_yet_is_refused(
+    tiny_vl_model_dir, groups, says, monkeypatch
+):
     import msgspec
 
-    from molt._guards import check_model
+    import molt._validate
     from molt.config import Config, ConfigError
 
+    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: True)  # tensor parallelism is CUDA's
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 8)
+    groups = {**groups, "model": {"path": str(tiny_vl_model_dir)}, "actor": {"num_ranks": 2}}
     config = msgspec.convert(msgspec.to_builtins(Config()) | groups, Config)
     with pytest.raises(ConfigError, match=says):
-        check_model(config, tiny_vl_model_dir)
+        molt._validate.validate(config)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, as meant

@@ -13,10 +13,8 @@ Forward consistency (DESIGN invariant 3): logprobs and entropies use the samplin
 
 Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (dp * cp + c) * tp + t),
 with EP groups carved out of them. Rows are sharded by the data-parallel coordinate: the TP ranks of one
-DP group see the same rows, and their identical metric sums are counted once. Refuses context
-parallelism (`--fsdp.cp_size` > 1): its sequence split over CP ranks is not wired (AutoModel 0.7 splits
-sequences only with Transformer Engine attention). On CPU the actor runs data parallelism only (TP and EP
-go through AutoModel's CUDA loader; see `check_parallelism`).
+DP group see the same rows, and their identical metric sums are counted once. The sizes were checked by
+`molt._validate` before the run started (no context parallelism; data parallelism only on a CPU).
 
 The same workers, built with `trainable=False`, are the frozen groups: the reference policy of
 `--algo.kl.coef` and the teacher of on-policy distillation (no optimizer, logprobs only). The PPO
@@ -37,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
-from molt._guards import check_parallelism
 from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
@@ -84,7 +81,6 @@ class PolicyWorker:
         trainable: bool = True,
     ) -> None:
         on_gpu = torch.cuda.is_available()
-        check_parallelism(config, world_size, on_gpu=on_gpu)
         self.rank, self.config = rank, config
         if on_gpu:
             torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
@@ -240,7 +236,7 @@ class PolicyWorker:
         # The entropy of the distribution each token was sampled from; a bonus trains it.
         bonus = algo.entropy_coef != 0
         logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if bonus else "detached")
-        # One forward: with one optimizer step per batch, the logprobs "before the step" are this
+        # Without old logprobs the batch is one optimizer step, so the logprobs "before the step" are this
         # forward's, detached (train_step's docstring).
         old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT.to(device)
         correction = algo.correction  # engine vs trainer mismatch (DESIGN invariant 2)
@@ -269,6 +265,8 @@ class PolicyWorker:
             "train/entropy": entropy_sum.detach(),
             "train/clip_frac": pg_metrics["clip_frac"] * num_trainable,
             "train/mismatch_kl": mismatch["mismatch_kl"] * num_trainable,
+            "train/correction_weight_mean": masked_sum(weights_BT, mask_BT),
+            "train/correction_weight_dev": masked_sum((weights_BT - 1).abs(), mask_BT),  # 0: all weigh 1
             "rows_rejected": (has_tokens_B & ~keep_B).sum(),
             "rows": has_tokens_B.sum(),
         }
@@ -307,10 +305,11 @@ class PolicyWorker:
     ) -> dict[str, float]:
         """One optimizer step over this rank's rows; metrics are global (all ranks, all micro-batches).
 
-        `old_logp_BT`: the policy's logprobs before the step, when the caller needed them earlier (the
-        opd advantage, a KL penalty in the reward). None takes them from this step's own forward,
-        detached: the step makes one optimizer update per batch, so those are the same numbers, and a
-        separate logprob pass is saved. The rollout correction (`--algo.correction.*`) weighs each
+        `old_logp_BT`: the logprobs of the policy the surrogate's ratio is taken against (the trainer's
+        old policy: before the first of the batch's `--train.mini_batches` steps), computed once by the
+        caller. None takes them from this step's own forward, detached: right for a batch that is one
+        optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
+        rollout correction (`--algo.correction.*`) weighs each
         token by the ratio of `old_logp` to the engine's `batch.rollout_logp_BT`. `ref_logp_BT`:
         reference logprobs, which add the KL loss term.
         """
@@ -419,7 +418,6 @@ class PolicyGroup:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.on_gpu = torch.cuda.is_available()
-        check_parallelism(config, num_ranks, on_gpu=self.on_gpu)
         self.num_ranks = num_ranks
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields, replace
@@ -134,6 +135,23 @@ class TrainBatch:
         for start in range(0, self.num_rows, size):
             count = min(size, self.num_rows - start)
             yield self._rows(lambda tensor, _fill, start=start: tensor[start : start + size], start, count)
+
+    def windows(self, count: int) -> list[tuple[TrainBatch, slice]]:
+        """The batch as `count` optimizer-step windows (`--train.mini_batches`): contiguous blocks of
+        whole rows, as even as can be, each with its OWN denominator (its trainable tokens: each window is
+        one step's mean). Returns each window with its rows' slice, to cut [B, T] tensors the same way."""
+        if not 1 <= count <= self.num_rows:
+            raise ValueError(
+                f"a batch of {self.num_rows} rows splits into 1..{self.num_rows} windows, not {count}"
+            )
+        bounds = [round(i * self.num_rows / count) for i in range(count + 1)]
+        windows = []
+        for start, stop in itertools.pairwise(bounds):
+            rows = slice(start, stop)
+            window = self._rows(lambda tensor, _fill, rows=rows: tensor[rows], start, stop - start)
+            num_tokens = int((window.loss_mask_BT != 0).sum())
+            windows.append((replace(window, num_tokens=num_tokens), rows))
+        return windows
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The vision-language model's extra forward arguments for these rows ({} without images):

@@ -25,7 +25,8 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 import msgspec
 
 from molt import config as config_module
-from molt.config import Config, ConfigError, validate
+from molt._validate import validate
+from molt.config import Config, ConfigError
 
 __all__ = ["flag_help", "render_toml", "resolve", "type_name"]
 

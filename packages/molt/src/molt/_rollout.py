@@ -23,11 +23,11 @@ import math
 import zlib
 from dataclasses import dataclass, field
 
-from molt.agent import ChatAgent, Context, Result
+from molt.agent import Context, Result
 from molt.config import Config
 from tito import EngineUnavailable, Prompt, Segment, Tito
 
-__all__ = ["Rollout", "RolloutRunner", "check_agent"]
+__all__ = ["Rollout", "RolloutRunner"]
 
 
 @dataclass
@@ -52,16 +52,6 @@ class Rollout:
 
 def _as_messages(observation) -> list[dict]:
     return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation)
-
-
-def check_agent(config: Config, agent_module) -> None:
-    """Refuse, before anything starts, an agent form the data settings cannot serve."""
-    if issubclass(agent_module.AgentRunner, ChatAgent) and not config.data.apply_chat_template:
-        raise ValueError(
-            f"--agent.module {config.agent.module} is a ChatAgent: it sends chat messages, which tito "
-            "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
-            "text) serves only Env agents"
-        )
 
 
 class RolloutRunner:

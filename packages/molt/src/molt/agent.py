@@ -91,9 +91,11 @@ def load_agent(module: str):
         if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as for a script
             sys.path.insert(0, str(path.resolve().parent))
         spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
-        loaded = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = loaded
-        spec.loader.exec_module(loaded)
+        loaded = sys.modules.get(spec.name)
+        if loaded is None or getattr(loaded, "__file__", None) != spec.origin:  # once per file and process
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = loaded
+            spec.loader.exec_module(loaded)
     else:
         try:
             loaded = importlib.import_module(module)

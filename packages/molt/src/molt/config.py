@@ -1,20 +1,18 @@
-"""The typed configuration of a molt run: one frozen msgspec Struct per flag group, and `validate`.
+"""The typed configuration of a molt run: one frozen msgspec Struct per flag group.
 
 Every field has a default and, right under it, a one-line docstring that `molt train --help` prints and
 `config.toml` carries as a comment (`molt._flags` reads them from this file's source). A field's dotted path
 is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults < `--config FILE.toml` <
 flags (`molt._flags.resolve`).
 
-`validate` refuses combinations that would train silently wrong (asynchrony without importance correction,
-DESIGN invariant 2; a group baseline over groups of one; parallel sizes that do not split the
-actor's ranks, or that the CPU build cannot run) and fills derived values. It imports nothing heavy:
-this module is loaded by `molt --help`, so the Literal types below restate rlestimators' names instead of
-importing them (rlestimators imports torch); a test checks the two agree.
+What may be set to what, and which combinations run here, is checked in one place: `molt._validate`.
+This module imports nothing heavy: it is loaded by `molt --help`, so the Literal types below restate
+rlestimators' names instead of importing them (rlestimators imports torch); a test checks the two agree.
 """
 
 import datetime
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import msgspec
 
@@ -26,7 +24,6 @@ __all__ = [
     "KLKind",
     "OutcomeEstimator",
     "PolicyLossKind",
-    "validate",
     "with_run_dir",
 ]
 
@@ -210,9 +207,9 @@ class FSDP(_Group):
     ep_size: int = 1
     """Expert parallelism of the actor; 256 expresses a DeepSeek-V3-class MoE."""
     cp_size: int = 1
-    """Context parallelism of the actor for long sequences (CUDA only)."""
+    """Context parallelism of the actor; only 1 runs for now (the actor does not split sequences yet)."""
     offload: bool = False
-    """Hold optimizer (Adam) states in host memory."""
+    """Hold optimizer (Adam) states in host memory (CUDA only)."""
 
 
 class VLLM(_Group):
@@ -236,7 +233,7 @@ class VLLM(_Group):
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes."""
     cuda_graphs: bool = True
-    """Capture CUDA graphs; ignored on CPU, which runs eager."""
+    """Capture CUDA graphs (CUDA only: the CPU engine runs eager)."""
     max_model_len: int = 2048
     """Longest prompt plus response, in tokens."""
     gpu_memory_utilization: float = 0.8
@@ -255,7 +252,8 @@ class Rollout(_Group):
     temperature: float = 1.0
     """Sampling temperature; the trainer applies the same one to its logits."""
     top_p: float = 1.0
-    """Nucleus sampling threshold."""
+    """Nucleus sampling threshold; only 1 is accepted (the trainer's full softmax cannot reproduce the
+    engine's renormalisation over the nucleus)."""
     queue_depth: int = 0
     """Prompt groups in flight; 0 = 2 x --rollout.prompts_per_step."""
     max_lag: int = 1
@@ -274,6 +272,10 @@ class Train(_Group):
     """Optimizer steps in the run."""
     seed: int = 0
     """Seed of the trainer and the samplers."""
+    mini_batches: int = 1
+    """Optimizer steps per batch: the batch splits into this many windows of whole sequences, each its own
+    step with its own token denominator; the ratio of every loss kind is taken against the policy before
+    the first (its logprobs computed once). 1: one step, the ratio is 1 and every kind acts as pg."""
     force_on_policy: bool = False
     """Strict on-policy: sets --rollout.max_lag 0, --rollout.partial_rollout false, queue depth = one step."""
     routing_replay: bool = False
@@ -345,152 +347,6 @@ class Config(_Group):
     ckpt: Ckpt = Ckpt()
     logger: Logger = Logger()
     ray: Ray = Ray()
-
-
-def _cuda_available() -> bool:
-    import torch  # only when a CUDA-only feature is asked for: `molt --help` stays free of torch
-
-    return torch.cuda.is_available()
-
-
-def _on_policy(config: Config) -> Config:
-    """Apply --train.force_on_policy and fill --rollout.queue_depth 0 (derived values)."""
-    rollout = config.rollout
-    if config.train.force_on_policy:
-        if rollout.queue_depth not in (0, rollout.prompts_per_step):
-            raise ConfigError(
-                "--train.force_on_policy keeps exactly one step of groups in flight, but "
-                f"--rollout.queue_depth is {rollout.queue_depth} (!= --rollout.prompts_per_step "
-                f"{rollout.prompts_per_step}): "
-                "drop --rollout.queue_depth or --train.force_on_policy"
-            )
-        rollout = msgspec.structs.replace(
-            rollout, max_lag=0, partial_rollout=False, queue_depth=rollout.prompts_per_step
-        )
-    elif rollout.queue_depth == 0:
-        rollout = msgspec.structs.replace(rollout, queue_depth=2 * rollout.prompts_per_step)
-    return msgspec.structs.replace(config, rollout=rollout)
-
-
-def _check_parallelism(config: Config) -> None:
-    """Parallel sizes the config alone decides: each >= 1, the actor's ranks split into DP x CP x TP
-    with EP carved out of them (AutoModel's mesh), and what the CPU build cannot run."""
-    fsdp, vllm, ranks = config.fsdp, config.vllm, config.actor.num_ranks
-    sizes = {"--fsdp.tp_size": fsdp.tp_size, "--fsdp.ep_size": fsdp.ep_size, "--fsdp.cp_size": fsdp.cp_size,
-             "--actor.num_ranks": ranks, "--actor.micro_batch_size": config.actor.micro_batch_size,
-             "--vllm.num_engines": vllm.num_engines, "--vllm.tensor_parallel_size": vllm.tensor_parallel_size,
-             "--vllm.data_parallel_size": vllm.data_parallel_size}  # fmt: skip
-    for flag, size in sizes.items():
-        if size < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {size}")
-    if fsdp.cp_size > 1 and not _cuda_available():
-        raise ConfigError(
-            "--fsdp.cp_size > 1 (context parallelism) runs only on CUDA: pass --fsdp.cp_size 1 "
-            "(it also needs unpacked sequences; molt trains right-padded rows, one sequence each)"
-        )
-    if ranks % (fsdp.tp_size * fsdp.cp_size):
-        raise ConfigError(
-            f"--actor.num_ranks {ranks} must be a multiple of --fsdp.tp_size {fsdp.tp_size} x --fsdp.cp_size "
-            f"{fsdp.cp_size}: the data-parallel size is num_ranks / (tp_size x cp_size)"
-        )
-    if ranks % fsdp.ep_size:
-        raise ConfigError(
-            f"--fsdp.ep_size {fsdp.ep_size} must divide --actor.num_ranks {ranks}: expert-parallel groups "
-            "are carved out of the actor's ranks"
-        )
-    engine_parallel = vllm.tensor_parallel_size * vllm.data_parallel_size > 1 or vllm.enable_expert_parallel
-    if not vllm.urls and (engine_parallel or vllm.mtp_num_speculative_tokens) and not _cuda_available():
-        raise ConfigError(
-            "--vllm.tensor_parallel_size, --vllm.data_parallel_size, --vllm.enable_expert_parallel and "
-            "--vllm.mtp_num_speculative_tokens need CUDA engines; the CPU engine runs one process without "
-            "speculation: leave them at their defaults"
-        )
-    if config.actor.compile and not _cuda_available():
-        raise ConfigError(
-            "--actor.compile runs only on CUDA (the CPU actor trains small models in eager mode): "
-            "drop --actor.compile"
-        )
-    if config.actor.compile and config.actor.activation_checkpointing:
-        raise ConfigError(
-            "--actor.compile with --actor.activation_checkpointing: AutoModel's checkpoint wrapper passes "
-            "torch.utils.checkpoint a context that torch.compile refuses; drop one of the two (compiled "
-            "layers without checkpointing fit where the logprob head and lean MLPs leave room)"
-        )
-    if config.actor.compile and config.train.routing_replay:
-        raise ConfigError(
-            "--actor.compile with --train.routing_replay: replay swaps each router's choice per call from "
-            "Python hooks, which compiled layers are not tested to follow; drop one of the two"
-        )
-    if config.train.routing_replay and not _cuda_available():
-        raise ConfigError(
-            "--train.routing_replay needs engines that capture routed experts, which the vLLM CPU build "
-            "cannot (routes come from vLLM's GPU model runner): drop --train.routing_replay, or use "
-            "--actor.freeze_moe_router"
-        )
-
-
-def validate(config: Config) -> Config:
-    """The config with derived values filled; a refused combination raises `ConfigError` naming its flags."""
-    if config.agent.num_runners < 0:
-        raise ConfigError(
-            f"--agent.num_runners must be >= 0 (0: in the trainer's process), got {config.agent.num_runners}"
-        )
-    if config.rollout.prompts_per_step < 1:
-        raise ConfigError("--rollout.prompts_per_step must be >= 1")
-    config = _on_policy(config)
-    rollout, algo = config.rollout, config.algo
-    if rollout.max_lag < 0:
-        raise ConfigError(f"--rollout.max_lag must be >= 0 (0 = on-policy), got {rollout.max_lag}")
-    if rollout.queue_depth < rollout.prompts_per_step:
-        raise ConfigError(
-            f"--rollout.queue_depth {rollout.queue_depth} is below --rollout.prompts_per_step "
-            f"{rollout.prompts_per_step}: a step could never fill; raise it, or pass 0 (2 x prompts_per_step)"
-        )
-    # DESIGN invariant 2: tokens from an older policy, or mixed versions, need the importance correction.
-    if (rollout.max_lag >= 1 or rollout.partial_rollout) and algo.correction.mode == "none":
-        raise ConfigError(
-            "--algo.correction.mode none needs on-policy rollouts, but "
-            f"--rollout.max_lag is {rollout.max_lag} and --rollout.partial_rollout is "
-            f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
-            "or pass --train.force_on_policy"
-        )
-    if rollout.group_size < 1:
-        raise ConfigError(f"--rollout.group_size must be >= 1, got {rollout.group_size}")
-    if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
-        raise ConfigError(
-            f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
-            "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
-        )
-    if algo.advantage.estimator == "opd" and not algo.teacher.model:
-        raise ConfigError(
-            "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
-        )
-    if algo.advantage.estimator == "opd" and algo.kl.coef and algo.kl.in_reward:
-        raise ConfigError(
-            "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
-            "drop --algo.kl.in_reward (the KL then is a loss term)"
-        )
-    if algo.critic.lr <= 0 or algo.critic.value_clip <= 0:
-        raise ConfigError("--algo.critic.lr and --algo.critic.value_clip must be > 0")
-    _check_parallelism(config)
-    if config.eval.every and not 1 <= config.eval.k <= config.eval.n:
-        raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
-    if config.eval.every < 0 or config.eval.num_prompts < 1:
-        raise ConfigError("--eval.every must be >= 0 and --eval.num_prompts >= 1")
-    if config.ray.address and config.ray.num_cpus is not None:
-        raise ConfigError(
-            "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
-            "drop one of the two"
-        )
-    if config.actor.lr <= 0:
-        raise ConfigError(f"--actor.lr must be > 0, got {config.actor.lr}")
-    if config.train.num_steps < 1:
-        raise ConfigError(f"--train.num_steps must be >= 1, got {config.train.num_steps}")
-    if rollout.temperature <= 0:
-        raise ConfigError(
-            f"--rollout.temperature must be > 0 (the trainer divides logits by it), got {rollout.temperature}"
-        )
-    return config
 
 
 def with_run_dir(config: Config, now: datetime.datetime | None = None) -> Config:

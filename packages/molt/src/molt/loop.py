@@ -38,10 +38,10 @@ from molt._critic import CriticGroup
 from molt._dumps import write_rollouts
 from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
 from molt._eval import eval_rows, evaluate
-from molt._guards import check_launch, extra_groups
 from molt._log import RunLog, progress
-from molt._rollout import Rollout, RolloutRunner, check_agent
+from molt._rollout import Rollout, RolloutRunner
 from molt._runners import launch_hosts
+from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config
 from rlestimators import ESTIMATORS, dynamic_filter, gae, kl, opd
@@ -105,10 +105,12 @@ async def run_steps(config: Config, run: Run) -> None:
         mask_BT = batch.loss_mask_BT
 
         train_started = time.monotonic()
-        # The policy's logprobs before the step: a separate pass only where they are needed before it
-        # (the opd advantage, a KL penalty in the reward); otherwise the step takes them from its own
+        # The policy's logprobs before the step, which every ratio is taken against: a separate pass
+        # where the batch is several optimizer steps (--train.mini_batches) or they are needed before it
+        # (the opd advantage, a KL penalty in the reward); otherwise one step takes them from its own
         # forward (one pass).
-        needs_old_logp = estimator == "opd" or (run.reference is not None and kl_cfg.in_reward)
+        num_windows = config.train.mini_batches
+        needs_old_logp = num_windows > 1 or estimator == "opd" or (run.reference and kl_cfg.in_reward)
         old_logp_BT = await asyncio.to_thread(policy.logprobs, batch) if needs_old_logp else None
         ref_logp_BT, extra_metrics = None, {}
         if run.reference is not None:  # --algo.kl.coef: the frozen reference policy's logprobs
@@ -128,7 +130,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 rewards_BT, values_BT, mask_BT, gamma=gae_cfg.gamma, lam=gae_cfg.lam
             )
             advantages_BT = whitened(advantages_BT, mask_BT) if gae_cfg.whiten else advantages_BT
-            critic_args = (batch, values_BT, returns_BT)
+            critic_args = (values_BT, returns_BT)
             extra_metrics["critic/explained_variance"] = explained_variance(values_BT, returns_BT, mask_BT)
         elif estimator == "opd":  # the teacher's logprobs of the student's own tokens
             teacher_logp_BT = await asyncio.to_thread(run.teacher.logprobs, batch)
@@ -140,10 +142,11 @@ async def run_steps(config: Config, run: Run) -> None:
         batch = dataclasses.replace(batch, advantages_BT=advantages_BT)
         # The advantage metrics count rollouts for an outcome estimator, trainable tokens for gae and opd.
         advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
-        # The step applies the rollout correction (engine vs trainer mismatch, invariant 2) itself.
-        steps = [asyncio.to_thread(policy.train_step, batch, old_logp_BT, ref_logp_BT)]  # ref: KL loss term
-        if critic_args is not None:  # the critic's step runs beside the policy's
-            steps.append(asyncio.to_thread(run.critic.train_step, *critic_args))
+        # Each window is one optimizer step; the step applies the rollout correction itself (invariant 2).
+        windows = [(w, rows) for w, rows in batch.windows(num_windows) if w.num_tokens]
+        steps = [asyncio.to_thread(train_windows, policy, windows, old_logp_BT, ref_logp_BT)]  # ref: KL term
+        if critic_args is not None:  # the critic's steps run beside the policy's
+            steps.append(asyncio.to_thread(train_windows, run.critic, windows, *critic_args))
         train_metrics = {name: v for metrics in await asyncio.gather(*steps) for name, v in metrics.items()}
         train_s = time.monotonic() - train_started
 
@@ -179,6 +182,22 @@ async def run_steps(config: Config, run: Run) -> None:
         every = config.ckpt.every
         if every and (step % every == 0 or step == last):  # --ckpt.every: actor, optimizer, loop state
             await asyncio.to_thread(save_checkpoint, config, run, step)
+
+
+def train_windows(group, windows: list[tuple[TrainBatch, slice]], *tensors_BT) -> dict[str, float]:
+    """One optimizer step of `group` (the policy or the critic) per window of the batch, each given its
+    rows of the [B, T] `tensors_BT` (None stays None). Metrics: the windows' token-weighted mean; the
+    learning rate is the first step's."""
+    results = [
+        group.train_step(window, *(None if t_BT is None else t_BT[rows] for t_BT in tensors_BT))
+        for window, rows in windows
+    ]
+    weights = [window.num_tokens for window, _ in windows]
+    metrics = {
+        name: sum(m[name] * w for m, w in zip(results, weights, strict=True)) / sum(weights)
+        for name in results[0]
+    }
+    return {**metrics, **({"train/lr": results[0]["train/lr"]} if "train/lr" in results[0] else {})}
 
 
 async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
@@ -296,9 +315,7 @@ async def _quiesced(pool: GroupPool, *, hold: bool):
 
 def read_rows(config: Config, agent_module) -> Iterator[dict]:
     """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`."""
-    if not config.data.path:
-        if not hasattr(agent_module, "dataset"):
-            raise ValueError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")
+    if not config.data.path:  # the agent module has dataset(seed) (`molt._validate`)
         yield from agent_module.dataset(config.data.seed)
         return
     rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines() if line.strip()]
@@ -351,23 +368,25 @@ def train(config: Config, *, resume: bool = False) -> None:
     from the newest checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
     import ray
 
+    config = validate(config)  # every refusal before anything starts, whoever calls
+    for note in start_notes(config):
+        progress(f"note: {note}")
     run_dir = Path(config.logger.run_dir)
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
     with contextlib.ExitStack() as cleanup:
         agent_module = load_agent(config.agent.module)
-        check_agent(config, agent_module)
         rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
         model_dir = _model_dir(config, run_dir)
         progress("starting Ray")
         if config.ray.address:  # join that cluster; otherwise a fresh local Ray, never one found running here
             ray.init(address=config.ray.address, include_dashboard=False)
+            check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
         else:
             ray.init(address="local", num_cpus=config.ray.num_cpus, include_dashboard=False)
         cleanup.callback(ray.shutdown)
-        check_launch(config, model_dir)  # heads, experts, GPUs: before any engine or actor starts
         attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
         num_new = 0 if attached else config.vllm.num_engines
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")

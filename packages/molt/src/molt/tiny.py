@@ -101,6 +101,10 @@ def _build_tokenizer(
     return tokenizer
 
 
+# The tiny model's attention shape, which the config checks read before the model is built.
+TINY_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -126,8 +130,7 @@ def build_tiny_model(
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **TINY_SHAPE,
         head_dim=32,
         max_position_embeddings=4096,
         tie_word_embeddings=False,

@@ -1,31 +1,37 @@
-"""Launch guards (issue: scale by configuration): each refuses before anything starts, naming its flags.
-
-Config-only guards go through `resolve` (flags -> `validate`); the guards that read the model's
-config.json or Ray's GPUs are called directly on hand-written config.json files and GPU counts.
+"""The one validation pass (`molt._validate.validate`): every refusal comes before anything starts and names
+its flags. Config-only checks go through `resolve` (flags -> `validate`); the model checks read hand-written
+config.json files; CUDA is pretended where a check needs it (`_on_gpu`, `_local_gpus`), as this machine has
+none.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import math
+from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import msgspec
 import pytest
 
-import molt.config
+import molt
+import molt._validate
 from molt._engines import engine_extra_args
-from molt._flags import resolve
-from molt._guards import check_gpus, check_model, check_tokenizer, gpus_needed, num_experts
+from molt._flags import _leaves, resolve
+from molt._validate import _CUDA_ONLY, RANGES, check_cluster_gpus, gpus_needed, num_experts, validate
 from molt.config import Config, ConfigError
 
 
 @pytest.fixture
 def cpu_only(monkeypatch):
-    monkeypatch.setattr(molt.config, "_cuda_available", lambda: False)
+    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: False)
 
 
 @pytest.fixture
 def with_cuda(monkeypatch):
-    monkeypatch.setattr(molt.config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: True)
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 64)
 
 
 def _refused(args: list[str], flags: list[str]) -> None:
@@ -48,12 +54,18 @@ def _refused(args: list[str], flags: list[str]) -> None:
             ["--algo.correction.mode", "--rollout.partial_rollout"],
             id="partial-rollout-without-correction",
         ),
-        pytest.param(["--fsdp.cp_size", "2", "--actor.num_ranks", "2"], ["--fsdp.cp_size"], id="cp-on-cpu"),
-        pytest.param(["--train.routing_replay"], ["--train.routing_replay", "CPU build"], id="replay-on-cpu"),
+        pytest.param(["--train.routing_replay"], ["--train.routing_replay", "GPU model runner"], id="replay"),
         pytest.param(
-            ["--vllm.tensor_parallel_size", "2"], ["--vllm.tensor_parallel_size"], id="engine-tp-on-cpu"
+            ["--vllm.tensor_parallel_size", "2"], ["--vllm.tensor_parallel_size", "CUDA"], id="engine-tp"
         ),
-        pytest.param(["--actor.compile"], ["--actor.compile", "CUDA"], id="compile-on-cpu"),
+        pytest.param(["--actor.compile"], ["--actor.compile", "CUDA"], id="compile"),
+        pytest.param(["--fsdp.tp_size", "2", "--actor.num_ranks", "2"], ["--fsdp.tp_size", "CUDA"], id="tp"),
+        pytest.param(["--fsdp.ep_size", "2", "--actor.num_ranks", "2"], ["--fsdp.ep_size", "CUDA"], id="ep"),
+        pytest.param(["--fsdp.offload"], ["--fsdp.offload", "host memory"], id="offload"),
+        pytest.param(["--vllm.cuda_graphs", "false"], ["--vllm.cuda_graphs", "eager"], id="cuda-graphs"),
+        pytest.param(
+            ["--vllm.gpu_memory_utilization", "0.5"], ["--vllm.gpu_memory_utilization"], id="gpu-memory"
+        ),
     ],
 )
 def test_config_guards_refuse_on_cpu(cpu_only, args, flags):
@@ -67,8 +79,8 @@ def test_compiled_layers_are_refused_with_routing_replay_or_checkpointing(with_c
     assert resolve(["--actor.compile"]).actor.compile
 
 
-def test_context_parallelism_message_says_sequences_must_be_unpacked(cpu_only):
-    _refused(["--fsdp.cp_size", "2", "--actor.num_ranks", "2"], ["unpacked"])
+def test_context_parallelism_message_says_why(with_cuda):
+    _refused(["--fsdp.cp_size", "2", "--actor.num_ranks", "2"], ["--fsdp.cp_size 2", "Transformer Engine"])
 
 
 def test_on_policy_without_correction_is_accepted():
@@ -85,11 +97,6 @@ def test_on_policy_without_correction_is_accepted():
             ["--actor.num_ranks", "3", "--fsdp.tp_size", "2"],
             ["--actor.num_ranks", "--fsdp.tp_size"],
             id="tp",
-        ),
-        pytest.param(
-            ["--actor.num_ranks", "4", "--fsdp.tp_size", "2", "--fsdp.cp_size", "4"],
-            ["--actor.num_ranks", "--fsdp.cp_size"],
-            id="tp-cp",
         ),
         pytest.param(
             ["--actor.num_ranks", "4", "--fsdp.ep_size", "3"],
@@ -110,14 +117,16 @@ def test_parallel_sizes_must_split_the_ranks(with_cuda, args, flags):
     _refused(args, flags)
 
 
-def test_parallel_sizes_that_split_are_accepted_on_cuda(with_cuda):
-    args = ["--actor.num_ranks", "8", "--fsdp.tp_size", "2", "--fsdp.cp_size", "2", "--fsdp.ep_size", "8"]
+def test_parallel_sizes_that_split_are_accepted_on_cuda(with_cuda, tmp_path):
+    model = _model(tmp_path, num_key_value_heads=8, num_experts=8)
+    args = ["--actor.num_ranks", "8", "--fsdp.tp_size", "2", "--fsdp.ep_size", "8", "--model.path", model]
     config = resolve(args + ["--actor.freeze_moe_router", "--vllm.tensor_parallel_size", "4"])
-    assert (config.fsdp.tp_size, config.fsdp.cp_size, config.fsdp.ep_size) == (2, 2, 8)
+    assert (config.fsdp.tp_size, config.fsdp.ep_size) == (2, 8)
 
 
-def test_routing_replay_is_accepted_on_cuda(with_cuda):
-    assert resolve(["--train.routing_replay"]).train.routing_replay is True
+def test_routing_replay_is_accepted_on_cuda_for_an_moe_model(with_cuda, tmp_path):
+    config = resolve(["--train.routing_replay", "--model.path", _model(tmp_path, num_experts=8)])
+    assert config.train.routing_replay is True
 
 
 def test_freezing_the_moe_router_freezes_every_gate_and_refuses_a_dense_model(tiny_model_dir):
@@ -149,6 +158,14 @@ def _config(**groups) -> Config:
     )
 
 
+def check_model(config: Config, model_dir) -> None:
+    """`validate` with --model.path `model_dir`, and as many actor ranks as the parallel sizes ask."""
+    raw = msgspec.to_builtins(config)
+    raw["model"]["path"] = str(model_dir)
+    raw["actor"]["num_ranks"] = config.fsdp.tp_size * config.fsdp.ep_size
+    validate(msgspec.convert(raw, Config))
+
+
 @pytest.mark.parametrize(
     ("fields", "expected"),
     [({}, 0), ({"num_experts": 128}, 128), ({"n_routed_experts": 256}, 256), ({"num_local_experts": 8}, 8)],
@@ -158,21 +175,21 @@ def test_num_experts_reads_each_family_key(fields, expected):
     assert num_experts(fields) == expected
 
 
-def test_routing_replay_on_a_dense_model_is_refused(tmp_path, tiny_model_dir):
+def test_routing_replay_on_a_dense_model_is_refused(with_cuda, tmp_path, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"--train\.routing_replay .*dense"):
         check_model(_config(train={"routing_replay": True}), tiny_model_dir)
     check_model(_config(train={"routing_replay": True}), _model(tmp_path, num_experts=8))
 
 
 @pytest.mark.parametrize("key", ["num_experts", "n_routed_experts", "num_local_experts"])
-def test_ep_size_must_divide_the_experts(tmp_path, key):
+def test_ep_size_must_divide_the_experts(with_cuda, tmp_path, key):
     model_dir = _model(tmp_path, **{key: 6})
     with pytest.raises(ConfigError, match=r"--fsdp\.ep_size 4 must divide the model's 6 experts"):
         check_model(_config(fsdp={"ep_size": 4}), model_dir)
     check_model(_config(fsdp={"ep_size": 3}), model_dir)
 
 
-def test_ep_size_on_a_dense_model_is_refused(tiny_model_dir):
+def test_ep_size_on_a_dense_model_is_refused(with_cuda, tiny_model_dir):
     with pytest.raises(ConfigError, match=r"--fsdp\.ep_size 2 .*0 experts"):
         check_model(_config(fsdp={"ep_size": 2}), tiny_model_dir)
 
@@ -182,7 +199,7 @@ def test_ep_size_on_a_dense_model_is_refused(tiny_model_dir):
     [(2, 4, False), (3, 4, True), (8, 4, True), (32, 32, True)],
     ids=["divides", "not-heads", "not-kv-heads", "more-than-heads"],
 )
-def test_fsdp_tp_size_must_divide_heads_and_kv_heads(tmp_path, tp, kv_heads, refused):
+def test_fsdp_tp_size_must_divide_heads_and_kv_heads(with_cuda, tmp_path, tp, kv_heads, refused):
     model_dir = _model(tmp_path, num_key_value_heads=kv_heads)
     config = _config(fsdp={"tp_size": tp})
     if not refused:
@@ -194,12 +211,13 @@ def test_fsdp_tp_size_must_divide_heads_and_kv_heads(tmp_path, tp, kv_heads, ref
         check_model(config, model_dir)
 
 
-def test_engine_tp_may_replicate_kv_heads_but_must_divide_heads(tmp_path):
+def test_engine_tp_may_replicate_kv_heads_but_must_divide_heads(with_cuda, tmp_path):
     model_dir = _model(tmp_path, num_key_value_heads=4)
     check_model(_config(vllm={"tensor_parallel_size": 8}), model_dir)  # vLLM replicates KV heads
     with pytest.raises(ConfigError, match=r"--vllm\.tensor_parallel_size 6"):
         check_model(_config(vllm={"tensor_parallel_size": 6}), model_dir)
-    check_model(_config(vllm={"tensor_parallel_size": 6, "urls": ["http://x"]}), model_dir)  # not ours
+    with pytest.raises(ConfigError, match=r"--vllm\.tensor_parallel_size configures engines molt starts"):
+        check_model(_config(vllm={"tensor_parallel_size": 6, "urls": ["http://x"]}), model_dir)
 
 
 def test_gpus_needed_counts_actor_ranks_and_engine_gpus():
@@ -212,46 +230,54 @@ def test_gpus_needed_counts_actor_ranks_and_engine_gpus():
     assert gpus_needed(attached, on_gpu=True) == 4
 
 
-def test_gpus_needed_counts_each_extra_group_like_the_policy():
-    config = resolve(["--actor.num_ranks", "2", "--vllm.urls", "http://x", "--algo.kl.coef", "0.1",
-                      "--algo.advantage.estimator", "gae"])  # fmt: skip
-    assert gpus_needed(config, on_gpu=True) == 3 * 2  # policy, reference, critic
-    with pytest.raises(ConfigError, match=r"\['policy', 'reference', 'critic'\]"):
-        check_gpus(config, 4.0, on_gpu=True)
+def test_gpus_needed_counts_each_extra_group_like_the_policy(with_cuda, monkeypatch):
+    args = ["--actor.num_ranks", "2", "--vllm.urls", "http://x:1", "--algo.kl.coef", "0.1",
+            "--algo.advantage.estimator", "gae"]  # fmt: skip
+    assert gpus_needed(resolve(args), on_gpu=True) == 3 * 2  # policy, reference, critic
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 4)
+    _refused(args, ["['policy', 'reference', 'critic']"])
 
 
 def test_a_teacher_or_critic_must_share_the_policys_tokenizer(tmp_path, tiny_model_dir):
     from molt.tiny import build_tiny_model
 
-    flag = "--algo.teacher.model"
-    check_tokenizer(flag, build_tiny_model(tmp_path / "sibling", seed=1), tiny_model_dir)  # other weights
-    other = build_tiny_model(tmp_path / "other", words=("alpha", "beta"))
-    with pytest.raises(ConfigError, match="--algo.teacher.model .* has another tokenizer"):
-        check_tokenizer(flag, other, tiny_model_dir)
-    with pytest.raises(ConfigError, match="--algo.critic.model .* not a Hugging Face model directory"):
-        check_tokenizer("--algo.critic.model", tmp_path / "missing", tiny_model_dir)
+    opd = ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir), "--algo.teacher.model"]
+    resolve([*opd, str(build_tiny_model(tmp_path / "sibling", seed=1))])  # other weights, same tokenizer
+    other = str(build_tiny_model(tmp_path / "other", words=("alpha", "beta")))
+    _refused([*opd, other], ["--algo.teacher.model", "has another tokenizer"])
+    gae = ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir), "--algo.critic.model"]
+    _refused([*gae, other], ["--algo.critic.model", "has another tokenizer"])
+    _refused([*gae, str(tmp_path / "missing")], ["--algo.critic.model", "not a Hugging Face model directory"])
+    _refused([*opd[:2], "--algo.teacher.model", str(tiny_model_dir)], ["--algo.teacher.model", "--model.path"])
 
 
-def test_opd_refuses_a_kl_folded_into_the_reward_it_ignores():
-    args = ["--algo.advantage.estimator", "opd", "--algo.teacher.model", "t", "--algo.kl.coef", "0.1"]
+def test_opd_refuses_a_kl_folded_into_the_reward_it_ignores(tiny_model_dir):
+    model = str(tiny_model_dir)
+    args = ["--algo.advantage.estimator", "opd", "--algo.teacher.model", model, "--model.path", model,
+            "--algo.kl.coef", "0.1"]  # fmt: skip
     resolve(args)  # a KL loss term is fine
     _refused([*args, "--algo.kl.in_reward", "true"], ["--algo.kl.in_reward", "opd"])
 
 
-def test_more_gpus_than_ray_sees_is_refused():
-    config = _config(actor={"num_ranks": 2}, vllm={"num_engines": 1, "tensor_parallel_size": 2})
-    check_gpus(config, 4.0, on_gpu=True)
-    with pytest.raises(ConfigError) as error:
-        check_gpus(config, 3.0, on_gpu=True)
-    for text in (
-        "needs 4 GPUs",
-        "Ray sees 3",
-        "--actor.num_ranks",
-        "--vllm.tensor_parallel_size",
-        "--ray.address",
-    ):
-        assert text in str(error.value)
-    check_gpus(config, 0.0, on_gpu=False)  # a CPU run takes no GPUs
+def test_more_gpus_than_a_local_ray_would_see_is_refused(with_cuda, monkeypatch):
+    args = ["--actor.num_ranks", "2", "--vllm.tensor_parallel_size", "2"]
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 4)
+    resolve(args)
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 3)
+    _refused(args, ["needs 4 GPUs", "Ray sees 3", "--actor.num_ranks", "--vllm.tensor_parallel_size",
+                    "--ray.address"])  # fmt: skip
+    resolve([*args, "--ray.address", "head:6379"])  # a cluster's GPUs are checked once joined
+
+
+def test_a_joined_clusters_gpus_are_checked_against_what_it_has(with_cuda, monkeypatch):
+    import ray
+
+    config = resolve(["--actor.num_ranks", "2", "--ray.address", "head:6379"])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    with pytest.raises(ConfigError, match="needs 3 GPUs but Ray sees 2"):
+        check_cluster_gpus(config)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 3.0})
+    check_cluster_gpus(config)
 
 
 def test_engine_flags_reach_the_vllm_command_line_on_cuda(monkeypatch):

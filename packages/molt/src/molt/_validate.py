@@ -1,0 +1,457 @@
+"""The one validation pass of a molt run: `validate(config)` refuses, before anything starts, every config
+that cannot run here or would train silently wrong, and fills the derived values.
+
+It checks, in this order: every numeric field against its range (`RANGES`: a finite number in the
+stated interval; `0` never means unbounded), the files and addresses the run reads, the combinations of
+flags (asynchrony without importance correction, DESIGN invariant 2; a group baseline over groups of
+one; a sampler the trainer does not reproduce, invariant 3), what this machine can run (CUDA-only
+features, flags that would do nothing on a CPU, more GPUs than a local Ray has), the model's shape
+against the parallel sizes, a teacher's or critic's tokenizer, and the agent module against the data
+settings. Every message names the flags and what to do. `molt train` calls it as soon as its flags are
+read, and `molt.loop.train` calls it again first thing (the Python API gets the same guards); it is
+idempotent. The one check that needs Ray, a joined cluster's GPUs, is `check_cluster_gpus`, called right
+after joining. `start_notes` lists what a run should say at start about a config it accepts.
+
+Imports torch only when a flag needs CUDA, and transformers only for a teacher or critic model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, NamedTuple, get_args
+
+import msgspec
+
+from molt.config import Config, ConfigError, OutcomeEstimator
+
+__all__ = [
+    "RANGES", "Range", "check_cluster_gpus", "extra_groups", "gpus_needed", "num_experts", "start_notes",
+    "validate",
+]  # fmt: skip
+
+
+class Range(NamedTuple):
+    """A numeric field's allowed values: `low <= v <= high`, strict where `open_low` / `open_high`."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below and abs(value) != math.inf
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"in {left}{self.low:g}, {self.high:g}{right}"
+
+
+_POSITIVE, _AT_LEAST_0, _AT_LEAST_1 = Range(0, open_low=True), Range(0), Range(1)
+_UNIT, _FRACTION = Range(0, 1), Range(0, 1, open_low=True)
+
+# Every int and float field of `Config`, by dotted path (a test checks the two agree). `None`, where a
+# field allows it, is not checked.
+RANGES: dict[str, Range] = {
+    "data.seed": _AT_LEAST_0,
+    "agent.timeout": _POSITIVE, "agent.max_turns": _AT_LEAST_1, "agent.num_runners": _AT_LEAST_0,
+    "algo.loss.clip_low": Range(0, 1, open_high=True), "algo.loss.clip_high": _AT_LEAST_0,
+    "algo.loss.dual_clip": Range(1, open_low=True),
+    "algo.correction.token_cap": _POSITIVE,
+    "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
+    "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
+    "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
+    "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
+    "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
+    "actor.micro_batch_size": _AT_LEAST_1, "actor.warmup_steps": _AT_LEAST_0, "actor.num_ranks": _AT_LEAST_1,
+    "fsdp.tp_size": _AT_LEAST_1, "fsdp.ep_size": _AT_LEAST_1, "fsdp.cp_size": _AT_LEAST_1,
+    "vllm.num_engines": _AT_LEAST_1, "vllm.tensor_parallel_size": _AT_LEAST_1,
+    "vllm.data_parallel_size": _AT_LEAST_1, "vllm.max_num_batched_tokens": _AT_LEAST_1,
+    "vllm.mtp_num_speculative_tokens": _AT_LEAST_0, "vllm.max_model_len": Range(2),
+    "vllm.gpu_memory_utilization": _FRACTION,
+    "rollout.group_size": _AT_LEAST_1, "rollout.prompts_per_step": _AT_LEAST_1,
+    "rollout.max_new_tokens": _AT_LEAST_1, "rollout.temperature": _POSITIVE, "rollout.top_p": _FRACTION,
+    "rollout.queue_depth": _AT_LEAST_0, "rollout.max_lag": _AT_LEAST_0,
+    "train.num_steps": _AT_LEAST_1, "train.seed": _AT_LEAST_0, "train.mini_batches": _AT_LEAST_1,
+    "eval.every": _AT_LEAST_0, "eval.num_prompts": _AT_LEAST_1, "eval.n": _AT_LEAST_1, "eval.k": _AT_LEAST_1,
+    "eval.pass_reward": Range(),
+    "ckpt.every": _AT_LEAST_0,
+    "ray.num_cpus": _AT_LEAST_1,
+}  # fmt: skip
+
+# What needs CUDA, by flag, at a value other than its default: on a CPU each would do nothing (or cannot
+# run), so it is refused rather than ignored.
+_CUDA_ONLY = {
+    "fsdp.offload": "it moves optimizer states to host memory, where a CPU actor's already are",
+    "vllm.cuda_graphs": "the CPU engine always runs eager",
+    "vllm.gpu_memory_utilization": "it sizes an engine's share of GPU memory",
+    "vllm.tensor_parallel_size": "the CPU engine runs one process",
+    "vllm.data_parallel_size": "the CPU engine runs one process",
+    "vllm.enable_expert_parallel": "the CPU engine runs one process",
+    "vllm.mtp_num_speculative_tokens": "the CPU engine runs without speculative decoding",
+    "fsdp.tp_size": "the CPU actor runs FSDP2 data parallelism only (TP needs AutoModel's CUDA loader)",
+    "fsdp.ep_size": "the CPU actor runs FSDP2 data parallelism only (EP needs AutoModel's CUDA loader)",
+    "actor.compile": "the CPU actor trains small models in eager mode",
+    "train.routing_replay": "vLLM captures routed experts in its GPU model runner only (use "
+    "--actor.freeze_moe_router on a CPU)",
+}
+
+# Where Hugging Face configs keep the number of routed experts: Qwen-MoE, DeepSeek, Mixtral.
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def _value(config: Config, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), config)
+
+
+@functools.cache
+def _on_gpu() -> bool:
+    import torch  # only once a flag asks: `molt train --print-config` stays free of torch otherwise
+
+    return torch.cuda.is_available()
+
+
+def _local_gpus() -> int:
+    """The GPUs a local Ray would see: all of this machine's."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def validate(config: Config) -> Config:
+    """The config with derived values filled; a refused one raises `ConfigError` naming its flags."""
+    _check_ranges(config)
+    _check_paths(config)
+    config = _on_policy(config)
+    _check_algorithm(config)
+    _check_sampling(config)
+    _check_machine(config)
+    _check_model(config, config.model.path)
+    _check_companions(config)
+    _check_agent(config)
+    return config
+
+
+def _check_ranges(config: Config) -> None:
+    for path, allowed in RANGES.items():
+        value = _value(config, path)
+        for item in value if isinstance(value, tuple) else (value,):
+            if item is not None and not allowed.holds(item):  # None: an optional field left unset
+                raise ConfigError(f"--{path} must be a number {allowed}, got {value}")
+    correction = config.algo.correction
+    for flag in ("token_bounds", "seq_bounds"):
+        low, high = getattr(correction, flag)
+        if not low < high:
+            raise ConfigError(f"--algo.correction.{flag} is (low, high) with low < high, got ({low}, {high})")
+    if config.eval.k > config.eval.n:
+        raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
+    if config.rollout.max_new_tokens >= config.vllm.max_model_len:
+        raise ConfigError(
+            f"--rollout.max_new_tokens {config.rollout.max_new_tokens} leaves no room for a prompt in "
+            f"--vllm.max_model_len {config.vllm.max_model_len}: raise the one or lower the other"
+        )
+
+
+def _check_paths(config: Config) -> None:
+    """Files the run reads exist; directories it writes are not files; engine URLs are URLs."""
+    for flag, path in (("--data.path", config.data.path), ("--eval.path", config.eval.path)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file (a JSONL file of rows)")
+    models = {"--model.path": config.model.path, "--algo.teacher.model": config.algo.teacher.model,
+              "--algo.critic.model": config.algo.critic.model}  # fmt: skip
+    for flag, path in models.items():
+        if path and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{flag} {path} is not a Hugging Face model directory (no config.json)")
+    for flag, path in (("--logger.run_dir", config.logger.run_dir), ("--ckpt.dir", config.ckpt.dir),
+                       ("--train.rollout_dump_dir", config.train.rollout_dump_dir)):  # fmt: skip
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"{flag} {path} is a file; it names a directory the run writes into")
+    for url in config.vllm.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--vllm.urls {url!r}: each is a running vLLM server's http:// address")
+    if not config.data.messages_key:
+        raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
+    address = config.ray.address
+    if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
+        raise ConfigError(f"--ray.address {address!r}: pass HOST:PORT of a Ray head, ray://HOST:PORT, or auto")
+    if config.ray.address and config.ray.num_cpus is not None:
+        raise ConfigError(
+            "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
+            "drop one of the two"
+        )
+
+
+def _on_policy(config: Config) -> Config:
+    """Apply --train.force_on_policy and fill --rollout.queue_depth 0 (derived values)."""
+    rollout = config.rollout
+    if config.train.force_on_policy:
+        if rollout.queue_depth not in (0, rollout.prompts_per_step):
+            raise ConfigError(
+                "--train.force_on_policy keeps exactly one step of groups in flight, but "
+                f"--rollout.queue_depth is {rollout.queue_depth} (!= --rollout.prompts_per_step "
+                f"{rollout.prompts_per_step}): drop --rollout.queue_depth or --train.force_on_policy"
+            )
+        rollout = msgspec.structs.replace(
+            rollout, max_lag=0, partial_rollout=False, queue_depth=rollout.prompts_per_step
+        )
+    elif rollout.queue_depth == 0:
+        rollout = msgspec.structs.replace(rollout, queue_depth=2 * rollout.prompts_per_step)
+    if rollout.queue_depth < rollout.prompts_per_step:
+        raise ConfigError(
+            f"--rollout.queue_depth {rollout.queue_depth} is below --rollout.prompts_per_step "
+            f"{rollout.prompts_per_step}: a step could never fill; raise it, or pass 0 (2 x prompts_per_step)"
+        )
+    return msgspec.structs.replace(config, rollout=rollout)
+
+
+def _check_algorithm(config: Config) -> None:
+    rollout, algo = config.rollout, config.algo
+    # DESIGN invariant 2: tokens from an older policy, or mixed versions, need the importance correction.
+    if (rollout.max_lag >= 1 or rollout.partial_rollout) and algo.correction.mode == "none":
+        raise ConfigError(
+            "--algo.correction.mode none needs on-policy rollouts, but "
+            f"--rollout.max_lag is {rollout.max_lag} and --rollout.partial_rollout is "
+            f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
+            "or pass --train.force_on_policy"
+        )
+    if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
+        raise ConfigError(
+            f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
+            "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
+        )
+    if algo.advantage.estimator == "opd" and not algo.teacher.model:
+        raise ConfigError(
+            "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
+        )
+    if algo.advantage.estimator == "opd" and algo.kl.coef and algo.kl.in_reward:
+        raise ConfigError(
+            "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
+            "drop --algo.kl.in_reward (the KL then is a loss term)"
+        )
+    rows = rollout.prompts_per_step * rollout.group_size
+    if config.train.mini_batches > rows:
+        raise ConfigError(
+            f"--train.mini_batches {config.train.mini_batches} is more than the step's {rows} sequences "
+            f"(--rollout.prompts_per_step x --rollout.group_size): each optimizer step needs one"
+        )
+
+
+def _check_sampling(config: Config) -> None:
+    """DESIGN invariant 3: the trainer computes the full softmax at the sampling temperature."""
+    if config.rollout.top_p < 1:
+        raise ConfigError(
+            f"--rollout.top_p {config.rollout.top_p}: the engine would renormalise each logprob over the "
+            "nucleus, which the trainer's full softmax does not reproduce, so every ratio and correction "
+            "weight would be off; sample with --rollout.top_p 1 (shape the distribution with "
+            "--rollout.temperature)"
+        )
+
+
+def _check_machine(config: Config) -> None:
+    """What needs CUDA, context parallelism, and the GPUs a local Ray would have."""
+    if config.fsdp.cp_size > 1:
+        raise ConfigError(
+            f"--fsdp.cp_size {config.fsdp.cp_size}: the actor does not split sequences over context-parallel "
+            "ranks (each would train the whole row, scaling its gradient by cp_size; AutoModel splits them "
+            "only with Transformer Engine attention); pass --fsdp.cp_size 1"
+        )
+    default = Config()
+    changed = [path for path in _CUDA_ONLY if _value(config, path) != _value(default, path)]
+    engine_flag = next((path for path in changed if path.startswith("vllm.")), None)
+    if config.vllm.urls and engine_flag:  # attached engines were started with their own flags
+        raise ConfigError(
+            f"--{engine_flag} configures engines molt starts; --vllm.urls attaches running ones: drop one"
+        )
+    if changed and not _on_gpu():
+        path = changed[0]
+        raise ConfigError(f"--{path} needs CUDA, and this machine has none: {_CUDA_ONLY[path]}; drop it")
+    fsdp, ranks = config.fsdp, config.actor.num_ranks
+    if ranks % (fsdp.tp_size * fsdp.cp_size):
+        raise ConfigError(
+            f"--actor.num_ranks {ranks} must be a multiple of --fsdp.tp_size {fsdp.tp_size} x --fsdp.cp_size "
+            f"{fsdp.cp_size}: the data-parallel size is num_ranks / (tp_size x cp_size)"
+        )
+    if ranks % fsdp.ep_size:
+        raise ConfigError(
+            f"--fsdp.ep_size {fsdp.ep_size} must divide --actor.num_ranks {ranks}: expert-parallel groups "
+            "are carved out of the actor's ranks"
+        )
+    if config.actor.compile and config.actor.activation_checkpointing:
+        raise ConfigError(
+            "--actor.compile with --actor.activation_checkpointing: AutoModel's checkpoint wrapper passes "
+            "torch.utils.checkpoint a context that torch.compile refuses; drop one of the two"
+        )
+    if config.actor.compile and config.train.routing_replay:
+        raise ConfigError(
+            "--actor.compile with --train.routing_replay: replay swaps each router's choice per call from "
+            "Python hooks, which compiled layers are not tested to follow; drop one of the two"
+        )
+    if not config.ray.address and gpus_needed(config):
+        _check_gpus(config, _local_gpus())
+
+
+def extra_groups(config: Config) -> list[str]:
+    """The optional groups a run starts beside the policy (each with --actor.num_ranks ranks)."""
+    algo = config.algo
+    wanted = {
+        "reference": algo.kl.coef != 0,
+        "critic": algo.advantage.estimator == "gae",
+        "teacher": algo.advantage.estimator == "opd",
+    }
+    return [name for name, started in wanted.items() if started]
+
+
+def gpus_needed(config: Config, *, on_gpu: bool | None = None) -> int:
+    """GPUs a run takes: one per rank of the policy and of each extra group, TP x DP per engine it
+    starts; none on CPU."""
+    if not (_on_gpu() if on_gpu is None else on_gpu):
+        return 0
+    vllm = config.vllm
+    engines = 0 if vllm.urls else vllm.num_engines
+    groups = 1 + len(extra_groups(config))
+    return groups * config.actor.num_ranks + engines * vllm.tensor_parallel_size * vllm.data_parallel_size
+
+
+def _check_gpus(config: Config, num_gpus: float) -> None:
+    """Refuse a run that asks for more GPUs than there are (Ray would wait for them forever)."""
+    needed = gpus_needed(config)
+    if needed > num_gpus:
+        vllm = config.vllm
+        raise ConfigError(
+            f"the run needs {needed} GPUs but Ray sees {num_gpus:g}: --actor.num_ranks "
+            f"{config.actor.num_ranks} x the groups {['policy', *extra_groups(config)]} "
+            f"+ --vllm.num_engines {vllm.num_engines} x --vllm.tensor_parallel_size "
+            f"{vllm.tensor_parallel_size} x --vllm.data_parallel_size {vllm.data_parallel_size}; lower them, "
+            "or join a larger cluster with --ray.address"
+        )
+
+
+def check_cluster_gpus(config: Config) -> None:
+    """`_check_gpus` against the Ray cluster joined with --ray.address (call right after joining)."""
+    import ray
+
+    _check_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+
+
+def num_experts(model_config: dict) -> int:
+    """Routed experts per MoE layer; 0 for a dense model."""
+    return next((int(model_config[key]) for key in _EXPERT_KEYS if model_config.get(key)), 0)
+
+
+def _check_model(config: Config, model_dir: str | Path) -> None:
+    """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
+    vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
+    if model_dir:
+        model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    else:
+        from molt.tiny import TINY_SHAPE
+
+        model_dir, model_config = "(the tiny model)", dict(TINY_SHAPE)
+    fsdp, algo = config.fsdp, config.algo
+    if "vision_config" in model_config and (fsdp.tp_size > 1 or fsdp.cp_size > 1):
+        raise ConfigError(
+            f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
+            f"now: --fsdp.tp_size 1 --fsdp.cp_size 1 (got {fsdp.tp_size}, {fsdp.cp_size})"
+        )
+    if "vision_config" in model_config and algo.advantage.estimator == "gae":
+        raise ConfigError(
+            f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
+            "pick an outcome estimator"
+        )
+    model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
+    experts = num_experts(model_config)
+    if config.train.routing_replay and not experts:
+        raise ConfigError(
+            f"--train.routing_replay replays MoE routing, but --model.path {model_dir} is dense (its "
+            f"config.json has none of {', '.join(_EXPERT_KEYS)}): drop --train.routing_replay"
+        )
+    if fsdp.ep_size > 1 and (not experts or experts % fsdp.ep_size):
+        raise ConfigError(
+            f"--fsdp.ep_size {fsdp.ep_size} must divide the model's {experts} experts (config.json of "
+            f"--model.path {model_dir}): pick a divisor, or 1 for a dense model"
+        )
+    heads = int(model_config["num_attention_heads"])
+    kv_heads = int(model_config.get("num_key_value_heads") or heads)
+    if heads % fsdp.tp_size or kv_heads % fsdp.tp_size:
+        raise ConfigError(
+            f"--fsdp.tp_size {fsdp.tp_size} must divide the model's {heads} attention heads and {kv_heads} "
+            f"key-value heads (config.json of --model.path {model_dir})"
+        )
+    tp = config.vllm.tensor_parallel_size
+    if not config.vllm.urls and (heads % tp or (kv_heads % tp and tp % kv_heads)):
+        raise ConfigError(
+            f"--vllm.tensor_parallel_size {tp} must divide the model's {heads} attention heads, and divide "
+            f"or be a multiple of its {kv_heads} key-value heads (config.json of --model.path {model_dir})"
+        )
+
+
+def _check_companions(config: Config) -> None:
+    """A teacher or critic reads the policy's token ids, so it must tokenize exactly as the policy does."""
+    algo = config.algo
+    others = {}
+    if algo.advantage.estimator == "opd":
+        others["--algo.teacher.model"] = algo.teacher.model
+    if algo.advantage.estimator == "gae" and algo.critic.model:
+        others["--algo.critic.model"] = algo.critic.model
+    if not others:
+        return
+    if not config.model.path:
+        raise ConfigError(
+            f"{', '.join(others)} needs --model.path: the seeded tiny policy has its own tokenizer, which no "
+            "other model shares"
+        )
+    from transformers import AutoTokenizer
+
+    policy = AutoTokenizer.from_pretrained(config.model.path).get_vocab()
+    for flag, path in others.items():
+        if AutoTokenizer.from_pretrained(path).get_vocab() != policy:
+            raise ConfigError(
+                f"{flag} {path} has another tokenizer than the policy ({config.model.path}): it would read "
+                "the policy's token ids as other tokens; pick a model of the policy's family"
+            )
+
+
+def _check_agent(config: Config) -> None:
+    """The agent module exports an AgentRunner that the data settings can serve."""
+    from molt.agent import ChatAgent, load_agent
+
+    try:
+        module = load_agent(config.agent.module)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if issubclass(module.AgentRunner, ChatAgent) and not config.data.apply_chat_template:
+        raise ConfigError(
+            f"--agent.module {config.agent.module} is a ChatAgent: it sends chat messages, which tito "
+            "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
+            "text) serves only Env agents"
+        )
+    if not config.data.path and not hasattr(module, "dataset"):
+        raise ConfigError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")
+
+
+def start_notes(config: Config) -> list[str]:
+    """What a run should say at start about a config it accepts: settings that act differently from what
+    their names suggest here."""
+    notes = []
+    if config.train.mini_batches == 1 and config.algo.loss.kind != "pg":
+        notes.append(
+            f"--algo.loss.kind {config.algo.loss.kind} with --train.mini_batches 1: each batch is one "
+            "optimizer step, so the ratio to the old policy is 1 and the surrogate reduces to pg (the "
+            "clip never binds); raise --train.mini_batches for a trust region"
+        )
+    actor_dtype = config.model.dtype if config.actor.compute_dtype == "model" else config.actor.compute_dtype
+    if actor_dtype != "float32" and not config.vllm.urls and not _on_gpu():
+        notes.append(
+            f"the actor computes in {actor_dtype} but the CPU engine samples in float32: "
+            "their logprobs differ by the rounding (train/mismatch_kl shows it; the correction weighs it)"
+        )
+    return notes
