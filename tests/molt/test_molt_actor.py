@@ -10,6 +10,7 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -108,6 +109,19 @@ def test_micro_batches_cover_the_rows_and_keep_the_global_denominator():
         next(batch.micro_batches(0))
 
 
+def test_windows_split_whole_rows_each_with_its_own_denominator():
+    batch = collate(_sequences(1, [1.0] * 5), pad_id=0)
+    windows = batch.windows(2)
+    assert [(w.num_rows, rows) for w, rows in windows] == [(2, slice(0, 2)), (3, slice(2, 5))]
+    for window, rows in windows:  # each window is one optimizer step: the mean over its own tokens
+        assert window.num_tokens == int(batch.loss_mask_BT[rows].sum())
+        torch.testing.assert_close(window.tokens_BT, batch.tokens_BT[rows])
+    assert sum(w.num_tokens for w, _ in windows) == batch.num_tokens
+    assert batch.windows(1)[0][0].num_tokens == batch.num_tokens
+    with pytest.raises(ValueError, match="splits into 1..5 windows, not 6"):
+        batch.windows(6)
+
+
 def test_train_batch_refuses_mismatched_tensors():
     batch = collate(_sequences(2, [1.0] * 2, lengths=(5, 6)), pad_id=0)
     with pytest.raises(ValueError, match="advantages_BT must be float32"):
@@ -130,10 +144,15 @@ def test_shifted_logprobs_are_the_logprob_of_each_token_given_its_prefix(tiny_mo
 # --- the actor on Ray ---
 
 
-def _config(*, temperature: float, micro_batch_size: int, lr: float, warmup_steps: int = 0) -> Config:
+def _config(
+    *, temperature: float, micro_batch_size: int, lr: float, warmup_steps: int = 0, loss_kind: str = ""
+) -> Config:
+    """`loss_kind`: that policy loss with tight clip bounds (0.05); empty: the default loss."""
     config = Config()
+    loss = msgspec.structs.replace(config.algo.loss, kind=loss_kind or "ppo", clip_low=0.05, clip_high=0.05)
     return msgspec.structs.replace(
         config,
+        algo=msgspec.structs.replace(config.algo, loss=loss) if loss_kind else config.algo,
         actor=msgspec.structs.replace(
             config.actor, lr=lr, micro_batch_size=micro_batch_size, warmup_steps=warmup_steps, grad_clip=1.0
         ),
@@ -212,6 +231,8 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
         "train/clip_frac",
         "train/mismatch_kl",
         "train/seq_masked_frac",
+        "train/correction_weight_mean",
+        "train/correction_weight_dev",
         "train/grad_norm",
         "train/lr",
     }
@@ -293,6 +314,42 @@ def test_reference_logprobs_add_a_kl_term_reported_as_its_token_mean(groups):
     metrics = group.train_step(batch, ref_logp_BT=ref_logp_BT)
     k3 = math.expm1(-0.1) + 0.1  # Schulman's k3 estimator at log r = -0.1
     assert metrics["train/kl"] == pytest.approx(k3, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_each_loss_kind_gives_its_own_update_once_the_ratio_departs_from_one(groups, tiny_model_dir):
+    """--train.mini_batches 2: the second window's ratio is taken against the logprobs before the first
+    step, so it departs from 1, the clip binds, and ppo, gspo, cispo and pg update differently."""
+    from molt._actor import PolicyGroup
+    from molt.loop import train_windows
+
+    kinds = ("ppo", "gspo", "cispo", "pg")
+    configs = {kind: _config(temperature=1.0, micro_batch_size=8, lr=2e-2, loss_kind=kind) for kind in kinds}
+    with ThreadPoolExecutor(len(kinds)) as pool:
+        starts = {kind: pool.submit(PolicyGroup, tiny_model_dir, configs[kind], 1) for kind in kinds}
+        started = {kind: start.result() for kind, start in starts.items()}
+    try:
+        batch = collate(
+            _sequences(11, [1.0, -1.0, 0.5, 1.5, -0.5, -1.5], lengths=(8, 9, 7, 8, 9, 7)), pad_id=0
+        )
+        before = started["pg"].full_state()
+        logp_BT = started["pg"].logprobs(batch)  # every group starts from the same weights
+        batch = dataclasses.replace(batch, rollout_logp_BT=logp_BT * batch.loss_mask_BT)  # on-policy engine
+        metrics, after = {}, {}
+        for kind, group in started.items():
+            metrics[kind] = train_windows(group, batch.windows(2), group.logprobs(batch), None)
+            after[kind] = group.full_state()
+    finally:
+        for group in started.values():
+            group.shutdown()
+    for kind in kinds:
+        assert any(not torch.equal(after[kind][n], before[n]) for n in before), f"{kind} did not move"
+    for first, second in itertools.combinations(kinds, 2):
+        differs = max((after[first][n] - after[second][n]).abs().max().item() for n in before)
+        assert differs > 1e-6, f"{first} and {second} gave the same update"
+    assert metrics["ppo"]["train/clip_frac"] > 0  # the 0.05 bounds bind in the second window
+    assert metrics["cispo"]["train/clip_frac"] > 0
+    assert metrics["pg"]["train/clip_frac"] == 0.0  # pg never clips
 
 
 @pytest.mark.slow

@@ -17,9 +17,8 @@ import torch
 from asyncpool import GroupPool
 from molt._batch import collate
 from molt._rollout import RolloutRunner
-from molt._validate import validate
 from molt._runners import AgentHost, launch_hosts
-from molt.agent import load_agent
+from molt._validate import validate
 from molt.config import Agent, Config, Data, Rollout
 from molt.loop import check_token_identity, segment_rows
 from tito import Tito, create_app, serve_on_loop

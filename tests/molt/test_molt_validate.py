@@ -248,7 +248,9 @@ def test_a_teacher_or_critic_must_share_the_policys_tokenizer(tmp_path, tiny_mod
     gae = ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir), "--algo.critic.model"]
     _refused([*gae, other], ["--algo.critic.model", "has another tokenizer"])
     _refused([*gae, str(tmp_path / "missing")], ["--algo.critic.model", "not a Hugging Face model directory"])
-    _refused([*opd[:2], "--algo.teacher.model", str(tiny_model_dir)], ["--algo.teacher.model", "--model.path"])
+    _refused(
+        [*opd[:2], "--algo.teacher.model", str(tiny_model_dir)], ["--algo.teacher.model", "--model.path"]
+    )
 
 
 def test_opd_refuses_a_kl_folded_into_the_reward_it_ignores(tiny_model_dir):
@@ -306,3 +308,161 @@ def test_engine_flags_on_cpu_keep_the_cpu_engine_single_process(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = engine_extra_args(_config(vllm={"max_num_batched_tokens": 512}))
     assert "--max-num-batched-tokens" in args and "--tensor-parallel-size" not in args
+
+
+# --- every field: a bad value is refused naming its flag; a changed value acts or is refused here ---
+
+
+def _numeric(tp) -> bool:
+    args = [a for a in get_args(tp) if a is not type(None)] or [tp]
+    return all(a in (int, float) or get_origin(a) is tuple for a in args)
+
+
+def test_every_numeric_field_has_a_range():
+    numeric = {path for path, leaf in _leaves().items() if _numeric(leaf.type)}
+    assert numeric == set(RANGES)
+
+
+def _bad_numbers(path: str) -> list[str]:
+    """Values just outside the field's range, and NaN for a float."""
+    allowed, leaf_type = RANGES[path], _leaves()[path].type
+    bad = []
+    if allowed.low != -math.inf:
+        bad.append(allowed.low if allowed.open_low else allowed.low - 1)
+    if allowed.high != math.inf:
+        bad.append(allowed.high if allowed.open_high else allowed.high + 1)
+    is_int = int in get_args(leaf_type) or leaf_type is int
+    texts = [str(int(v)) if is_int else repr(float(v)) for v in bad]
+    if get_origin(leaf_type) is tuple:
+        return [f"{text},3" for text in texts] + ["2.0,1.0"]  # one end out of range; low above high
+    return texts + ([] if is_int else ["nan", "inf"])
+
+
+def _file(tmp_path: Path) -> str:
+    (tmp_path / "a_file").write_text("x")
+    return str(tmp_path / "a_file")
+
+
+_BAD_TEXT = {  # the string fields' bad values (tmp_path -> value)
+    "model.path": lambda tmp: str(tmp / "missing"),
+    "data.path": lambda tmp: str(tmp / "missing.jsonl"),
+    "data.messages_key": lambda tmp: "",
+    "agent.module": lambda tmp: "no_such_agent_module",
+    "algo.teacher.model": lambda tmp: str(tmp / "missing"),
+    "algo.critic.model": lambda tmp: str(tmp / "missing"),
+    "vllm.urls": lambda tmp: "localhost:8000",
+    "train.rollout_dump_dir": _file,
+    "eval.path": lambda tmp: str(tmp / "missing.jsonl"),
+    "ckpt.dir": _file,
+    "logger.run_dir": _file,
+    "ray.address": lambda tmp: "not an address",
+}
+
+
+def _bad_values(path: str, tmp_path: Path) -> list[str]:
+    leaf_type = _leaves()[path].type
+    if path in RANGES:
+        return _bad_numbers(path)
+    if leaf_type is bool:
+        return ["maybe"]
+    if get_origin(leaf_type) is Literal:
+        return ["no-such-choice"]
+    return [_BAD_TEXT[path](tmp_path)]
+
+
+@pytest.mark.parametrize("path", list(_leaves()))
+def test_every_field_refuses_a_bad_value_naming_its_flag(path, tmp_path):
+    extra = {"algo.critic.model": ["--algo.advantage.estimator", "gae"]}.get(path, [])
+    for value in _bad_values(path, tmp_path):
+        with pytest.raises(ConfigError) as error:
+            resolve([*extra, f"--{path}", value])
+        assert f"--{path}" in str(error.value), (value, str(error.value))
+
+
+def _reads(package: Path) -> set[str]:
+    """Every `group.field` the package's code reads from a config (`config.rollout.top_p`, or through a
+    local name: `rollout = config.rollout; rollout.top_p`), outside the config, flag and validation
+    modules. An alias is known by the last attribute it was bound to."""
+    skipped = {"config.py", "_flags.py", "_validate.py"}
+    reads = set()
+    for file in sorted(package.rglob("*.py")):
+        if file.name in skipped:
+            continue
+        tree = ast.parse(file.read_text())
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign):
+                targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
+                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
+                for target, value in zip(targets, values, strict=False):
+                    if isinstance(target, ast.Name) and isinstance(value, ast.Attribute):
+                        aliases[target.id] = value.attr
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                if isinstance(node.value, ast.Attribute):
+                    reads.add(f"{node.value.attr}.{node.attr}")
+                elif isinstance(node.value, ast.Name):
+                    reads.add(f"{aliases.get(node.value.id, node.value.id)}.{node.attr}")
+    return reads
+
+
+_CHANGED = {  # a valid value other than the default, where flipping or nudging the default is not one
+    "model.path": "{model}",
+    "data.path": "{rows}",
+    "eval.path": "{rows}",
+    "algo.teacher.model": "{model}",
+    "algo.critic.model": "{model}",
+    "agent.module": "molt.recipes.smollm2",
+    "vllm.urls": "http://127.0.0.1:1",
+    "ray.address": "127.0.0.1:6379",
+    "rollout.top_p": "1.0",  # the only accepted value: a lower one is refused (test above)
+    "rollout.queue_depth": "48",
+    "rollout.max_lag": "2",
+    "eval.k": "2",
+    "vllm.gpu_memory_utilization": "0.5",
+    "algo.loss.dual_clip": "3",
+    "vllm.max_num_batched_tokens": "4096",
+    "ray.num_cpus": "2",
+    "train.mini_batches": "2",
+    "algo.loss.clip_low": "0.1",
+    "algo.gae.gamma": "0.9",
+    "algo.gae.lam": "0.95",
+}
+
+
+def _changed_value(path: str, tmp_path: Path, tiny_model_dir) -> str:
+    leaf = _leaves()[path]
+    if path in _CHANGED:
+        (tmp_path / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+        return _CHANGED[path].format(model=tiny_model_dir, rows=tmp_path / "rows.jsonl")
+    if leaf.type is bool:
+        return str(not leaf.default).lower()
+    if get_origin(leaf.type) is Literal:
+        return next(str(choice) for choice in get_args(leaf.type) if choice != leaf.default)
+    if get_origin(leaf.type) is tuple:
+        return ",".join(str(v * 1.5) for v in leaf.default)
+    if leaf.type in (int, float):
+        return str(leaf.default + 1)
+    return str(tmp_path / path.replace(".", "_"))  # a directory the run writes
+
+
+@pytest.mark.parametrize("path", list(_leaves()))
+def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_model_dir, cpu_only):
+    """A changed value either reaches code that reads it (a static read of `group.field` outside the
+    config modules), or is refused here because this machine cannot run it (CUDA)."""
+    needs = {"algo.critic.model": ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir)],
+             "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
+             "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
+             "ray.num_cpus": [], "train.mini_batches": []}  # fmt: skip
+    value = _changed_value(path, tmp_path, tiny_model_dir)
+    args = [*needs.get(path, []), f"--{path}", value]
+    if path in _CUDA_ONLY or path == "fsdp.cp_size":  # context parallelism runs nowhere yet
+        with pytest.raises(ConfigError, match=rf"--{path} (needs CUDA|2: the actor does not split)"):
+            resolve(args)
+        return
+    config = resolve(args)
+    if path == "train.force_on_policy":  # it acts through the values it derives (and nothing else)
+        assert (config.rollout.max_lag, config.rollout.partial_rollout) == (0, False)
+        return
+    group, field = path.split(".")[-2:]
+    assert f"{group}.{field}" in _reads(Path(molt.__file__).parent), f"nothing reads --{path}"
