@@ -466,3 +466,47 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
         return
     group, field = path.split(".")[-2:]
     assert f"{group}.{field}" in _reads(Path(molt.__file__).parent), f"nothing reads --{path}"
+
+
+def test_the_python_api_validates_before_anything_starts(tmp_path):
+    import ray
+
+    from molt.loop import train
+
+    config = _config(rollout={"top_p": 0.9}, logger={"run_dir": str(tmp_path / "run")})
+    with pytest.raises(ConfigError, match=r"--rollout\.top_p 0\.9: the engine would renormalise"):
+        train(config)
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_the_command_refuses_an_out_of_range_flag_before_anything_starts(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from molt._cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["train", "--rollout.max_new_tokens", "0"])
+    assert result.exit_code == 2
+    assert "--rollout.max_new_tokens must be a number >= 1, got 0" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param([], "--algo.loss.kind ppo with --train.mini_batches 1", id="ppo-one-step"),
+        pytest.param(["--algo.loss.kind", "cispo"], "surrogate reduces to pg", id="cispo-one-step"),
+        pytest.param(["--actor.compute_dtype", "bfloat16"], "CPU engine samples in float32", id="bf16-actor"),
+    ],
+)
+def test_the_run_says_at_start_what_acts_otherwise_than_its_name(cpu_only, args, says):
+    from molt._validate import start_notes
+
+    assert any(says in note for note in start_notes(resolve(args)))
+
+
+def test_no_start_note_where_the_settings_act_as_named(cpu_only):
+    from molt._validate import start_notes
+
+    assert start_notes(resolve(["--train.mini_batches", "2"])) == []
+    assert start_notes(resolve(["--algo.loss.kind", "pg"])) == []
