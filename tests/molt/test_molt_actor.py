@@ -187,15 +187,6 @@ def groups(tiny_model_dir):
     ray.shutdown()
 
 
-def test_the_actor_refuses_parallelism_it_does_not_wire(tiny_model_dir):
-    from molt._actor import PolicyGroup
-
-    config = Config()
-    config = msgspec.structs.replace(config, fsdp=msgspec.structs.replace(config.fsdp, tp_size=2))
-    with pytest.raises(ValueError, match="--fsdp.tp_size 2"):
-        PolicyGroup(tiny_model_dir, config, 2)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "temperature"), [("t1", 1.0), ("one_rank", 0.7), ("two_ranks", 0.7)])
 def test_group_logprobs_equal_a_transformers_forward(groups, tiny_model_dir, name, temperature):
