@@ -69,7 +69,8 @@ def test_both_forms_give_the_engine_identical_prompt_tokens(tiny_model_dir, vllm
 
 
 def test_runners_0_host_the_agents_in_process_and_an_ended_episode_needs_no_close():
-    (host,) = launch_hosts("molt.recipes.copy_word", 0)  # no Ray: an AgentHost of this process
+    (host,), ready = launch_hosts("molt.recipes.copy_word", 0)  # no Ray: an AgentHost of this process
+    assert ready == []  # nothing to wait for
     assert isinstance(host, AgentHost)
 
     async def episode(action: str):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from molt._plot import read_metrics
+from molt._plot import read_metrics, smoothed
 
 MOLT = str(Path(sys.executable).parent / "molt")
 
@@ -31,3 +31,11 @@ def test_plot_of_a_directory_without_a_run_says_so(tmp_path):
     result = subprocess.run([MOLT, "plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "has no metrics.jsonl" in result.stderr
+
+
+def test_a_smoothed_timing_curve_starts_after_the_warm_up_step():
+    x, y = tuple(range(1, 21)), (37.0, *[2.0] * 19)  # step 1 holds the warm-up
+    steps, curve = smoothed("timing/step_total", x, y)
+    assert steps[0] == 2 and curve == [2.0] * 19
+    steps, curve = smoothed("rollout/reward_mean", x, y)  # other metrics keep their first step
+    assert steps[0] == 1 and curve[0] == 37.0 and curve[1] > 2.0

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
+from molt._log import redirect_output
 from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
@@ -79,7 +80,10 @@ class PolicyWorker:
         model_dir: str,
         config: Config,
         trainable: bool = True,
+        log_path: str = "",
     ) -> None:
+        if log_path:  # this rank's third-party output (AutoModel's warnings, weight loading) goes there
+            redirect_output(log_path)
         on_gpu = torch.cuda.is_available()
         self.rank, self.config = rank, config
         if on_gpu:
@@ -398,7 +402,8 @@ class PolicyGroup:
 
     Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
     the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
-    `wait=False` returns once the ranks are placed; `wait_ready` then waits for them to load.
+    `wait=False` returns once the ranks are placed; `wait_ready` (or `ready_refs`) then waits for them to
+    load. `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
     """
 
     worker_class: type = PolicyWorker
@@ -411,6 +416,7 @@ class PolicyGroup:
         *,
         trainable: bool = True,
         wait: bool = True,
+        log_prefix: str = "",
     ) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -436,18 +442,29 @@ class PolicyGroup:
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.workers = [
             remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
-                rank, num_ranks, self.master_addr, port, str(model_dir), config, trainable
+                rank,
+                num_ranks,
+                self.master_addr,
+                port,
+                str(model_dir),
+                config,
+                trainable,
+                f"{log_prefix}-{rank}.log" if log_prefix else "",
             )
             for rank in range(num_ranks)
         ]
         if wait:
             self.wait_ready()
 
+    def ready_refs(self) -> list:
+        """One Ray object ref per rank, ready once that rank has loaded its shard."""
+        return [w.__ray_ready__.remote() for w in self.workers]
+
     def wait_ready(self) -> None:
         """Block until every rank has loaded its shard; raises if one failed to start."""
         import ray
 
-        ray.get([w.__ray_ready__.remote() for w in self.workers])
+        ray.get(self.ready_refs())
 
     def _each(self, method: str, *per_rank_args) -> list:
         """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""

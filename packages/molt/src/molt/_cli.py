@@ -17,6 +17,8 @@ import msgspec
 import typer
 
 from molt._flags import flag_help, render_toml, resolve
+from molt._log import quiet_console
+from molt._startup import allow_bytecode
 from molt.config import Config, ConfigError, with_run_dir
 
 __all__ = ["app"]
@@ -99,9 +101,12 @@ def train(ctx: typer.Context) -> None:
     # Ray's workers run in this process's environment (the project's venv). Without this, Ray notices
     # `uv run` and starts workers through `uv run` in a copy of the working directory, a fresh venv.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
+    # From here on other libraries' output goes into the run directory (their import warnings too).
+    with quiet_console(run_dir / "molt.log", verbose=config.logger.verbose):
+        allow_bytecode()
+        from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
 
-    run_training(config, resume=resume_dir is not None)
+        run_training(config, resume=resume_dir is not None)
 
 
 def _take_resume(args: list[str]) -> Path | None:

@@ -123,8 +123,16 @@ class CriticGroup(PolicyGroup):
 
     worker_class = CriticWorker
 
-    def __init__(self, model_dir: str | Path, config: Config, num_ranks: int, *, wait: bool = True) -> None:
-        super().__init__(model_dir, data_parallel_only(config), num_ranks, wait=wait)
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: Config,
+        num_ranks: int,
+        *,
+        wait: bool = True,
+        log_prefix: str = "",
+    ) -> None:
+        super().__init__(model_dir, data_parallel_only(config), num_ranks, wait=wait, log_prefix=log_prefix)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Values of every row of `batch`, [B, T], in row order."""

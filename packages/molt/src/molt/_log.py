@@ -1,18 +1,72 @@
-"""Where a run's numbers go: `metrics.jsonl` (one object per step), TensorBoard, one console line a step."""
+"""Where a run's numbers and words go: `metrics.jsonl` (one object per step), TensorBoard, one console line
+a step, molt's progress lines, and (`quiet_console`) the other libraries' output into the run directory.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
-__all__ = ["RunLog", "progress"]
+__all__ = ["RunLog", "progress", "quiet_console", "redirect_output"]
+
+# The terminal's stderr: molt's own lines go here, also while `quiet_console` points fd 2 at a file.
+_console: TextIO | None = None
+# The libraries of this project: their warnings and errors (a failing agent's first traceback) always
+# reach the terminal.
+_OWN_LOGGERS = ("molt", "asyncpool", "tito", "refit")
 
 
 def progress(message: str) -> None:
     """A start-up or shutdown line on stderr, so long waits (engines loading) are visible."""
-    print(f"[molt {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    print(f"[molt {time.strftime('%H:%M:%S')}] {message}", file=_console or sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def quiet_console(log_path: Path, *, verbose: bool) -> Iterator[None]:
+    """Within the block, whatever else writes to this process's stderr (warnings, progress bars, other
+    libraries' log lines, C++ logs) goes to `log_path`; molt's progress lines and its libraries' warnings
+    and errors still reach the terminal. On exit, an error's included, stderr is the terminal again, so a
+    traceback shows there. Nested blocks and `verbose` change nothing."""
+    global _console
+    if verbose or _console is not None:
+        yield
+        return
+    sys.stderr.flush()
+    _console = os.fdopen(os.dup(2), "w", buffering=1)
+    handler = logging.StreamHandler(_console)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("[%(name)s %(asctime)s] %(levelname)s %(message)s", "%H:%M:%S"))
+    for name in _OWN_LOGGERS:
+        logging.getLogger(name).addHandler(handler)
+    with open(log_path, "a") as log:
+        os.dup2(log.fileno(), 2)
+    progress(f"other libraries' output goes to {log_path.parent}/*.log (--logger.verbose shows it here)")
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(_console.fileno(), 2)
+        for name in _OWN_LOGGERS:
+            logging.getLogger(name).removeHandler(handler)
+        _console.close()
+        _console = None
+
+
+def redirect_output(log_path: str) -> None:
+    """Send this process's stdout and stderr into `log_path` (a Ray worker's third-party output: its
+    failures still reach the trainer as exceptions)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(log_path, "a") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
 
 
 class RunLog:

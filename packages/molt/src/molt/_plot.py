@@ -43,6 +43,14 @@ def smooth(values: list[float], weight: float = 0.8) -> list[float]:
     return out
 
 
+def smoothed(name: str, x: tuple, y: tuple) -> tuple[tuple, list[float]]:
+    """The smoothed curve of one metric. A timing curve starts after the run's first step, whose time
+    includes the warm-up (the engines' first batches, the first compiled kernels): carried into the
+    average, it would hold the curve up for tens of steps."""
+    skip = 1 if name.startswith("timing/") and len(x) > 1 else 0
+    return x[skip:], smooth(list(y[skip:]))
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's PNG (default `RUN_DIR/plot.png`) and return its path."""
     import matplotlib
@@ -61,7 +69,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             x, y = zip(*points, strict=True)
             line = axis.plot(x, y, alpha=0.35 if len(x) > 10 else 1.0, label=name)[0]
             if len(x) > 10:
-                axis.plot(x, smooth(list(y)), color=line.get_color(), label=f"{name} (smoothed)")
+                axis.plot(*smoothed(name, x, y), color=line.get_color(), label=f"{name} (smoothed)")
         axis.set_title(title)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=7, loc="best")

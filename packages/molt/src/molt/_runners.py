@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from molt._log import redirect_output
 from molt.agent import Context, Result, load_agent
 
 __all__ = ["AgentHost", "RemoteHost", "launch_hosts"]
@@ -29,7 +30,9 @@ MAX_AGENT_THREADS = 256  # plain (blocking) agents running at once in one host
 class AgentHost:
     """Episodes of the agent module's `AgentRunner` (a fresh instance each), keyed by episode id."""
 
-    def __init__(self, agent_module: str) -> None:
+    def __init__(self, agent_module: str, log_path: str = "") -> None:
+        if log_path:  # a Ray actor's third-party output goes there
+            redirect_output(log_path)
         self.runner_class = load_agent(agent_module).AgentRunner
         self.episodes: dict[str, object] = {}
         # asyncio's default pool has cpu_count + 4 threads: too few for blocking SDK agents.
@@ -86,13 +89,17 @@ class RemoteHost:
             raise
 
 
-def launch_hosts(agent_module: str, num_hosts: int) -> list[AgentHost] | list[RemoteHost]:
-    """`num_hosts` agent hosts as Ray actors, or one in this process for 0 (module docstring)."""
+def launch_hosts(
+    agent_module: str, num_hosts: int, *, log_prefix: str = ""
+) -> tuple[list[AgentHost] | list[RemoteHost], list]:
+    """`num_hosts` agent hosts as Ray actors, or one in this process for 0 (module docstring), and a Ray
+    object ref per actor that is ready once it has imported the agent (a broken module fails there).
+    `log_prefix`: host i writes its output into `{log_prefix}-{i}.log` (empty: Ray's worker logs)."""
     if num_hosts == 0:
-        return [AgentHost(agent_module)]
+        return [AgentHost(agent_module)], []
     # No task events: a host runs several calls per rollout, and Ray would keep each one in its GCS
     # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe.
     remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)
-    actors = [remote.remote(agent_module) for _ in range(num_hosts)]
-    ray.get([actor.__ray_ready__.remote() for actor in actors])  # a broken agent module fails here
-    return [RemoteHost(actor) for actor in actors]
+    logs = [f"{log_prefix}-{index}.log" if log_prefix else "" for index in range(num_hosts)]
+    actors = [remote.remote(agent_module, log) for log in logs]
+    return [RemoteHost(actor) for actor in actors], [actor.__ray_ready__.remote() for actor in actors]

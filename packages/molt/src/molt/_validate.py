@@ -182,7 +182,9 @@ def _check_paths(config: Config) -> None:
         raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
     address = config.ray.address
     if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
-        raise ConfigError(f"--ray.address {address!r}: pass HOST:PORT of a Ray head, ray://HOST:PORT, or auto")
+        raise ConfigError(
+            f"--ray.address {address!r}: pass HOST:PORT of a Ray head, ray://HOST:PORT, or auto"
+        )
     if config.ray.address and config.ray.num_cpus is not None:
         raise ConfigError(
             "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "

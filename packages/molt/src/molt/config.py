@@ -320,6 +320,9 @@ class Logger(_Group):
     """Write TensorBoard events into the run directory."""
     wandb_project: str = ""
     """Weights & Biases project; empty = no W&B."""
+    verbose: bool = False
+    """Show other libraries' output (warnings, progress bars, Ray workers' logs) on the console; default:
+    into the run directory's *.log files, molt's own lines and every error on the console."""
 
 
 class Ray(_Group):

@@ -17,6 +17,7 @@ import random
 import secrets
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,14 +37,15 @@ from molt._batch import (
 from molt._checkpoint import latest, restore_rng, step_dir, write_loop_state
 from molt._critic import CriticGroup
 from molt._dumps import write_rollouts
-from molt._engines import check_attached, launch_engines, stop_engines, wait_for_engines
+from molt._engines import check_attached, launch_engines, stop_engines
 from molt._eval import eval_rows, evaluate
-from molt._log import RunLog, progress
+from molt._log import RunLog, progress, quiet_console
 from molt._rollout import Rollout, RolloutRunner
 from molt._runners import launch_hosts
+from molt._startup import StartupClock, allow_bytecode
 from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
 from molt.agent import ChatAgent, load_agent
-from molt.config import Config
+from molt.config import Config, with_run_dir
 from rlestimators import ESTIMATORS, dynamic_filter, gae, kl, opd
 from tito import Tito, create_app, serve_on_loop
 
@@ -72,6 +74,7 @@ class Run:
     model_dir: Path
     eval_rows: list[dict]
     first_step: int = 1  # > 1 when resuming from a checkpoint
+    startup: StartupClock | None = None  # the start-up stages, logged with the first step
     reference: PolicyGroup | None = None  # --algo.kl.coef != 0: the frozen initial policy
     critic: CriticGroup | None = None  # --algo.advantage.estimator gae: the value model
     teacher: PolicyGroup | None = None  # --algo.advantage.estimator opd: the frozen teacher
@@ -88,6 +91,9 @@ async def run_steps(config: Config, run: Run) -> None:
         started = time.monotonic()
         groups = await take(pool, config.rollout.prompts_per_step, run.tito)  # whole, completion order
         generation_s = time.monotonic() - started
+        startup = run.startup if step == run.first_step else None  # timing/startup_* with this step
+        if startup is not None:
+            startup.seconds["first_groups"] = generation_s
         rollouts: list[Rollout] = [sample for group in groups for sample in group.samples]
         run.rows.mark_trained(groups)
         if config.train.rollout_dump_dir:
@@ -178,7 +184,10 @@ async def run_steps(config: Config, run: Run) -> None:
             **{f"timing/refit_{phase}": seconds for phase, seconds in refit_s.items()},  # where it went
             **eval_metrics,
             "timing/step_total": time.monotonic() - started,
+            **(startup.metrics() if startup else {}),
         })  # fmt: skip
+        if startup is not None:
+            progress(startup.line())
         every = config.ckpt.every
         if every and (step % every == 0 or step == last):  # --ckpt.every: actor, optimizer, loop state
             await asyncio.to_thread(save_checkpoint, config, run, step)
@@ -368,38 +377,48 @@ def train(config: Config, *, resume: bool = False) -> None:
     from the newest checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
     import ray
 
-    config = validate(config)  # every refusal before anything starts, whoever calls
-    for note in start_notes(config):
-        progress(f"note: {note}")
+    clock = StartupClock()  # from the command's start: timing/startup_* in step 1's metrics
+    config = with_run_dir(validate(config))  # every refusal before anything starts, whoever calls
     run_dir = Path(config.logger.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
     with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(quiet_console(run_dir / "molt.log", verbose=config.logger.verbose))
+        allow_bytecode()  # before any process starts: they all inherit it
+        for note in start_notes(config):
+            progress(f"note: {note}")
         agent_module = load_agent(config.agent.module)
         rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
-        model_dir = _model_dir(config, run_dir)
-        progress("starting Ray")
-        if config.ray.address:  # join that cluster; otherwise a fresh local Ray, never one found running here
-            ray.init(address=config.ray.address, include_dashboard=False)
-            check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
-        else:
-            ray.init(address="local", num_cpus=config.ray.num_cpus, include_dashboard=False)
-        cleanup.callback(ray.shutdown)
+        with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
+            building = background.submit(_model_dir, config, run_dir, clock)
+            _start_ray(config, clock)
+            cleanup.callback(ray.shutdown)
+            model_dir = building.result()
         attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
         num_new = 0 if attached else config.vllm.num_engines
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
+        logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
+        clock.begin("engines")
         engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
         cleanup.callback(stop_engines, engines)
-        policy = PolicyGroup(model_dir, config, config.actor.num_ranks, wait=False)
+        clock.begin("actor")
+        policy = PolicyGroup(
+            model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor"
+        )
         cleanup.callback(policy.shutdown)
-        groups = start_extra_groups(config, model_dir)  # reference, critic, teacher: each if asked for
+        groups = start_extra_groups(config, model_dir, clock, logs)  # reference, critic, teacher: if asked
         for group in groups.values():
             cleanup.callback(group.shutdown)
-        hosts = launch_hosts(config.agent.module, config.agent.num_runners)  # while the groups load
-        for group in (policy, *groups.values()):  # they load side by side
-            group.wait_ready()
+        clock.begin("agent_hosts")
+        hosts, hosts_ready = launch_hosts(
+            config.agent.module, config.agent.num_runners, log_prefix=logs and f"{logs}/agents"
+        )
+        engine_urls = [engine.url.remote() for engine in engines]
+        stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
+        clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
         first_step = 1
         if checkpoint is not None:
             policy.load(checkpoint)
@@ -408,7 +427,7 @@ def train(config: Config, *, resume: bool = False) -> None:
             restore_rng(state)
             first_step = state.step + 1
             progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
-        urls = attached or wait_for_engines(engines)
+        urls = attached or ray.get(engine_urls)
         if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
             policy.refit(urls, first_step - 1)
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
@@ -416,25 +435,52 @@ def train(config: Config, *, resume: bool = False) -> None:
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
         parts = dict(policy=policy, rows=rows, log=log, model_dir=model_dir, eval_rows=evaluation,
-                     first_step=first_step, **groups)  # fmt: skip
+                     first_step=first_step, startup=clock, **groups)  # fmt: skip
         asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
-def start_extra_groups(config: Config, model_dir: Path) -> dict:
+def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, logs: str) -> dict:
     """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for.
-    Returns once their ranks are placed (`wait_ready` waits for them to load)."""
+    Returns once their ranks are placed (`ready_refs` are ready once they have loaded). `logs`: the
+    directory their ranks write their output into (empty: Ray's worker logs)."""
     num_ranks, algo, groups = config.actor.num_ranks, config.algo, {}
+    frozen = dict(trainable=False, wait=False)
     if "reference" in extra_groups(config):  # the initial weights, frozen (a resumed run reloads them)
         progress("starting the reference policy (--algo.kl.coef)")
-        groups["reference"] = PolicyGroup(model_dir, config, num_ranks, trainable=False, wait=False)
+        groups["reference"] = PolicyGroup(
+            model_dir, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/reference"
+        )
     if "critic" in extra_groups(config):
         progress("starting the critic (--algo.advantage.estimator gae)")
-        groups["critic"] = CriticGroup(algo.critic.model or model_dir, config, num_ranks, wait=False)
+        critic_dir = algo.critic.model or model_dir
+        groups["critic"] = CriticGroup(
+            critic_dir, config, num_ranks, wait=False, log_prefix=logs and f"{logs}/critic"
+        )
     if "teacher" in extra_groups(config):
         progress(f"starting the teacher {algo.teacher.model} (--algo.advantage.estimator opd)")
-        groups["teacher"] = PolicyGroup(algo.teacher.model, config, num_ranks, trainable=False, wait=False)
+        groups["teacher"] = PolicyGroup(
+            algo.teacher.model, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/teacher"
+        )
+    for name in groups:
+        clock.begin(name)
     return groups
+
+
+def _start_ray(config: Config, clock: StartupClock) -> None:
+    """Join `--ray.address`, or start a fresh local Ray (never one found running here). Ray workers' own
+    output reaches the console only with --logger.verbose (each worker writes into the run directory)."""
+    import ray
+
+    progress("starting Ray")
+    clock.begin("ray")
+    quiet = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
+    if config.ray.address:
+        ray.init(address=config.ray.address, **quiet)
+        check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
+    else:
+        ray.init(address="local", num_cpus=config.ray.num_cpus, **quiet)
+    clock.end("ray")
 
 
 async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool) -> None:
@@ -442,10 +488,12 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
     (the `Run` fields started by `train`)."""
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
+    parts["startup"].begin("tito")
     tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
+            parts["startup"].end("tito")
             runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
             keep = _keep_varied if config.algo.dynamic_filter else None
             pool = GroupPool(runner, parts["rows"], group_size=rollout.group_size, depth=rollout.queue_depth,
@@ -461,10 +509,13 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
         await tito.aclose()
 
 
-def _model_dir(config: Config, run_dir: Path) -> Path:
+def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
     if config.model.path:
         return Path(config.model.path)
     from molt.tiny import build_tiny_model
 
     progress("no --model.path: building the seeded tiny model into the run directory")
-    return build_tiny_model(run_dir / "model", seed=config.train.seed)
+    clock.begin("model")
+    model_dir = build_tiny_model(run_dir / "model", seed=config.train.seed)
+    clock.end("model")
+    return model_dir
