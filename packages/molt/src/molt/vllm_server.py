@@ -46,9 +46,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def engine_args(
-    model: str | Path, *, port: int, max_model_len: int = 2048, extra: Sequence[str] = ()
+    model: str | Path,
+    *,
+    port: int,
+    max_model_len: int = 2048,
+    extra: Sequence[str] = (),
+    on_cpu: bool | None = None,
 ) -> list[str]:
-    """The command line of one engine (see the module docstring for why each flag is there)."""
+    """The command line of one engine (see the module docstring for why each flag is there). `on_cpu`:
+    None asks torch (which then loads in this process)."""
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
@@ -59,7 +65,7 @@ def engine_args(
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    if _on_cpu():
+    if _on_cpu() if on_cpu is None else on_cpu:
         # Fast start on CPU (about 40 s instead of 200 s): no engine subprocess, no graph capture.
         args += ["--enforce-eager", "--distributed-executor-backend", "uni", "--dtype", "float32"]
     return args + list(extra)
@@ -80,11 +86,11 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _engine_env() -> dict[str, str]:
+def _engine_env(on_cpu: bool) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("VLLM_SERVER_DEV_MODE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    if _on_cpu():
+    if on_cpu:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -95,7 +101,8 @@ class VLLMServer:
     """One vLLM server process. `with VLLMServer(model) as server:` waits for `/health`; `server.url`.
 
     The server's output goes to `log_path` (a temporary file by default) so a failed start can show
-    its last lines in the error.
+    its last lines in the error. `on_cpu`: whether it runs the CPU build; None asks torch (a process that
+    only starts servers need not load it: molt's engine actors pass what the trainer found).
     """
 
     def __init__(
@@ -106,10 +113,12 @@ class VLLMServer:
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
         start_timeout: float = 300.0,
+        on_cpu: bool | None = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = engine_args(model, port=self.port, extra=extra_args)
+        self.on_cpu = _on_cpu() if on_cpu is None else on_cpu
+        self.args = engine_args(model, port=self.port, extra=extra_args, on_cpu=self.on_cpu)
         self.log_path = Path(log_path or f"/tmp/molt-vllm-{self.port}.log")
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
@@ -120,7 +129,7 @@ class VLLMServer:
             self.args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_engine_env(),
+            env=_engine_env(self.on_cpu),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
