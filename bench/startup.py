@@ -77,10 +77,8 @@ def main() -> None:
     print(f"\nmachine: {machine()}; {args.rounds} rounds, medians:")
     for key, value in median.items():
         print(f"  {key:<16} {value:6.1f} s")
-    ratio = median["total"] / median["bare_engine"]
-    print(
-        f"step 1 after {median['total']:.1f} s = {ratio:.2f}x a bare vLLM server's start ({median['bare_engine']:.1f} s)"
-    )
+    total, bare = median["total"], median["bare_engine"]
+    print(f"step 1 after {total:.1f} s = {total / bare:.2f}x a bare vLLM server's start ({bare:.1f} s)")
 
 
 if __name__ == "__main__":
