@@ -260,6 +260,10 @@ class Rollout(_Group):
     """Prompt groups in flight; 0 = 2 x --rollout.prompts_per_step."""
     max_lag: int = 1
     """Most policy versions a group's oldest token may lag the trainer."""
+    stale: Literal["drop", "keep"] = "drop"
+    """A group past --rollout.max_lag: drop it and rerun its prompt, or keep it and train it corrected."""
+    max_stale_requeues: int = 16
+    """Reruns of one prompt after stale drops before the run stops, naming it (>= 1)."""
     partial_rollout: bool = True
     """Keep in-flight requests across weight refits (their tokens mix versions)."""
     seed_requests: bool = False
@@ -441,6 +445,17 @@ def validate(config: Config) -> Config:
     rollout, algo = config.rollout, config.algo
     if rollout.max_lag < 0:
         raise ConfigError(f"--rollout.max_lag must be >= 0 (0 = on-policy), got {rollout.max_lag}")
+    if rollout.max_stale_requeues < 1:
+        raise ConfigError(
+            f"--rollout.max_stale_requeues must be >= 1, got {rollout.max_stale_requeues}; to never drop "
+            "a stale group, pass --rollout.stale keep"
+        )
+    if rollout.stale == "keep" and algo.correction.mode == "none":  # DESIGN invariant 2
+        raise ConfigError(
+            "--rollout.stale keep trains groups sampled by older policies, which needs the importance "
+            "correction, but --algo.correction.mode is none: pick tis, mis or seq-mask-tis, or pass "
+            "--rollout.stale drop"
+        )
     if rollout.queue_depth < rollout.prompts_per_step:
         raise ConfigError(
             f"--rollout.queue_depth {rollout.queue_depth} is below --rollout.prompts_per_step "
