@@ -7,6 +7,7 @@ slow groups arrive stale the way they do against a real trainer.
 
 import asyncio
 import math
+import pickle
 import random
 from collections import Counter
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ def test_a_prompt_dropped_stale_past_the_cap_raises_from_take_naming_it(rollout)
             ) as err:
                 await pool.take(1)
             assert (err.value.prompt, err.value.prompt_index, err.value.drops) == ("slow", 0, 3)
+            assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
             assert rollout.running_prompts() == ["fresh"]  # "slow" is not run again; the pool goes on
             stats = pool.stats
         assert stats.dropped_stale == 5

@@ -47,7 +47,10 @@ class PromptStarved(Exception):
             f"finished more than max_lag={max_lag} versions behind the trainer; raise max_lag or "
             "max_requeues, or pass stale='keep' to train stale groups with their importance correction"
         )
-        self.prompt, self.prompt_index, self.drops = prompt, prompt_index, drops
+        self.prompt, self.prompt_index, self.drops, self.max_lag = prompt, prompt_index, drops, max_lag
+
+    def __reduce__(self):  # picklable (e.g. across processes) although __init__ takes its parts
+        return type(self), (self.prompt, self.prompt_index, self.drops, self.max_lag)
 
 
 class _Versioned(Protocol):
