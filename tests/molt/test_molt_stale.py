@@ -43,12 +43,12 @@ def test_stale_keep_and_the_cap_resolve():
 
 def test_pool_metrics_log_the_counters_and_the_steps_stale_rate():
     before = PoolStats(in_flight=4, started=10, returned=4, dropped_stale=2)
-    now = PoolStats(in_flight=6, started=22, returned=8, dropped_stale=5, filtered=3)
+    now = PoolStats(in_flight=6, started=22, returned=8, dropped_stale=5, filtered=1, failed=1, ready=1)
     metrics = pool_metrics(now, before)
-    # 22 - 6 = 16 groups finished in all, 10 - 4 = 6 before: 10 this step, 3 of them dropped as stale
-    assert metrics["pool/dropped_stale_rate"] == pytest.approx(0.3)
-    assert (metrics["pool/dropped_stale"], metrics["pool/filtered"], metrics["pool/kept_stale"]) == (5, 3, 0)
-    assert pool_metrics(now, now)["pool/dropped_stale_rate"] == 0.0  # nothing finished: no rate
+    # this step 4 returned, 3 dropped as stale, 1 filtered, 1 failed: 3 of the 9 groups that left
+    assert metrics["pool/dropped_stale_rate"] == pytest.approx(3 / 9)
+    assert (metrics["pool/dropped_stale"], metrics["pool/filtered"], metrics["pool/kept_stale"]) == (5, 1, 0)
+    assert pool_metrics(now, now)["pool/dropped_stale_rate"] == 0.0  # nothing left the pool: no rate
 
 
 @dataclass(frozen=True)

@@ -215,13 +215,18 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
 
 
 def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
-    """The pool's counters (`pool/<name>`, cumulative) and `pool/dropped_stale_rate`: the share of the
-    groups that finished since `before` (the last step's log) that were dropped as stale."""
-    finished = (now.started - now.in_flight) - (before.started - before.in_flight)
+    """The pool's counters (`pool/<name>`, cumulative) and `pool/dropped_stale_rate`: of the groups that
+    left the pool since `before` (the last step's log: returned, dropped as stale, filtered or failed),
+    the share dropped as stale; 0 when none left."""
+
+    def ended(stats: PoolStats) -> int:
+        return stats.returned + stats.dropped_stale + stats.filtered + stats.failed
+
+    num_ended = ended(now) - ended(before)
     dropped = now.dropped_stale - before.dropped_stale
     return {
         **{name: float(value) for name, value in now.metrics().items()},
-        "pool/dropped_stale_rate": dropped / finished if finished else 0.0,
+        "pool/dropped_stale_rate": dropped / num_ended if num_ended else 0.0,
     }
 
 
