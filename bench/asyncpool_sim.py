@@ -16,6 +16,7 @@ idle fraction), prefill/decode interplay inside the engine (a slot is busy or id
 """
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import math
@@ -33,7 +34,8 @@ MEAN_ROLLOUT_S = 30.0
 SIGMA = 1.0  # lognormal shape: median 18 s, 1 in 100 rollouts longer than 185 s
 TRAIN_S = (60.0, 120.0, 180.0)  # trainer step times; 120 s is the engine's ideal time for one batch
 STEPS = 150
-VARIANT_TRAIN_S, VARIANTS = 120.0, ((32, 1), (48, 1), (64, 2))  # (depth, max_lag): the staleness trade-off
+# (depth, max_lag, stale): the staleness trade-off at one step time
+VARIANT_TRAIN_S, VARIANTS = 120.0, ((32, 1, "drop"), (48, 1, "drop"), (64, 2, "drop"), (64, 1, "keep"))
 SEED = 0
 
 
@@ -92,21 +94,26 @@ class Result:
     useful_frac: float  # slot time spent on samples the trainer received
     dropped_stale_frac: float  # of started groups
     mean_lag: float  # versions between a returned group's oldest token and the trainer
+    most_reruns: int  # the most stale reruns of one prompt (what the pool's max_requeues caps)
 
 
-async def simulate(depth: int, max_lag: int, train_s: float) -> Result:
+async def simulate(depth: int, max_lag: int, train_s: float, stale: str) -> Result:
     engine, rng = Engine(SLOTS), random.Random(SEED)
     mu = math.log(MEAN_ROLLOUT_S) - SIGMA**2 / 2  # lognormal mean = exp(mu + sigma^2 / 2)
     pool: GroupPool[int, Sample]
+    starts: collections.Counter[int] = collections.Counter()  # groups started per prompt
 
     async def rollout(prompt: int, index: int) -> Sample:
+        starts[prompt] += index == 0
         duration = rng.lognormvariate(mu, SIGMA)
         async with engine.slot():
             first_token_version = pool.version  # queued requests sample nothing until they get a slot
             await asyncio.sleep(duration)
             return Sample(first_token_version, pool.version, duration)
 
-    pool = GroupPool(rollout, itertools.count(), group_size=GROUP_SIZE, depth=depth, max_lag=max_lag)
+    pool = GroupPool(
+        rollout, itertools.count(), group_size=GROUP_SIZE, depth=depth, max_lag=max_lag, stale=stale
+    )
     loop, lags, useful_s = asyncio.get_running_loop(), [], 0.0
     async with pool:
         for step in range(STEPS):
@@ -122,12 +129,13 @@ async def simulate(depth: int, max_lag: int, train_s: float) -> Result:
         useful_frac=useful_s / (SLOTS * elapsed),
         dropped_stale_frac=stats.dropped_stale / stats.started,
         mean_lag=sum(lags) / len(lags),
+        most_reruns=max(starts.values()) - 1,
     )
 
 
-def run(depth: int, max_lag: int, train_s: float) -> Result:
+def run(depth: int, max_lag: int, train_s: float, stale: str = "drop") -> Result:
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        return runner.run(simulate(depth, max_lag, train_s))
+        return runner.run(simulate(depth, max_lag, train_s, stale))
 
 
 def main() -> None:
@@ -139,23 +147,24 @@ def main() -> None:
     print(f"(a) sync: depth {BATCH}, max_lag 0   (b) pool: depth {2 * BATCH}, max_lag 1\n")
     print(
         "| train step | (a) steps/h | (a) idle | (b) steps/h | (b) idle | (b) useful "
-        "| (b) stale drops | (b) mean lag | (b)/(a) |"
+        "| (b) stale drops | (b) most reruns | (b) mean lag | (b)/(a) |"
     )
-    print("|---:" * 9 + "|")
+    print("|---:" * 10 + "|")
     for train_s in TRAIN_S:
         sync, pool = run(BATCH, 0, train_s), run(2 * BATCH, 1, train_s)
         cells = [f"{train_s:.0f} s", f"{sync.steps_per_hour:.1f}", f"{sync.idle_frac:.1%}"]
         cells += [f"{pool.steps_per_hour:.1f}", f"{pool.idle_frac:.1%}", f"{pool.useful_frac:.1%}"]
-        cells += [f"{pool.dropped_stale_frac:.1%}", f"{pool.mean_lag:.2f}"]
+        cells += [f"{pool.dropped_stale_frac:.1%}", str(pool.most_reruns), f"{pool.mean_lag:.2f}"]
         cells += [f"{pool.steps_per_hour / sync.steps_per_hour:.2f}"]
         print("| " + " | ".join(cells) + " |")
     print(f"\nother settings of the pool, train step {VARIANT_TRAIN_S:.0f} s:\n")
-    print("| depth | max_lag | steps/h | idle | useful | stale drops | mean lag |")
-    print("|---:" * 7 + "|")
-    for depth, max_lag in VARIANTS:
-        pool = run(depth, max_lag, VARIANT_TRAIN_S)
-        cells = [str(depth), str(max_lag), f"{pool.steps_per_hour:.1f}", f"{pool.idle_frac:.1%}"]
-        cells += [f"{pool.useful_frac:.1%}", f"{pool.dropped_stale_frac:.1%}", f"{pool.mean_lag:.2f}"]
+    print("| depth | max_lag | stale | steps/h | idle | useful | stale drops | most reruns | mean lag |")
+    print("|---:|---:|---|" + "---:|" * 6)
+    for depth, max_lag, stale in VARIANTS:
+        pool = run(depth, max_lag, VARIANT_TRAIN_S, stale)
+        cells = [str(depth), str(max_lag), stale, f"{pool.steps_per_hour:.1f}", f"{pool.idle_frac:.1%}"]
+        cells += [f"{pool.useful_frac:.1%}", f"{pool.dropped_stale_frac:.1%}", str(pool.most_reruns)]
+        cells += [f"{pool.mean_lag:.2f}"]
         print("| " + " | ".join(cells) + " |")
 
 

@@ -10,7 +10,7 @@ from asyncpool import GroupPool
 
 
 def test_public_names_are_pinned():
-    assert asyncpool.__all__ == ["Group", "GroupPool", "PoolExhausted", "PoolStats"]
+    assert asyncpool.__all__ == ["Group", "GroupPool", "PoolExhausted", "PoolStats", "PromptStarved"]
 
 
 @pytest.mark.parametrize(

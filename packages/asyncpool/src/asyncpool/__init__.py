@@ -3,6 +3,6 @@
 `GroupPool` keeps prompt groups in flight and returns whole groups as they complete; see README.md.
 """
 
-from asyncpool._pool import Group, GroupPool, PoolExhausted, PoolStats
+from asyncpool._pool import Group, GroupPool, PoolExhausted, PoolStats, PromptStarved
 
-__all__ = ["Group", "GroupPool", "PoolExhausted", "PoolStats"]
+__all__ = ["Group", "GroupPool", "PoolExhausted", "PoolStats", "PromptStarved"]

@@ -3,7 +3,10 @@
 What it is for: an asynchronous RL trainer asks for `n` groups (a group is every sample of one prompt, the
 unit that group-baseline estimators need); the pool keeps `depth` groups running or waiting so the engines
 never drain while the trainer trains, drops groups that are too stale for the policy, backfills groups the
-trainer's filter rejects, and retries rollouts that raise.
+trainer's filter rejects, and retries rollouts that raise. A prompt whose groups keep arriving stale is
+rerun at most `max_requeues` times; then `take` raises `PromptStarved` naming it, so a long-episode prompt
+can neither be dropped forever in silence nor hold a slot forever (or, with `stale="keep"`, stale groups
+are returned for the trainer's importance correction to weigh).
 
 What it refuses to do: it knows nothing of engines, tokens or rewards (a sample is opaque apart from its
 `min_version`/`max_version`); it never cancels in-flight work on a version bump (partial rollout, paper
@@ -17,7 +20,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Any, Protocol, Self
+from typing import Any, Literal, Protocol, Self
 
 logger = logging.getLogger("asyncpool")
 
@@ -28,6 +31,26 @@ class PoolExhausted(Exception):
     The `take` before it may return fewer than `n` groups (the last ones). If the prompt iterator itself
     raised, that error is the `__cause__`.
     """
+
+
+class PromptStarved(Exception):
+    """Raised by `take` when a prompt's group was dropped as stale more than `max_requeues` times.
+
+    The prompt is not run again (its last drop is counted in `dropped_stale`); `.prompt`, `.prompt_index`
+    and `.drops` name it. The pool stays open: a caller that catches this may go on taking.
+    """
+
+    def __init__(self, prompt: Any, prompt_index: int, drops: int, max_lag: int) -> None:
+        shown = repr(prompt) if len(repr(prompt)) <= 200 else repr(prompt)[:197] + "..."
+        super().__init__(
+            f"prompt {prompt_index} ({shown}) was dropped as stale {drops} times: each of its groups "
+            f"finished more than max_lag={max_lag} versions behind the trainer; raise max_lag or "
+            "max_requeues, or pass stale='keep' to train stale groups with their importance correction"
+        )
+        self.prompt, self.prompt_index, self.drops, self.max_lag = prompt, prompt_index, drops, max_lag
+
+    def __reduce__(self):  # picklable (e.g. across processes) although __init__ takes its parts
+        return type(self), (self.prompt, self.prompt_index, self.drops, self.max_lag)
 
 
 class _Versioned(Protocol):
@@ -75,7 +98,8 @@ class PoolStats:
     ready: int = 0  # groups complete and accepted, waiting for `take`
     started: int = 0
     returned: int = 0  # groups handed to the trainer by `take`
-    dropped_stale: int = 0  # more than `max_lag` versions old; their prompts were requeued
+    dropped_stale: int = 0  # more than `max_lag` versions old; their prompts were requeued (up to the cap)
+    kept_stale: int = 0  # with stale="keep": returned groups more than `max_lag` versions old (in `returned`)
     filtered: int = 0  # rejected by `keep`
     failed: int = 0  # a rollout raised `retries + 1` times, or `keep` raised
     retried: int = 0  # single rollouts run again after raising
@@ -106,15 +130,25 @@ class GroupPool[P, S: _Versioned]:
         keep: Callable[[Group[P, S]], bool] | None = None,
         retries: int = 2,
         retry_delay: float = 0.1,
+        stale: Literal["drop", "keep"] = "drop",
+        max_requeues: int = 16,
     ) -> None:
-        for name, value, low in (("group_size", group_size, 1), ("depth", depth, 1)):
+        for name, value, low in (
+            ("group_size", group_size, 1),
+            ("depth", depth, 1),
+            ("max_requeues", max_requeues, 1),
+        ):
             if value < low:
                 raise ValueError(f"GroupPool needs {name} >= {low}, got {value}")
         for name, value in (("max_lag", max_lag), ("retries", retries), ("retry_delay", retry_delay)):
             if value < 0:
                 raise ValueError(f"GroupPool needs {name} >= 0, got {value}")
         self.group_size, self.depth, self.max_lag, self.retries = group_size, depth, max_lag, retries
-        self.retry_delay = retry_delay
+        if stale not in ("drop", "keep"):
+            raise ValueError(f"GroupPool needs stale='drop' or stale='keep', got {stale!r}")
+        self.retry_delay, self.stale, self.max_requeues = retry_delay, stale, max_requeues
+        self._stale_drops: dict[int, int] = {}  # prompt index -> stale drops so far, while it is in play
+        self._starved: deque[PromptStarved] = deque()  # raised by the next takes, one each
         self._logged_errors: set[tuple] = set()  # kinds of error whose traceback was logged already
         self._rollout, self._keep = rollout, keep
         self._source: Iterator[tuple[int, P]] = enumerate(prompts)
@@ -187,7 +221,8 @@ class GroupPool[P, S: _Versioned]:
         """The first `n` groups to complete, in completion order, leaving out stale and rejected ones.
 
         Returns fewer than `n` only when the prompt source is used up; after the last group, raises
-        `PoolExhausted`.
+        `PoolExhausted`. Raises `PromptStarved` (one per call) once a prompt has been dropped as stale
+        more than `max_requeues` times. With stale="keep", stale groups are returned too.
         """
         if not 1 <= n <= self.depth:
             raise ValueError(f"take(n) needs 1 <= n <= depth ({self.depth}), got {n}")
@@ -198,11 +233,13 @@ class GroupPool[P, S: _Versioned]:
         self._wait_for_version = False  # a caller asking again wants data at the current version
         self._fill()
         try:
+            self._raise_starved()
             while len(self._ready) < n and not self._drained():
                 self._changed.clear()
                 await self._changed.wait()
                 if self._state != "open":
                     raise RuntimeError("the pool was closed while take() waited")
+                self._raise_starved()
         finally:
             self._stats.take_wait_s += loop.time() - began
         groups, self._ready = self._ready[:n], self._ready[n:]
@@ -210,6 +247,9 @@ class GroupPool[P, S: _Versioned]:
             message = "the prompt source is used up and every group was returned"
             raise PoolExhausted(message) from self._source_error
         self._stats.returned += len(groups)
+        self._stats.kept_stale += sum(self._version - group.min_version > self.max_lag for group in groups)
+        for group in groups:
+            self._stale_drops.pop(group.prompt_index, None)
         self._wait_for_version = self.max_lag == 0
         self._fill()
         return groups
@@ -217,12 +257,24 @@ class GroupPool[P, S: _Versioned]:
     def _drained(self) -> bool:
         return self._source_done and not self._requeued and not self._running
 
+    def _raise_starved(self) -> None:
+        if self._starved:
+            raise self._starved.popleft()
+
     def _is_stale(self, group: Group[P, S]) -> bool:
-        return self._version - group.min_version > self.max_lag
+        """Too old to return: more than `max_lag` versions behind (never, with stale="keep")."""
+        return self.stale == "drop" and self._version - group.min_version > self.max_lag
 
     def _drop_stale(self, group: Group[P, S]) -> None:
         self._stats.dropped_stale += 1
-        self._requeued.append((group.prompt_index, group.prompt))
+        index = group.prompt_index
+        drops = self._stale_drops[index] = self._stale_drops.get(index, 0) + 1
+        if drops <= self.max_requeues:
+            self._requeued.append((index, group.prompt))
+            return
+        del self._stale_drops[index]
+        self._starved.append(PromptStarved(group.prompt, index, drops, self.max_lag))
+        logger.error("%s", self._starved[-1])
 
     def _fill(self) -> None:
         while (
@@ -293,6 +345,7 @@ class GroupPool[P, S: _Versioned]:
             return
         if (err := task.exception()) is not None:
             self._stats.failed += 1
+            self._stale_drops.pop(index, None)
             while isinstance(err, BaseExceptionGroup):  # the group's TaskGroup wraps the sample's error
                 err = err.exceptions[0]
             what = f"group of prompt {index} dropped: a rollout failed every attempt"
@@ -311,12 +364,14 @@ class GroupPool[P, S: _Versioned]:
             kept = self._keep is None or self._keep(group)
         except Exception:  # a filter that raises drops its group, like a failed rollout
             self._stats.failed += 1
+            self._stale_drops.pop(group.prompt_index, None)
             logger.exception("keep() raised for the group of prompt %d; group dropped", group.prompt_index)
             return
         if kept:
-            self._ready.append(group)
+            self._ready.append(group)  # its stale drops are forgotten when `take` returns it
         else:
             self._stats.filtered += 1
+            self._stale_drops.pop(group.prompt_index, None)
 
 
 def _checked(sample: Any) -> Any:

@@ -81,6 +81,7 @@ RANGES: dict[str, Range] = {
     "rollout.group_size": _AT_LEAST_1, "rollout.prompts_per_step": _AT_LEAST_1,
     "rollout.max_new_tokens": _AT_LEAST_1, "rollout.temperature": _POSITIVE, "rollout.top_p": _FRACTION,
     "rollout.queue_depth": _AT_LEAST_0, "rollout.max_lag": _AT_LEAST_0,
+    "rollout.max_stale_requeues": _AT_LEAST_1,
     "train.num_steps": _AT_LEAST_1, "train.seed": _AT_LEAST_0, "train.mini_batches": _AT_LEAST_1,
     "eval.every": _AT_LEAST_0, "eval.num_prompts": _AT_LEAST_1, "eval.n": _AT_LEAST_1, "eval.k": _AT_LEAST_1,
     "eval.pass_reward": Range(),
@@ -224,6 +225,12 @@ def _check_algorithm(config: Config) -> None:
             f"--rollout.max_lag is {rollout.max_lag} and --rollout.partial_rollout is "
             f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
             "or pass --train.force_on_policy"
+        )
+    if rollout.stale == "keep" and algo.correction.mode == "none":  # invariant 2 again
+        raise ConfigError(
+            "--rollout.stale keep trains groups sampled by older policies, which needs the importance "
+            "correction, but --algo.correction.mode is none: pick tis, mis or seq-mask-tis, or pass "
+            "--rollout.stale drop"
         )
     if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
         raise ConfigError(

@@ -258,6 +258,10 @@ class Rollout(_Group):
     """Prompt groups in flight; 0 = 2 x --rollout.prompts_per_step."""
     max_lag: int = 1
     """Most policy versions a group's oldest token may lag the trainer."""
+    stale: Literal["drop", "keep"] = "drop"
+    """A group past --rollout.max_lag: drop it and rerun its prompt, or keep it and train it corrected."""
+    max_stale_requeues: int = 16
+    """Reruns of one prompt after stale drops before the run stops, naming it (>= 1)."""
     partial_rollout: bool = True
     """Keep in-flight requests across weight refits (their tokens mix versions)."""
     seed_requests: bool = False

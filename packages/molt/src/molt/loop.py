@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from asyncpool import GroupPool, PoolExhausted
+from asyncpool import GroupPool, PoolExhausted, PoolStats, PromptStarved
 from molt._actor import EnginesLost, PolicyGroup
 from molt._batch import (
     TrainBatch,
@@ -56,8 +56,8 @@ REQUIRED_METRICS = frozenset({
     "rollout/reward_mean", "rollout/reward_std_in_group", "rollout/response_len_mean",
     "rollout/truncated_frac", "train/policy_loss", "train/kl", "train/entropy", "train/grad_norm",
     "train/lr", "train/clip_frac", "train/mismatch_kl", "train/seq_masked_frac", "train/staleness_mean",
-    "pool/dropped_stale", "pool/filtered", "timing/generation", "timing/policy_train",
-    "timing/broadcast", "timing/step_total",
+    "pool/dropped_stale", "pool/dropped_stale_rate", "pool/filtered", "timing/generation",
+    "timing/policy_train", "timing/broadcast", "timing/step_total",
 })  # fmt: skip
 
 
@@ -87,6 +87,7 @@ async def run_steps(config: Config, run: Run) -> None:
     pad_id = run.tito.tokenizer.pad_token_id
     kl_cfg, gae_cfg = config.algo.kl, config.algo.gae
     last = config.train.num_steps
+    pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
         groups = await take(pool, config.rollout.prompts_per_step, run.tito)  # whole, completion order
@@ -166,6 +167,7 @@ async def run_steps(config: Config, run: Run) -> None:
         evaluating = every and (step % every == 0 or step == last)  # --eval.every, with the new weights
         eval_metrics = await evaluate(runner, run.eval_rows, config) if evaluating else {}
 
+        pool_now = pool.stats
         run.log.step(step, {
             **rollout_metrics(rollouts, config.rollout.group_size),
             "train/kl": 0.0,  # no reference: no KL
@@ -175,7 +177,7 @@ async def run_steps(config: Config, run: Run) -> None:
             "train/token_identity": 1.0,
             "train/advantage_abs_mean": advantages.abs().mean().item(),
             "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
-            **{f"pool/{k}": float(v) for k, v in pool.stats.metrics("").items()},
+            **pool_metrics(pool_now, pool_before),
             **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
             "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
             "timing/generation": generation_s,
@@ -186,6 +188,7 @@ async def run_steps(config: Config, run: Run) -> None:
             "timing/step_total": time.monotonic() - started,
             **(startup.metrics() if startup else {}),
         })  # fmt: skip
+        pool_before = pool_now
         if startup is not None:
             progress(startup.line())
         every = config.ckpt.every
@@ -211,22 +214,48 @@ def train_windows(group, windows: list[tuple[TrainBatch, slice]], *tensors_BT) -
 
 async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
     """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering
-    or when group after group fails (an agent that always raises)."""
-    failed_before = pool.stats.failed
+    or when group after group fails (an agent that always raises), and stops naming the prompt when one
+    prompt's groups keep arriving stale (a long-episode agent past --rollout.max_stale_requeues)."""
+    before = pool.stats
     taking = asyncio.ensure_future(pool.take(num_groups))
     while not (await asyncio.wait({taking}, timeout=1.0))[0]:
         problem = None
         if not any(engine.alive for engine in tito.router.engines):
             problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
-        elif (failed := pool.stats.failed - failed_before) >= max(8, 2 * num_groups):
+        elif (failed := pool.stats.failed - before.failed) >= max(8, 2 * num_groups):
             problem = (
                 f"{failed} groups failed every attempt while waiting for {num_groups}: the agent keeps "
                 "failing (its first traceback is logged above)"
             )
         if problem:
             taking.cancel()
-            raise RuntimeError(f"{problem}; stopping")
-    return taking.result()
+            stale = pool.stats.dropped_stale - before.dropped_stale
+            raise RuntimeError(f"{problem} ({stale} groups dropped as stale meanwhile); stopping")
+    try:
+        return taking.result()
+    except PromptStarved as starved:
+        stale = pool.stats.dropped_stale - before.dropped_stale
+        raise RuntimeError(
+            f"{starved}. As flags: raise --rollout.max_lag or --rollout.max_stale_requeues, or pass "
+            f"--rollout.stale keep ({stale} stale drops during this take, {pool.stats.dropped_stale} in "
+            "the run); stopping"
+        ) from starved
+
+
+def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
+    """The pool's counters (`pool/<name>`, cumulative) and `pool/dropped_stale_rate`: of the groups that
+    left the pool since `before` (the last step's log: returned, dropped as stale, filtered or failed),
+    the share dropped as stale; 0 when none left."""
+
+    def ended(stats: PoolStats) -> int:
+        return stats.returned + stats.dropped_stale + stats.filtered + stats.failed
+
+    num_ended = ended(now) - ended(before)
+    dropped = now.dropped_stale - before.dropped_stale
+    return {
+        **{name: float(value) for name, value in now.metrics().items()},
+        "pool/dropped_stale_rate": dropped / num_ended if num_ended else 0.0,
+    }
 
 
 async def refit_engines(policy: PolicyGroup, tito: Tito, version: int) -> dict[str, float]:
@@ -497,7 +526,8 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
             runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
             keep = _keep_varied if config.algo.dynamic_filter else None
             pool = GroupPool(runner, parts["rows"], group_size=rollout.group_size, depth=rollout.queue_depth,
-                             max_lag=rollout.max_lag, keep=keep, retry_delay=0.5)  # fmt: skip
+                             max_lag=rollout.max_lag, keep=keep, retry_delay=0.5, stale=rollout.stale,
+                             max_requeues=rollout.max_stale_requeues)  # fmt: skip
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
                 await run_steps(config, Run(tito=tito, pool=pool, runner=runner, **parts))

@@ -3,7 +3,8 @@
 Outcome estimators map `rewards[B]` and `group_ids[B]` to `advantages[B]`; a group is every sample of one
 prompt. Group ids are arbitrary integers in any order (not necessarily contiguous or sorted); statistics are
 gathered with `torch.unique(return_inverse=True)` and `index_add_`, never a Python loop over groups. A group
-of size 1 has no baseline but itself, so its advantage is 0. Outputs carry no gradient.
+of size 1 has no baseline but itself, so its advantage is 0; a group of equal rewards gets exactly 0 under
+every estimator (never float rounding divided by a rounding-sized std). Outputs carry no gradient.
 
 This module refuses to normalise over tokens: the loss side divides by one global token count (DESIGN §6).
 
@@ -34,12 +35,21 @@ def _group_sum(values_B: torch.Tensor, inverse_B: torch.Tensor, num_groups: int)
 
 
 def _centered(rewards_B: torch.Tensor, group_ids_B: torch.Tensor):
-    """r - mean_g(r), with the group index and sizes for estimators that need more statistics."""
+    """r - mean_g(r), with the group index and sizes for estimators that need more statistics.
+
+    Computed as d - mean_g(d) with d = r - min_g(r): in an all-equal group every d is exactly 0, so its
+    centred values are exactly 0 rather than the rounding error of a float mean (7 x 0.7 in float32 averages
+    to 0.7 + 6e-8, which GRPO's std division would blow up to +-0.056). In exact arithmetic the shift
+    changes nothing; in floats it also keeps the digits a large common offset would cost.
+    """
     check_groups(rewards_B, group_ids_B)
     rewards_B = rewards_B.detach()
     inverse_B, count_G = group_index(group_ids_B)
-    mean_G = _group_sum(rewards_B, inverse_B, count_G.numel()) / count_G
-    return rewards_B - mean_G[inverse_B], inverse_B, count_G
+    num_groups = count_G.numel()
+    min_G = rewards_B.new_full((num_groups,), torch.inf).scatter_reduce(0, inverse_B, rewards_B, "amin")
+    shifted_B = rewards_B - min_G[inverse_B]
+    shifted_mean_G = _group_sum(shifted_B, inverse_B, num_groups) / count_G
+    return shifted_B - shifted_mean_G[inverse_B], inverse_B, count_G
 
 
 def reinforce(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -67,7 +77,8 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath §4.1.2):
     A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6), std with Bessel's correction (torch's default).
 
-    A group of size 1 has an undefined std; its advantage is 0. A group whose rewards are all equal gets 0.
+    A group of size 1 has an undefined std; its advantage is 0. A group whose rewards are all equal gets
+    exactly 0 (its centred values are exact zeros, see `_centered`), never rounding noise over a tiny std.
     """
     centered_B, inverse_B, count_G = _centered(rewards, group_ids)
     sq_sum_G = _group_sum(centered_B.square(), inverse_B, count_G.numel())
