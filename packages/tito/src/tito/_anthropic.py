@@ -226,3 +226,8 @@ def message_reply(
 
 def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
+
+
+def error_event(message: str) -> str:
+    """A stream's error event, as the Anthropic SDK reads it (it raises `APIStatusError`)."""
+    return sse("error", {"error": {"type": "api_error", "message": message}})

@@ -225,3 +225,9 @@ def stream_tool_deltas(parsed: ParsedReply) -> list[dict]:
         }
         for index, call in enumerate(parsed.tool_calls)
     ]
+
+
+def error_event(message: str) -> str:
+    """A stream's error, as the OpenAI SDK reads it (it raises `APIError`)."""
+    body = {"error": {"message": message, "type": "engine_unavailable", "param": None, "code": 503}}
+    return f"data: {msgspec.json.encode(body).decode()}\n\n"

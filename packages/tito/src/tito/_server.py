@@ -161,7 +161,7 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": tito.model_name, "object": "model", "owned_by": "tito"}]}
 
     @app.post("/s/{session_id}/v1/chat/completions")
-    async def chat_completions(session_id: str, body: openai.ChatRequest):
+    async def chat_completions(session_id: str, body: openai.ChatRequest, request: Request):
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = openai.to_messages(body)
@@ -171,19 +171,15 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         request_id = "chatcmpl-" + secrets.token_hex(12)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(
-                session, turn, body.sampling(tools), _openai_events(turn, request_id, tito, usage)
-            )
-        async with session.lock:
-            await turn.start(body.sampling(tools), stream=False)
-            parsed = await turn.run()
-            turn.remember(openai.reply_message(parsed))
+            events = _openai_events(turn, request_id, tito, usage)
+            return await _stream(session, turn, body.sampling(tools), events, openai.error_event)
+        parsed = await _whole(request, session, turn, body.sampling(tools), openai.reply_message)
         return openai.chat_completion(
             request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts
         )
 
     @app.post("/s/{session_id}/v1/messages")
-    async def messages(session_id: str, body: anthropic.MessagesRequest):
+    async def messages(session_id: str, body: anthropic.MessagesRequest, request: Request):
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = anthropic.to_messages(body)
@@ -197,19 +193,34 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
             id_prefix="toolu_",
         )
         if body.stream:
-            return await _stream(session, turn, body.sampling(tools), _anthropic_events(turn, tito))
-        async with session.lock:
-            await turn.start(body.sampling(tools), stream=False)
-            parsed = await turn.run()
-            turn.remember(anthropic.reply_message(parsed))
+            events = _anthropic_events(turn, tito)
+            return await _stream(session, turn, body.sampling(tools), events, anthropic.error_event)
+        parsed = await _whole(request, session, turn, body.sampling(tools), anthropic.reply_message)
         reason = anthropic.stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
         return anthropic.message_reply(tito.model_name, parsed, reason, turn.counts)
 
     return app
 
 
-async def _stream(session: Session, turn: ChatTurn, sampling: dict, events: AsyncIterator[str]):
-    """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503."""
+async def _whole(request: Request, session: Session, turn: ChatTurn, sampling: dict, reply_message) -> object:
+    """A turn answered in one body. It is committed only if the client is still there to receive it."""
+    async with session.lock:
+        await turn.start(sampling, stream=False)
+        parsed = await turn.run()
+        if not await request.is_disconnected():
+            turn.commit(reply_message(parsed))
+    return parsed
+
+
+async def _stream(
+    session: Session, turn: ChatTurn, sampling: dict, events: AsyncIterator[str], error_event
+) -> StreamingResponse:
+    """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503.
+
+    `events` commits the turn after its last event was sent: a client that leaves mid-stream closes it
+    first, and the turn leaves no trace. An engine that fails mid-stream ends the stream with an error
+    event in the protocol's format (the turn is not committed).
+    """
     await session.lock.acquire()
     try:
         await turn.start(sampling, stream=True)
@@ -221,6 +232,8 @@ async def _stream(session: Session, turn: ChatTurn, sampling: dict, events: Asyn
         try:
             async for event in events:
                 yield event
+        except (EngineUnavailable, ExpansionMismatch) as error:
+            yield error_event(f"{error}; the turn was not captured: retry it")
         finally:
             session.lock.release()
 
@@ -236,13 +249,13 @@ async def _openai_events(
         yield openai.chat_chunk(request_id, model, {"content": delta})
     for delta in openai.stream_tool_deltas(turn.parsed):
         yield openai.chat_chunk(request_id, model, delta)
-    turn.remember(openai.reply_message(turn.parsed))
     yield openai.chat_chunk(
         request_id, model, {}, openai.finish_reason(turn.generation.finish_reason, turn.parsed)
     )
     if include_usage:
         yield openai.chat_chunk(request_id, model, None, usage=openai.usage(*turn.counts))
     yield "data: [DONE]\n\n"
+    turn.commit(openai.reply_message(turn.parsed))
 
 
 async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
@@ -270,7 +283,6 @@ async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
         yield anthropic.sse("content_block_delta", {"index": index, "delta": partial})
         yield anthropic.sse("content_block_stop", {"index": index})
         index += 1
-    turn.remember(anthropic.reply_message(turn.parsed))
     reason, sequence = anthropic.stop_reason(
         turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed
     )
@@ -282,3 +294,4 @@ async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
         },
     )
     yield anthropic.sse("message_stop", {})
+    turn.commit(anthropic.reply_message(turn.parsed))

@@ -3,7 +3,7 @@
 `Tito` owns the engines, the tokenizer and the sessions. A turn is: put the prompt into the session's
 capture, sample on the session's engine, append what the engine sampled. The Env form calls
 `Tito.generate(session, prompt_ids, ...)` directly with token ids; the HTTP routes first turn messages
-into prompt ids and then call the same `stream_turn`. Requests of one session run one at a time.
+into prompt ids and then call the same `sample` and `commit`. Requests of one session run one at a time.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Tito:
         max_tokens = min(limit for limit in (asked, self.max_tokens_cap, room) if limit)
         return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 
-    async def stream_turn(
+    async def sample(
         self,
         session: Session,
         prompt_ids: list[int],
@@ -117,44 +117,47 @@ class Tito:
         *,
         images: list[ImageSpan] = (),
         stream: bool = True,
+        routes_from: int = 0,
     ) -> AsyncIterator[Generation]:
-        """Sample one turn on the session's engine and capture it. The caller holds the session's lock.
-
-        The sampled tokens enter the capture when the turn completes, with their weight versions (a
-        stream reports those only at its end); a turn cut short leaves only its prompt captured.
-        """
-        capture = session.capture
-        capture.begin_turn(prompt_ids, images)
-        routes_from = capture.routes_known  # an MoE engine returns the routes of the tokens after these
-        whole = Generation()
+        """Sample one turn on the session's engine, chunk by chunk (one chunk without `stream`). Nothing
+        is captured here: the caller commits the whole turn once it completes (`commit`), so a turn that
+        fails, times out or is abandoned leaves the trajectory as it was. `routes_from`: the leading
+        tokens whose MoE routes the capture holds (`Capture.routes_known_after`)."""
+        if not prompt_ids:
+            raise ValueError("a turn needs at least one prompt token")
+        engine = session.engine
         if stream:
-            async for chunk in await session.engine.generate(
+            async for chunk in await engine.generate(
                 prompt_ids, sampling, images=images, stream=True, routes_from=routes_from
             ):
-                whole.extend(chunk)
                 yield chunk
         else:
-            whole = await session.engine.generate(
-                prompt_ids, sampling, images=images, routes_from=routes_from
-            )
-            yield whole
-        capture.add_sampled(
-            whole.token_ids, whole.logprobs, whole.versions,
-            routed_experts=whole.routed_experts, routes_from=routes_from,
-        )  # fmt: skip
+            yield await engine.generate(prompt_ids, sampling, images=images, routes_from=routes_from)
+
+    def commit(
+        self, session: Session, prompt_ids: list[int], images: list[ImageSpan], whole: Generation,
+        routes_from: int,
+    ) -> None:  # fmt: skip
+        """Put a completed turn into the session's capture. The caller holds the session's lock and does
+        not await between this and recording the turn's messages (`ChatState.record`)."""
+        session.capture.commit_turn(prompt_ids, images, whole, routes_from=routes_from)
         session.finish_reason = whole.finish_reason
 
     async def generate(
         self, session: Session, prompt_ids: list[int], *, images: list[ImageSpan] = (), **sampling
     ) -> Generation:
         """The Env form: token ids in (with the images on their placeholder tokens, see `ChatRenderer`),
-        sampled token ids (with logprobs and versions) out."""
+        sampled token ids (with logprobs and versions) out. A turn that fails is not captured."""
+        prompt_ids, images = list(prompt_ids), list(images)
         async with session.lock:
             params = await self.sampling(session, len(prompt_ids), **sampling)
+            routes_from = session.capture.routes_known_after(prompt_ids, images)
             result = Generation()
-            turn = self.stream_turn(session, list(prompt_ids), params, images=list(images), stream=False)
-            async for chunk in turn:
+            async for chunk in self.sample(
+                session, prompt_ids, params, images=images, stream=False, routes_from=routes_from
+            ):
                 result = chunk
+            self.commit(session, prompt_ids, images, result, routes_from)
             return result
 
     async def aclose(self) -> None:

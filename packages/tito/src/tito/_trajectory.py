@@ -20,9 +20,13 @@ from __future__ import annotations
 
 import base64
 import io
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
+
+if TYPE_CHECKING:
+    from ._engines import Generation
 
 __all__ = ["Capture", "ImageSpan", "Segment", "Trajectory"]
 
@@ -101,6 +105,28 @@ class Capture:
         """How many leading tokens of the current segment have their MoE routes captured."""
         routes = self._routes[-1]
         return 0 if routes is None else len(routes)
+
+    def routes_known_after(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> int:
+        """`routes_known` as it will be once `prompt_ids` is placed (`begin_turn`), without placing it."""
+        if (prompt_ids, list(images)) == self._turn_prompt:
+            return min(self.routes_known, self._turn_start)
+        return self.routes_known if self._extends(self.segments[-1], prompt_ids, images) else 0
+
+    def commit_turn(
+        self,
+        prompt_ids: list[int],
+        images: list[ImageSpan],
+        sampled: Generation,
+        *,
+        routes_from: int = 0,
+    ) -> None:
+        """A completed turn, placed in one step: its prompt (`begin_turn`), then what the engine sampled.
+        Nothing enters the capture before the turn completes, so a turn that fails leaves no trace."""
+        self.begin_turn(prompt_ids, images)
+        self.add_sampled(
+            sampled.token_ids, sampled.logprobs, sampled.versions,
+            routed_experts=sampled.routed_experts, routes_from=routes_from,
+        )  # fmt: skip
 
     def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> None:
         """Make the current segment equal `prompt_ids` with `images` (all of the prompt's, in order),

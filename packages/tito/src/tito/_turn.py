@@ -39,6 +39,7 @@ class ChatTurn:
         self.prompt = Prompt([])
         self._chunks: AsyncIterator[Generation] | None = None
         self._first: Generation | None = None
+        self._routes_from = 0
 
     async def start(self, sampling: dict, *, stream: bool) -> None:
         if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
@@ -51,9 +52,11 @@ class ChatTurn:
             params = await self.tito.sampling(self.session, len(self.prompt.token_ids), **sampling)
         except ValueError as error:
             raise ProtocolError(400, str(error)) from error
-        self._chunks = self.tito.stream_turn(
-            self.session, self.prompt.token_ids, params, images=self.prompt.images, stream=stream
-        )
+        self._routes_from = capture.routes_known_after(self.prompt.token_ids, self.prompt.images)
+        self._chunks = self.tito.sample(
+            self.session, self.prompt.token_ids, params, images=self.prompt.images, stream=stream,
+            routes_from=self._routes_from,
+        )  # fmt: skip
         self._first = await anext(self._chunks, None)
 
     async def deltas(self) -> AsyncIterator[str]:
@@ -75,8 +78,13 @@ class ChatTurn:
             pass
         return self.parsed
 
-    def remember(self, reply_message: dict) -> None:
-        """Record the assistant message the client received, so its next request can continue."""
+    def commit(self, reply_message: dict) -> None:
+        """The turn completed and the client has its reply: capture it, and record the assistant message
+        the client received so that its next request can continue. One step, no await inside: a turn
+        that does not get here (engine error, timeout, client gone, cancelled) leaves no trace."""
+        self.tito.commit(
+            self.session, self.prompt.token_ids, self.prompt.images, self.generation, self._routes_from
+        )
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
         self.session.chat.record(self.messages, self.tools, self.prompt, reply_message, closing)
 
