@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from . import _anthropic as anthropic
 from . import _openai as openai
 from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
-from ._protocol import ProtocolError
+from ._protocol import Asked, ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
@@ -39,11 +39,13 @@ _ANTHROPIC_KINDS = {
 }
 
 
-def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(
+    request: Request, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     if request.url.path.endswith("/v1/messages"):
         body = {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message}}
     else:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
@@ -100,7 +102,7 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ProtocolError)
     async def refused(request: Request, error: ProtocolError) -> JSONResponse:
-        return _error(request, error.status, error.message, error.kind)
+        return _error(request, error.status, error.message, error.kind, error.param)
 
     @app.exception_handler(EngineRejected)
     async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
@@ -166,14 +168,16 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         check_model(body.model)
         messages, tools = openai.to_messages(body)
         turn = ChatTurn(
-            tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(), id_prefix="call_"
-        )
+            tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(),
+            id_prefix="call_", route="chat.completions",
+        )  # fmt: skip
+        asked = body.asked(tools, tito.vocab_size)
         request_id = "chatcmpl-" + secrets.token_hex(12)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _openai_events(turn, request_id, tito, usage)
-            return await _stream(session, turn, body.sampling(tools), events, openai.error_event)
-        parsed = await _whole(request, session, turn, body.sampling(tools), openai.reply_message)
+            return await _stream(session, turn, asked, events, openai.error_event)
+        parsed = await _whole(request, session, turn, asked, openai.reply_message)
         return openai.chat_completion(
             request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts
         )
@@ -191,21 +195,25 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
             stops=body.stop_sequences,
             parse_tools=body.parse_tools(),
             id_prefix="toolu_",
+            route="messages",
         )
+        asked = body.asked(tools, tito.vocab_size)
+        if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
+            asked.fields["query"] = dict(request.query_params)
         if body.stream:
             events = _anthropic_events(turn, tito)
-            return await _stream(session, turn, body.sampling(tools), events, anthropic.error_event)
-        parsed = await _whole(request, session, turn, body.sampling(tools), anthropic.reply_message)
+            return await _stream(session, turn, asked, events, anthropic.error_event)
+        parsed = await _whole(request, session, turn, asked, anthropic.reply_message)
         reason = anthropic.stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
         return anthropic.message_reply(tito.model_name, parsed, reason, turn.counts)
 
     return app
 
 
-async def _whole(request: Request, session: Session, turn: ChatTurn, sampling: dict, reply_message) -> object:
+async def _whole(request: Request, session: Session, turn: ChatTurn, asked: Asked, reply_message) -> object:
     """A turn answered in one body. It is committed only if the client is still there to receive it."""
     async with session.lock:
-        await turn.start(sampling, stream=False)
+        await turn.start(asked, stream=False)
         parsed = await turn.run()
         if not await request.is_disconnected():
             turn.commit(reply_message(parsed))
@@ -213,7 +221,7 @@ async def _whole(request: Request, session: Session, turn: ChatTurn, sampling: d
 
 
 async def _stream(
-    session: Session, turn: ChatTurn, sampling: dict, events: AsyncIterator[str], error_event
+    session: Session, turn: ChatTurn, asked: Asked, events: AsyncIterator[str], error_event
 ) -> StreamingResponse:
     """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503.
 
@@ -223,7 +231,7 @@ async def _stream(
     """
     await session.lock.acquire()
     try:
-        await turn.start(sampling, stream=True)
+        await turn.start(asked, stream=True)
     except BaseException:
         session.lock.release()
         raise

@@ -20,9 +20,13 @@ import msgspec
 from ._chat import ChatRenderer, ChatState
 from ._engines import Engine, Generation, Router
 from ._images import ImageLayout
-from ._trajectory import Capture, ImageSpan, Trajectory
+from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 
 __all__ = ["Session", "Tito"]
+
+# Sampling parameters that reshape the distribution beyond temperature and top_p: under a trainer's fixed
+# sampling they are dropped (and recorded as asked), since the trainer's logprobs do not apply them.
+_SHAPING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -66,6 +70,7 @@ class Tito:
         vision = getattr(processor, "image_processor", None) is not None
         self.tokenizer = processor.tokenizer if vision else processor
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
+        self.vocab_size = len(self.tokenizer)
         self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
@@ -106,6 +111,8 @@ class Tito:
             )
         asked = params.pop("max_tokens", None)
         params = {key: value for key, value in params.items() if value is not None}
+        if self.fixed_sampling:  # the trainer's distribution is the plain softmax at its temperature
+            params = {key: value for key, value in params.items() if key not in _SHAPING}
         max_tokens = min(limit for limit in (asked, self.max_tokens_cap, room) if limit)
         return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 
@@ -136,11 +143,12 @@ class Tito:
 
     def commit(
         self, session: Session, prompt_ids: list[int], images: list[ImageSpan], whole: Generation,
-        routes_from: int,
+        routes_from: int, *, turn: Turn | None = None,
     ) -> None:  # fmt: skip
-        """Put a completed turn into the session's capture. The caller holds the session's lock and does
-        not await between this and recording the turn's messages (`ChatState.record`)."""
-        session.capture.commit_turn(prompt_ids, images, whole, routes_from=routes_from)
+        """Put a completed turn into the session's capture (`turn`: how it was asked for). The caller
+        holds the session's lock and does not await between this and recording the turn's messages
+        (`ChatState.record`)."""
+        session.capture.commit_turn(prompt_ids, images, whole, routes_from=routes_from, turn=turn)
         session.finish_reason = whole.finish_reason
 
     async def generate(
@@ -157,7 +165,7 @@ class Tito:
                 session, prompt_ids, params, images=images, stream=False, routes_from=routes_from
             ):
                 result = chunk
-            self.commit(session, prompt_ids, images, result, routes_from)
+            self.commit(session, prompt_ids, images, result, routes_from, turn=Turn(0, 0, 0, sampling=params))
             return result
 
     async def aclose(self) -> None:
