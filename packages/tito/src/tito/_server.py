@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from . import _anthropic as anthropic
 from . import _openai as openai
+from . import _responses as responses
 from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
 from ._protocol import Asked, ProtocolError
 from ._service import Session, Tito
@@ -206,6 +207,39 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         parsed = await _whole(request, session, turn, asked, anthropic.reply_message)
         reason = anthropic.stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
         return anthropic.message_reply(tito.model_name, parsed, reason, turn.counts)
+
+    @app.post("/s/{session_id}/v1/responses")
+    async def create_response(session_id: str, body: responses.ResponsesRequest, request: Request):
+        session = session_of(session_id)
+        check_model(body.model)
+        tools = body.chat_tools()
+        messages, conversation = responses.to_messages(body, session.responses.get(body.previous_response_id))
+        turn = ChatTurn(
+            tito, session, messages, tools, stops=None, parse_tools=body.parse_tools(), id_prefix="call_",
+            route="responses",
+        )  # fmt: skip
+        asked = body.asked(tools)
+        response_id = "resp_" + secrets.token_hex(12)
+
+        def remember(parsed) -> None:  # what previous_response_id will continue from
+            session.responses.add(response_id, [*conversation, responses.reply_message(parsed)])
+
+        if body.stream:
+
+            def done(parsed) -> None:
+                turn.commit(responses.reply_message(parsed))
+                remember(parsed)
+
+            events = responses.stream_events(turn, body, response_id, tito.model_name, done)
+            return await _stream(session, turn, asked, events, responses.error_event)
+        parsed = await _whole(request, session, turn, asked, responses.reply_message)
+        if turn.committed:
+            remember(parsed)
+        items = responses.output_items(parsed, "msg_" + secrets.token_hex(12))
+        finish = turn.generation.finish_reason
+        return responses.encode(
+            responses.response_body(body, response_id, tito.model_name, items, finish, turn.counts)
+        )
 
     return app
 

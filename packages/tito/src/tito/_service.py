@@ -20,6 +20,7 @@ import msgspec
 from ._chat import ChatRenderer, ChatState
 from ._engines import Engine, Generation, Router
 from ._images import ImageLayout
+from ._responses import History
 from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 
 __all__ = ["Session", "Tito"]
@@ -37,6 +38,7 @@ class Session:
     chat: ChatState = field(default_factory=ChatState)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
+    responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
 
 
 class Tito:

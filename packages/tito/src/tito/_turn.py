@@ -45,6 +45,7 @@ class ChatTurn:
         self._chunks: AsyncIterator[Generation] | None = None
         self._first: Generation | None = None
         self._routes_from = 0
+        self.committed = False
         self._switches_used: dict = {}
         self.record = Turn(0, 0, 0)
 
@@ -115,6 +116,7 @@ class ChatTurn:
             self.session, self.prompt.token_ids, self.prompt.images, self.generation, self._routes_from,
             turn=record,
         )  # fmt: skip
+        self.committed = True
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
         self.session.chat.record(
             self.messages, self.tools, self.prompt, reply_message, closing, self._switches_used
