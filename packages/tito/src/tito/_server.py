@@ -9,22 +9,25 @@ capability to use that session.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import _anthropic as anthropic
 from . import _openai as openai
 from . import _responses as responses
 from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
 from ._protocol import Asked, ProtocolError
-from ._service import Session, Tito
+from ._service import Session, Tito, TooManySessions
 from ._turn import ChatTurn
 
 __all__ = ["create_app"]
@@ -35,6 +38,7 @@ _ANTHROPIC_KINDS = {
     401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
+    429: "rate_limit_error",
     502: "api_error",
     503: "api_error",
 }
@@ -73,6 +77,7 @@ class _Guard:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
+            receive = _limited(receive)
         await self.app(scope, receive, send)
 
     def _refusal(self, request: Request) -> JSONResponse | None:
@@ -85,12 +90,33 @@ class _Guard:
         return None
 
 
+def _limited(receive):
+    """`receive` that stops a body past MAX_BODY_BYTES as it arrives: a chunked body has no
+    Content-Length to refuse it by. The 413 is raised as an HTTPException, which FastAPI's body
+    reading passes on as it is."""
+    received = 0
+
+    async def limited():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise StarletteHTTPException(413, f"request body over {MAX_BODY_BYTES} bytes")
+        return message
+
+    return limited
+
+
 def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `tito`'s sessions."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        expiring = asyncio.create_task(tito.expire_idle_forever()) if tito.idle_timeout else None
         yield
+        if expiring is not None:
+            expiring.cancel()
         await tito.aclose()  # engine connections live on the server's event loop: close them there
 
     app = FastAPI(title="tito", summary="Token-exact chat capture over vLLM", lifespan=lifespan)
@@ -104,6 +130,15 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(ProtocolError)
     async def refused(request: Request, error: ProtocolError) -> JSONResponse:
         return _error(request, error.status, error.message, error.kind, error.param)
+
+    @app.exception_handler(TooManySessions)
+    async def too_many(request: Request, error: TooManySessions) -> JSONResponse:
+        return _error(request, 429, str(error), "rate_limit_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 413: "request_too_large"}.get(error.status_code, "invalid_request_error")
+        return _error(request, error.status_code, str(error.detail), kind)
 
     @app.exception_handler(EngineRejected)
     async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
@@ -119,10 +154,15 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
 
     def session_of(session_id: str) -> Session:
         if session_id not in tito.sessions:
+            if session_id in tito.ended:
+                why = f"session {session_id!r} {tito.ended[session_id]} and cannot continue"
+                raise ProtocolError(404, f"{why}: create a new one with POST /sessions", "not_found")
             raise ProtocolError(
                 404, f"no session {session_id!r}: create one with POST /sessions", "not_found"
             )
-        return tito.sessions[session_id]
+        session = tito.sessions[session_id]
+        session.last_used = time.monotonic()
+        return session
 
     def check_model(model: str) -> None:
         if model != tito.model_name:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,9 @@ from ._images import ImageLayout
 from ._responses import History
 from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 
-__all__ = ["Session", "Tito"]
+__all__ = ["Session", "Tito", "TooManySessions"]
+
+NUM_ENDED_REMEMBERED = 10_000  # ended sessions whose reason a late request is told
 
 # Sampling parameters that reshape the distribution beyond temperature and top_p: under a trainer's fixed
 # sampling they are dropped (and recorded as asked), since the trainer's logprobs do not apply them.
@@ -39,6 +43,11 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
     responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
+    last_used: float = field(default_factory=time.monotonic)  # when a request last named it
+
+
+class TooManySessions(RuntimeError):
+    """A new session would pass `Tito(max_sessions=...)`."""
 
 
 class Tito:
@@ -50,7 +59,9 @@ class Tito:
     trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
     trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
-    there).
+    there). `idle_timeout`: seconds after its last request at which a session not in a request is
+    ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live sessions at
+    most; a new one past it raises `TooManySessions`.
     """
 
     def __init__(
@@ -63,6 +74,8 @@ class Tito:
         request_timeout: float = 600.0,
         fixed_sampling: dict | None = None,
         engine_transport: httpx.AsyncBaseTransport | None = None,
+        idle_timeout: float | None = None,
+        max_sessions: int | None = None,
     ) -> None:
         from transformers import AutoProcessor
 
@@ -78,23 +91,55 @@ class Tito:
         self.dump_path = Path(dump) if dump else None
         self.fixed_sampling = dict(fixed_sampling or {})
         self.max_tokens_cap = self.fixed_sampling.pop("max_tokens", None)
+        self.idle_timeout, self.max_sessions = idle_timeout, max_sessions
+        # Why recent sessions ended, so that a late request hears it (bounded: memory stays flat).
+        self.ended: OrderedDict[str, str] = OrderedDict()
 
     def new_session(self) -> Session:
         """A session bound to the least-loaded live engine. Ids are 128-bit random."""
+        if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
+            raise TooManySessions(
+                f"{len(self.sessions)} sessions are live, the most this server keeps: end one "
+                "(DELETE /sessions/{id}) or retry later"
+            )
         session_id = secrets.token_hex(16)
         session = Session(session_id, self.router.assign(), Capture(session_id))
         self.sessions[session_id] = session
         return session
 
-    def end_session(self, session_id: str) -> Trajectory:
-        """Forget a session, returning (and dumping, with `dump`) its trajectory."""
+    def end_session(self, session_id: str, *, reason: str = "was ended") -> Trajectory:
+        """Forget a session, returning (and dumping, with `dump`) its trajectory. `reason` is what a
+        later request naming it is told."""
         session = self.sessions.pop(session_id)
+        self.ended[session_id] = reason
+        while len(self.ended) > NUM_ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
         self.router.release(session.engine)
         trajectory = session.capture.trajectory()
         if self.dump_path is not None:
             with self.dump_path.open("ab") as dump:
                 dump.write(msgspec.json.encode(trajectory) + b"\n")
         return trajectory
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """End every session idle past `idle_timeout` and not in a request; returns their ids."""
+        if self.idle_timeout is None:
+            return []
+        now = time.monotonic() if now is None else now
+        idle = [
+            session.id
+            for session in self.sessions.values()
+            if now - session.last_used > self.idle_timeout and not session.lock.locked()
+        ]
+        for session_id in idle:
+            self.end_session(session_id, reason=f"expired after {self.idle_timeout:g} s without a request")
+        return idle
+
+    async def expire_idle_forever(self) -> None:
+        """`expire_idle` every quarter of `idle_timeout` (at most every 30 s), until cancelled."""
+        while True:
+            await asyncio.sleep(min(self.idle_timeout / 4, 30.0))
+            self.expire_idle()
 
     async def ready(self) -> bool:
         """Whether at least one engine answers (what `/health` reports)."""
