@@ -126,13 +126,16 @@ class TextStream:
     marker, is held back: stop strings never reach the client, and tool calls are parsed once at the end.
     """
 
-    def __init__(self, tokenizer, *, stops: list[str] | None, hold_tool_calls: bool) -> None:
+    def __init__(
+        self, tokenizer, *, stops: list[str] | None, hold_tool_calls: bool, hold_all: bool = False
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer._tokenizer
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._stops = list(stops or [])
         self._markers = self._stops + ([_TOOL_OPEN] if hold_tool_calls else [])
+        self._hold_all = hold_all  # a tool-call form without one opening marker: send all at the end
         self.text = ""
         self.sent = 0
 
@@ -140,6 +143,8 @@ class TextStream:
         """Add sampled tokens; return the text that may be sent now."""
         for token_id in token_ids:
             self.text += self._decoder.step(self._tokenizer, token_id) or ""
+        if self._hold_all:
+            return ""
         end = min([self._safe_end(marker) for marker in self._markers], default=len(self.text))
         delta = self.text[self.sent : end] if end > self.sent else ""
         self.sent += len(delta)

@@ -23,6 +23,7 @@ from ._chat import ChatRenderer, ChatState
 from ._engines import Engine, Generation, Router
 from ._images import ImageLayout
 from ._responses import History
+from ._tools import ToolCalls
 from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 
 __all__ = ["Session", "Tito", "TooManySessions"]
@@ -86,6 +87,7 @@ class Tito:
         self.tokenizer = processor.tokenizer if vision else processor
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
         self.vocab_size = len(self.tokenizer)
+        self.tool_calls = ToolCalls(self.tokenizer)  # the template's tool-call family and its parser
         self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from ._chat import ParsedReply, Prompt, parse_reply
+from ._chat import ParsedReply, Prompt
 from ._engines import Generation
 from ._fields import check_constraints
 from ._protocol import Asked, ProtocolError, TextStream
@@ -38,7 +38,8 @@ class ChatTurn:
         self.tito, self.session, self.route = tito, session, route
         self.messages, self.tools = messages, tools
         self.parse_tools, self.id_prefix = parse_tools, id_prefix
-        self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools)
+        hold_all = parse_tools and tito.tool_calls.family != "hermes"
+        self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools, hold_all=hold_all)
         self.generation = Generation()
         self.parsed = ParsedReply("", [])
         self.prompt = Prompt([])
@@ -53,6 +54,13 @@ class ChatTurn:
         if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
             raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
         check_constraints(bool(self.tito.fixed_sampling), asked.constraints)
+        family = self.tito.tool_calls.family
+        forced = [c for c in asked.constraints if c.startswith("tool_choice")]
+        if forced and family != "hermes":
+            raise ProtocolError(
+                400, f"{forced[0]}: forced tool calls are constrained in the Hermes form only, and this "
+                f"model's template writes {family} tool calls; use tool_choice auto", param="tool_choice",
+            )  # fmt: skip
         switches, notes = self._switches(asked)
         try:
             capture = self.session.capture
@@ -97,7 +105,12 @@ class ChatTurn:
                 yield delta
             chunk = await anext(self._chunks, None)
         text = self.text.finish(self.generation.stop_reason)
-        self.parsed = parse_reply(text, parse_tools=self.parse_tools, id_prefix=self.id_prefix)
+        if self.parse_tools:
+            self.parsed = self.tito.tool_calls.parse(
+                text, self.generation.token_ids, self.tools, self.id_prefix
+            )
+        else:
+            self.parsed = ParsedReply(text, [])
         # Content held back while it could have been a stop string or a tool call.
         if rest := self.parsed.content[self.text.sent :]:
             yield rest
