@@ -32,6 +32,7 @@ class FakeEngine:
         self.fail_next = 0  # answer this many of the next generate requests with a 503
         self.break_after: int | None = None  # a stream drops its connection after this many tokens
         self.token_delay = 0.0  # seconds between streamed tokens
+        self.max_model_len = MAX_MODEL_LEN
         self.app = self._build()
 
     def reply_for(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -61,7 +62,7 @@ class FakeEngine:
 
         @app.get("/v1/models")
         async def models():
-            return {"data": [{"id": "fake", "max_model_len": MAX_MODEL_LEN}]}
+            return {"data": [{"id": "fake", "max_model_len": self.max_model_len}]}
 
         @app.post("/inference/v1/generate")
         async def generate(request: Request):
