@@ -1,4 +1,4 @@
-"""The HTTP face of tito: sessions, OpenAI chat completions, Anthropic messages, trajectories.
+"""The HTTP face of tito: sessions, OpenAI chat completions and responses, Anthropic messages, trajectories.
 
 A client mistake gets a 4xx in the calling protocol's error format (Anthropic's under `/v1/messages`,
 OpenAI's elsewhere); an engine that does not answer gets a 503 for that request only. Nothing a client

@@ -1,4 +1,4 @@
-"""One chat turn, from messages to sampled text, shared by the OpenAI and Anthropic routes."""
+"""One chat turn, from messages to sampled text, shared by the chat, Responses and messages routes."""
 
 from __future__ import annotations
 
