@@ -35,6 +35,7 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
         pytest.param("calculator_env.py", ["--agent.max_turns", "3"], id="calculator-env"),
         pytest.param("openai_agent.py", [], id="openai-agent"),
         pytest.param("anthropic_agent.py", [], id="anthropic-agent"),
+        pytest.param("agents_sdk_agent.py", [], id="agents-sdk-agent"),
         pytest.param("compacting_agent.py", [], id="compacting-agent"),
     ],
 )

@@ -8,6 +8,7 @@ and logprobs per chunk, weight-version spans over the whole output in the last c
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -28,6 +29,10 @@ class FakeEngine:
         self.requests: list[dict] = []  # every request body received
         self.prompt_fields = None  # body -> top-level reply fields for a prompt with images (expansion)
         self.route_shape: tuple[int, int] | None = None  # (layers, top_k): reply with MoE routes
+        self.fail_next = 0  # answer this many of the next generate requests with a 503
+        self.break_after: int | None = None  # a stream drops its connection after this many tokens
+        self.token_delay = 0.0  # seconds between streamed tokens
+        self.max_model_len = MAX_MODEL_LEN
         self.app = self._build()
 
     def reply_for(self, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
@@ -57,13 +62,16 @@ class FakeEngine:
 
         @app.get("/v1/models")
         async def models():
-            return {"data": [{"id": "fake", "max_model_len": MAX_MODEL_LEN}]}
+            return {"data": [{"id": "fake", "max_model_len": self.max_model_len}]}
 
         @app.post("/inference/v1/generate")
         async def generate(request: Request):
             body = await request.json()
-            self.prompts.append(body["token_ids"])
             self.requests.append(body)
+            if self.fail_next:
+                self.fail_next -= 1
+                return JSONResponse({"error": "engine overloaded"}, status_code=503)
+            self.prompts.append(body["token_ids"])
             tokens, finish = self.reply_for(body["token_ids"], body["sampling_params"].get("max_tokens", 16))
             spans = [{"version": self.version, "start": 0, "end": len(tokens)}]
             stop = self.eos_id if finish == "stop" else None
@@ -87,6 +95,9 @@ class FakeEngine:
 
             async def events():
                 for position, token in enumerate(tokens):
+                    if position == self.break_after:
+                        raise ConnectionResetError("the fake engine dropped the stream")
+                    await asyncio.sleep(self.token_delay)
                     data = {"choices": [choice([token], position == len(tokens) - 1)]}
                     data.update(extra if position == 0 else {})
                     yield f"data: {json.dumps(data)}\n\n"

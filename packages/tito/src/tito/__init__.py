@@ -5,7 +5,7 @@ from ._engines import EngineUnavailable, ExpansionMismatch, Generation
 from ._loopback import serve_on_loop
 from ._server import create_app
 from ._service import Session, Tito
-from ._trajectory import Capture, ImageSpan, Segment, Trajectory
+from ._trajectory import Capture, ImageSpan, Segment, Trajectory, Turn
 
 __all__ = [
     "Capture",
@@ -20,6 +20,7 @@ __all__ = [
     "Session",
     "Tito",
     "Trajectory",
+    "Turn",
     "create_app",
     "serve_on_loop",
 ]

@@ -1,7 +1,11 @@
 """Anthropic messages: the request schema, its translation to messages, replies and the SSE events.
 
-Supported: `system` (a string or text blocks), text / image / tool_use / tool_result blocks, `tools`,
-`tool_choice`, `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `stream`. An image block (base64
+Supported: `system` (a string or text blocks, and `role: system` messages among the turns), text /
+image / tool_use / tool_result blocks, `tools`, `tool_choice`, `max_tokens`, `stop_sequences`,
+`temperature`, `top_p`, `top_k`, `thinking` (the chat template's thinking switch), `output_config`
+(`format`: structured outputs; other keys recorded), `stream`. Fields `_fields` knows as neutral
+(metadata, context_management, ...) and unknown ones are recorded with the turn; cache_control marks
+inside blocks are ignored, as they change nothing sampled. An image block (base64
 source, or a URL source holding a data URL or a local file) becomes an OpenAI `image_url` part of the
 user message, in place. Refused with a 400: images inside a tool_result or an assistant turn (never
 dropped silently), a conversation that does not start with a user turn, does not alternate, or ends
@@ -17,7 +21,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, message_text
-from ._protocol import check_json_schema, check_tool_name, forced_tool_call
+from ._fields import extra_fields
+from ._protocol import (
+    Asked,
+    ProtocolError,
+    check_json_schema,
+    check_tool_name,
+    forced_tool_call,
+    response_format_constraint,
+)
 
 __all__ = ["MessagesRequest", "message_reply", "sse", "to_messages"]
 
@@ -32,6 +44,7 @@ class Tool(_Loose):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+    type: str | None = None  # "custom" or absent; a server tool ("web_search_...") is refused
 
     @field_validator("name")
     @classmethod
@@ -43,9 +56,16 @@ class Tool(_Loose):
     def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
         return check_json_schema(schema)
 
+    @field_validator("type")
+    @classmethod
+    def _client_tool(cls, kind: str | None) -> str | None:
+        if kind not in (None, "custom"):
+            raise ValueError(f"server tool type {kind!r} is not supported: offer a client tool instead")
+        return kind
+
 
 class Message(_Loose):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # "system": Claude Code puts one among the turns
     content: str | list[dict[str, Any]]
 
     @field_validator("content")
@@ -74,7 +94,10 @@ class Message(_Loose):
         return self
 
 
-class MessagesRequest(_Loose):
+class MessagesRequest(BaseModel):
+    # Fields beyond these are kept (`model_extra`): `_fields.extra_fields` refuses or records them.
+    model_config = ConfigDict(extra="allow")
+
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
@@ -84,30 +107,58 @@ class MessagesRequest(_Loose):
     stop_sequences: list[str] | None = None
     temperature: float = Field(1.0, ge=0.0, le=1.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
     stream: bool = False
 
     @model_validator(mode="after")
     def _alternating(self) -> MessagesRequest:
-        roles = [m.role for m in self.messages]
-        if roles[0] != "user" or roles[-1] != "user":
+        roles = [m.role for m in self.messages if m.role != "system"]
+        if not roles or roles[0] != "user" or roles[-1] != "user":
             raise ValueError("messages must start and end with a user turn")
         for position in range(1, len(roles)):
             if roles[position] == roles[position - 1]:
                 raise ValueError(f"messages[{position}]: user and assistant turns must alternate")
         return self
 
-    def sampling(self, tools: list[dict] | None) -> dict:
-        choice = self.tool_choice or {}
+    def asked(self, tools: list[dict] | None, vocab_size: int) -> Asked:
+        """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
+        fields, notes = extra_fields("messages", self.model_extra)
+        choice, constraints = self.tool_choice or {}, []
         forced = None
         if tools and choice.get("type") in ("any", "tool"):
             forced = forced_tool_call(tools, choice.get("name") if choice["type"] == "tool" else None)
-        return {
+            constraints.append(f"tool_choice {choice['type']!r}")
+        if "disable_parallel_tool_use" in choice:
+            fields["tool_choice.disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
+        config = dict(self.output_config or {})
+        structured = None
+        if "format" in config:
+            structured = response_format_constraint(config.pop("format"), "output_config.format")
+            if structured is not None:
+                constraints.append("output_config.format")
+        if forced and structured:
+            raise ProtocolError(
+                400, "tool_choice and output_config.format both constrain the reply: send one"
+            )
+        if config:  # effort and other hints: the model has no such control here
+            fields["output_config"] = config
+            notes.append(f"output_config {sorted(config)}: no equivalent in this model; not applied")
+        thinking = None
+        if self.thinking is not None:
+            thinking = self.thinking.get("type") != "disabled"
+            if "budget_tokens" in self.thinking:
+                notes.append("thinking.budget_tokens: not enforced (max_tokens bounds the whole reply)")
+        sampling = {
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
             "max_tokens": self.max_tokens,
             "stop": self.stop_sequences,
-            "structured_outputs": forced,
+            "structured_outputs": forced or structured,
         }
+        return Asked(sampling, constraints, fields, notes, thinking, f"thinking {self.thinking!r}")
 
     def parse_tools(self) -> bool:
         return bool(self.tools) and (self.tool_choice or {}).get("type") != "none"
@@ -119,6 +170,9 @@ def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None
     if request.system:
         messages.append({"role": "system", "content": message_text(request.system)})
     for message in request.messages:
+        if message.role == "system":  # rendered where it stands, or merged first (`ChatRenderer`)
+            messages.append({"role": "system", "content": message_text(message.content)})
+            continue
         blocks = (
             [{"type": "text", "text": message.content}]
             if isinstance(message.content, str)
@@ -226,3 +280,8 @@ def message_reply(
 
 def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
+
+
+def error_event(message: str) -> str:
+    """A stream's error event, as the Anthropic SDK reads it (it raises `APIStatusError`)."""
+    return sse("error", {"error": {"type": "api_error", "message": message}})

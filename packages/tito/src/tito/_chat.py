@@ -26,6 +26,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._fields import thinking_switch
 from ._images import ImageLayout, image_parts, load_image, part_url
 from ._trajectory import ImageSpan
 
@@ -83,16 +84,45 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.images = images
         self.backend = tokenizer.backend_tokenizer
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        self.thinking_switch = thinking_switch(template)
+        self.system_in_place = True
+        self.system_in_place = self._renders_late_system()
         probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
         rendered = self.render(probe, None, add_generation_prompt=False)
         # The text the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
         self.turn_end = rendered[rendered.index(_PROBE) + len(_PROBE) :]
         self.turn_end_ids = self.encode(self.turn_end)
 
-    def render(self, messages: list[dict], tools: list[dict] | None, *, add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None,
+        *,
+        add_generation_prompt: bool,
+        switches: dict | None = None,
+    ) -> str:
+        """The template's text for `messages`. `switches`: template variables (`enable_thinking`). A
+        system message after the first is rendered where it stands if the template can, else merged
+        into the first system message (`system_in_place`)."""
+        if not self.system_in_place:
+            messages = merge_system_messages(messages)
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(switches or {}),
         )
+
+    def _renders_late_system(self) -> bool:
+        probe = [{"role": "user", "content": "x"}, {"role": "system", "content": _PROBE}]
+        try:
+            return _PROBE in self.render(
+                [*probe, {"role": "user", "content": "y"}], None, add_generation_prompt=True
+            )
+        except Exception:  # a template that raises on it (jinja's raise_exception) cannot render it
+            return False
 
     def encode(self, text: str) -> list[int]:
         # The tokenizers backend itself: the transformers call around it costs more than the encoding.
@@ -158,25 +188,28 @@ class ChatState:
         messages: list[dict],
         tools: list[dict] | None,
         trace_images: list[ImageSpan] = (),
+        switches: dict | None = None,
     ) -> Prompt:
         """The full prompt of this turn: the trace (with its images) plus new tokens, or a fresh render
-        on a rewrite."""
+        on a rewrite. `switches`: template variables (`ChatRenderer.render`); a change is a rewrite."""
         keys = [_message_key(m) for m in messages]
         num_known = len(self.known_keys)
-        same_tools = _tools_key(tools) == self.tools_key
+        same_tools = _tools_key(tools, switches) == self.tools_key
         if same_tools and num_known and keys == self.known_keys[:-1]:
             return self.last_prompt  # an identical retry: Capture drops the previous reply
         if same_tools and num_known and len(keys) > num_known and keys[:num_known] == self.known_keys:
             # Render the known turns as remembered, so only the new messages' rendering matters.
-            old = renderer.render(self.messages, tools, add_generation_prompt=False)
+            old = renderer.render(self.messages, tools, add_generation_prompt=False, switches=switches)
             new_messages = messages[num_known:]
-            new = renderer.render(self.messages + new_messages, tools, add_generation_prompt=True)
+            new = renderer.render(
+                self.messages + new_messages, tools, add_generation_prompt=True, switches=switches
+            )
             if new.startswith(old):
                 head = trace + self.closing
                 _check_no_stray_placeholder(renderer, head, trace_images)
                 tail = renderer.encode_with_images(new[len(old) :], new_messages, offset=len(head))
                 return Prompt(head + tail.token_ids, [*trace_images, *tail.images])
-        text = renderer.render(messages, tools, add_generation_prompt=True)
+        text = renderer.render(messages, tools, add_generation_prompt=True, switches=switches)
         return renderer.encode_with_images(text, messages, offset=0)
 
     def record(
@@ -186,13 +219,23 @@ class ChatState:
         prompt: Prompt,
         reply: dict,
         closing: list[int],
+        switches: dict | None = None,
     ) -> None:
         """Remember the turn just served: its prompt, and the assistant message the client received."""
         self.messages = [*messages, reply]
         self.known_keys = [_message_key(m) for m in self.messages]
-        self.tools_key = _tools_key(tools)
+        self.tools_key = _tools_key(tools, switches)
         self.closing = closing
         self.last_prompt = prompt
+
+
+def merge_system_messages(messages: list[dict]) -> list[dict]:
+    """Every system message's text joined, in order, into one system message first."""
+    systems = [message_text(m.get("content")) for m in messages if m["role"] == "system"]
+    if len(systems) < 2 and (not systems or messages[0]["role"] == "system"):
+        return messages
+    rest = [m for m in messages if m["role"] != "system"]
+    return [{"role": "system", "content": "\n\n".join(systems)}, *rest]
 
 
 def _check_no_stray_placeholder(renderer: ChatRenderer, ids: list[int], images: list[ImageSpan]) -> None:
@@ -208,8 +251,11 @@ def _check_no_stray_placeholder(renderer: ChatRenderer, ids: list[int], images: 
         )
 
 
-def _tools_key(tools: list[dict] | None) -> str:
-    return json.dumps(tools, sort_keys=True) if tools else ""
+def _tools_key(tools: list[dict] | None, switches: dict | None = None) -> str:
+    """What else the rendering depends on: the tools and the template switches."""
+    if not (tools or switches):
+        return ""
+    return json.dumps([tools, switches or {}], sort_keys=True)
 
 
 @dataclass
@@ -218,28 +264,34 @@ class ParsedReply:
 
     content: str
     tool_calls: list[dict]
+    failures: int = 0  # tool calls the model began that did not parse (left in `content`)
 
 
 def parse_reply(text: str, *, parse_tools: bool = True, id_prefix: str = "call_") -> ParsedReply:
     """Split Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of `text`.
 
     A block whose JSON does not parse, or lacks a string name or object arguments, stays in the content
-    as text: a malformed tool call is the model's output, not a server error.
+    as text: a malformed tool call is the model's output, not a server error. Each such block, and a
+    block opened but never closed, counts in `failures` (recorded with the turn in the trajectory).
     """
     if not parse_tools:
         return ParsedReply(text, [])
     calls: list[dict] = []
     kept: list[str] = []
     position = 0
+    failures, last_end = 0, 0
     for match in _TOOL_CALL.finditer(text):
         call = _parse_call(match.group(1))
+        last_end = match.end()
         if call is None:
+            failures += 1
             continue
         kept.append(text[position : match.start()])
         position = match.end()
         calls.append({"id": id_prefix + secrets.token_hex(12), **call})
     kept.append(text[position:])
-    return ParsedReply("".join(kept), calls)
+    failures += text[last_end:].count("<tool_call>")  # opened and never closed (cut off, say)
+    return ParsedReply("".join(kept), calls, failures)
 
 
 def _parse_call(body: str) -> dict | None:

@@ -28,10 +28,20 @@ def serve(
     api_key: Annotated[str | None, typer.Option(help="Key every request but /health must carry.")] = None,
     dump: Annotated[Path | None, typer.Option(help="JSONL file for ended sessions' trajectories.")] = None,
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model name clients use (default: --model).")
+        str | None, typer.Option(help="Model name clients use (default: the first engine's served name).")
+    ] = None,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="End (and dump) a session this many seconds after its last request (default: never)."
+        ),
+    ] = None,
+    max_sessions: Annotated[
+        int | None, typer.Option(help="Live sessions at most; POST /sessions past it answers 429.")
     ] = None,
 ) -> None:
-    """Serve OpenAI chat completions and Anthropic messages, capturing token-exact trajectories."""
+    """Serve OpenAI chat completions and responses and Anthropic messages, capturing token-exact
+    trajectories."""
     if host not in LOOPBACK and not api_key:
         raise typer.BadParameter(f"binding {host} exposes the server beyond this machine; pass --api-key too")
     import uvicorn
@@ -40,7 +50,25 @@ def serve(
     from ._server import create_app
     from ._service import Tito
 
-    tito = Tito(engine, model, served_model_name=served_model_name, dump=dump)
+    name = served_model_name or engine_model_name(engine[0])
+    tito = Tito(
+        engine, model, served_model_name=name, dump=dump, idle_timeout=idle_timeout, max_sessions=max_sessions
+    )
     app = create_app(tito, api_key=api_key)
     freeze_startup_objects()
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+
+
+def engine_model_name(url: str) -> str:
+    """The name the engine serves its model under (its `GET /v1/models`), which clients already use."""
+    import httpx
+
+    try:
+        reply = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10.0)
+        reply.raise_for_status()
+        return str(reply.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+        raise typer.BadParameter(
+            f"could not read the served model name from {url}/v1/models ({error!r}): start the engine "
+            "first, or pass --served-model-name"
+        ) from error

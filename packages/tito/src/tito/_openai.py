@@ -1,11 +1,12 @@
 """OpenAI chat completions: the request schema, its translation to messages, replies and SSE chunks.
 
 Supported: system/developer, user (text and `image_url` parts), assistant (with tool_calls) and tool
-messages; `tools` and
-`tool_choice`; `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop`, `seed`; `stream`
-with `stream_options.include_usage`. Refused with a 400: `n` other than 1, a role order the template
-cannot render (a tool message without a tool call before it, an assistant turn last). Unknown fields
-are ignored, as stock SDKs send many.
+messages; `tools` and `tool_choice`; `temperature`, `top_p`, `top_k`, `min_p`, the penalties,
+`logit_bias`, `response_format` (JSON object or schema, through vLLM's structured outputs),
+`max_tokens` / `max_completion_tokens`, `stop`, `seed`, `reasoning_effort` (the chat template's thinking
+switch); `stream` with `stream_options.include_usage`. Refused with a 400: `n` other than 1, a role
+order the template cannot render (a tool message without a tool call before it, an assistant turn
+last), and the fields `_fields.REFUSED` names. Other fields are recorded with the turn (`_fields`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, parse_arguments
+from ._fields import extra_fields
 from ._images import part_url
-from ._protocol import ToolFunction, check_role_order, forced_tool_call
+from ._protocol import (
+    Asked,
+    ProtocolError,
+    ToolFunction,
+    check_role_order,
+    forced_tool_call,
+    logit_bias,
+    response_format_constraint,
+)
 
 __all__ = ["ChatRequest", "chat_chunk", "chat_completion", "to_messages"]
 
@@ -71,13 +81,24 @@ class StreamOptions(_Loose):
     include_usage: bool = False
 
 
-class ChatRequest(_Loose):
+class ChatRequest(BaseModel):
+    # Fields beyond these are kept (`model_extra`): `_fields.extra_fields` refuses or records them.
+    model_config = ConfigDict(extra="allow")
+
     model: str
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
@@ -103,20 +124,40 @@ class ChatRequest(_Loose):
         check_role_order([m.role for m in self.messages], [bool(m.tool_calls) for m in self.messages])
         return self
 
-    def sampling(self, tools: list[dict] | None) -> dict:
-        choice = self.tool_choice
+    def asked(self, tools: list[dict] | None, vocab_size: int) -> Asked:
+        """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
+        fields, notes = extra_fields("chat.completions", self.model_extra)
+        choice, constraints = self.tool_choice, []
         forced = None
         if tools and (choice == "required" or isinstance(choice, dict)):
             name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
             forced = forced_tool_call(tools, name)
-        return {
+            constraints.append(f"tool_choice {choice!r}")
+        structured = response_format_constraint(self.response_format, "response_format")
+        if structured is not None:
+            constraints.append(f"response_format {self.response_format.get('type')!r}")
+        if forced and structured:
+            raise ProtocolError(400, "tool_choice and response_format both constrain the reply: send one")
+        bias = logit_bias(self.logit_bias, vocab_size)
+        if bias:
+            constraints.append("logit_bias")
+        sampling = {
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": bias,
             "max_tokens": self.max_completion_tokens or self.max_tokens,
             "stop": self.stop,
             "seed": self.seed,
-            "structured_outputs": forced,
+            "structured_outputs": forced or structured,
         }
+        effort = self.reasoning_effort
+        thinking = None if effort is None else effort not in ("none", "minimal")
+        return Asked(sampling, constraints, fields, notes, thinking, f"reasoning_effort {effort!r}")
 
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
@@ -225,3 +266,9 @@ def stream_tool_deltas(parsed: ParsedReply) -> list[dict]:
         }
         for index, call in enumerate(parsed.tool_calls)
     ]
+
+
+def error_event(message: str) -> str:
+    """A stream's error, as the OpenAI SDK reads it (it raises `APIError`)."""
+    body = {"error": {"message": message, "type": "engine_unavailable", "param": None, "code": 503}}
+    return f"data: {msgspec.json.encode(body).decode()}\n\n"

@@ -8,11 +8,13 @@ prefix of the final content, so a streamed and a non-streamed reply carry the sa
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
 __all__ = [
+    "Asked",
     "ProtocolError",
     "TextStream",
     "ToolFunction",
@@ -25,14 +27,29 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TOOL_OPEN = "<tool_call>"
 
 
+@dataclass
+class Asked:
+    """What one request asks of its turn beyond its messages, whichever protocol it came in."""
+
+    sampling: dict[str, Any]  # vLLM sampling parameters (None: not asked)
+    constraints: list[str] = field(default_factory=list)  # fields that constrain decoding, as sent
+    fields: dict[str, Any] = field(default_factory=dict)  # fields that do not change the tokens
+    notes: list[str] = field(default_factory=list)  # what was done with fields tito mapped or ignored
+    thinking: bool | None = None  # the client asked the model to think (True), not to (False), or neither
+    thinking_field: str = ""  # the field that asked, as it was sent
+
+
 class ProtocolError(Exception):
     """A client mistake, answered in the calling protocol's error format."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.param = param  # the request field at fault, where one is
 
 
 def check_tool_name(name: str) -> str:
@@ -109,13 +126,16 @@ class TextStream:
     marker, is held back: stop strings never reach the client, and tool calls are parsed once at the end.
     """
 
-    def __init__(self, tokenizer, *, stops: list[str] | None, hold_tool_calls: bool) -> None:
+    def __init__(
+        self, tokenizer, *, stops: list[str] | None, hold_tool_calls: bool, hold_all: bool = False
+    ) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._tokenizer = tokenizer._tokenizer
         self._decoder = DecodeStream(skip_special_tokens=True)
         self._stops = list(stops or [])
         self._markers = self._stops + ([_TOOL_OPEN] if hold_tool_calls else [])
+        self._hold_all = hold_all  # a tool-call form without one opening marker: send all at the end
         self.text = ""
         self.sent = 0
 
@@ -123,6 +143,8 @@ class TextStream:
         """Add sampled tokens; return the text that may be sent now."""
         for token_id in token_ids:
             self.text += self._decoder.step(self._tokenizer, token_id) or ""
+        if self._hold_all:
+            return ""
         end = min([self._safe_end(marker) for marker in self._markers], default=len(self.text))
         delta = self.text[self.sent : end] if end > self.sent else ""
         self.sent += len(delta)
@@ -144,3 +166,37 @@ class TextStream:
             if marker.startswith(self.text[-size:]):
                 return len(self.text) - size
         return len(self.text)
+
+
+def response_format_constraint(response_format: dict[str, Any] | None, where: str) -> dict | None:
+    """vLLM structured outputs for an OpenAI-style response format (`text`: none)."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema", response_format)  # chat nests it; responses does not
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ProtocolError(400, f"{where}: a json_schema format needs a `schema` object", param=where)
+        return {"json": schema}
+    raise ProtocolError(
+        400, f"{where}: type {kind!r} is not supported (text, json_object, json_schema)", param=where
+    )
+
+
+def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings to -100..100) for vLLM, each id checked against the vocab."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (str(key).isdigit() and int(key) < vocab_size and -100 <= value <= 100):
+            raise ProtocolError(
+                400,
+                f"logit_bias: {key!r}: {value} needs a token id below {vocab_size} and a bias in -100..100",
+                param="logit_bias",
+            )
+        out[int(key)] = float(value)
+    return out

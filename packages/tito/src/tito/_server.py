@@ -1,4 +1,4 @@
-"""The HTTP face of tito: sessions, OpenAI chat completions, Anthropic messages, trajectories.
+"""The HTTP face of tito: sessions, OpenAI chat completions and responses, Anthropic messages, trajectories.
 
 A client mistake gets a 4xx in the calling protocol's error format (Anthropic's under `/v1/messages`,
 OpenAI's elsewhere); an engine that does not answer gets a 503 for that request only. Nothing a client
@@ -9,21 +9,25 @@ capability to use that session.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import _anthropic as anthropic
 from . import _openai as openai
+from . import _responses as responses
 from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
-from ._protocol import ProtocolError
-from ._service import Session, Tito
+from ._protocol import Asked, ProtocolError
+from ._service import Session, Tito, TooManySessions
 from ._turn import ChatTurn
 
 __all__ = ["create_app"]
@@ -34,16 +38,19 @@ _ANTHROPIC_KINDS = {
     401: "authentication_error",
     404: "not_found_error",
     413: "request_too_large",
+    429: "rate_limit_error",
     502: "api_error",
     503: "api_error",
 }
 
 
-def _error(request: Request, status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+def _error(
+    request: Request, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+) -> JSONResponse:
     if request.url.path.endswith("/v1/messages"):
         body = {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message}}
     else:
-        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status)
 
 
@@ -70,6 +77,7 @@ class _Guard:
             if refusal is not None:
                 await refusal(scope, receive, send)
                 return
+            receive = _limited(receive)
         await self.app(scope, receive, send)
 
     def _refusal(self, request: Request) -> JSONResponse | None:
@@ -82,12 +90,33 @@ class _Guard:
         return None
 
 
+def _limited(receive):
+    """`receive` that stops a body past MAX_BODY_BYTES as it arrives: a chunked body has no
+    Content-Length to refuse it by. The 413 is raised as an HTTPException, which FastAPI's body
+    reading passes on as it is."""
+    received = 0
+
+    async def limited():
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > MAX_BODY_BYTES:
+                raise StarletteHTTPException(413, f"request body over {MAX_BODY_BYTES} bytes")
+        return message
+
+    return limited
+
+
 def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `tito`'s sessions."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        expiring = asyncio.create_task(tito.expire_idle_forever()) if tito.idle_timeout else None
         yield
+        if expiring is not None:
+            expiring.cancel()
         await tito.aclose()  # engine connections live on the server's event loop: close them there
 
     app = FastAPI(title="tito", summary="Token-exact chat capture over vLLM", lifespan=lifespan)
@@ -100,7 +129,16 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
 
     @app.exception_handler(ProtocolError)
     async def refused(request: Request, error: ProtocolError) -> JSONResponse:
-        return _error(request, error.status, error.message, error.kind)
+        return _error(request, error.status, error.message, error.kind, error.param)
+
+    @app.exception_handler(TooManySessions)
+    async def too_many(request: Request, error: TooManySessions) -> JSONResponse:
+        return _error(request, 429, str(error), "rate_limit_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 413: "request_too_large"}.get(error.status_code, "invalid_request_error")
+        return _error(request, error.status_code, str(error.detail), kind)
 
     @app.exception_handler(EngineRejected)
     async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
@@ -116,10 +154,15 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
 
     def session_of(session_id: str) -> Session:
         if session_id not in tito.sessions:
+            if session_id in tito.ended:
+                why = f"session {session_id!r} {tito.ended[session_id]} and cannot continue"
+                raise ProtocolError(404, f"{why}: create a new one with POST /sessions", "not_found")
             raise ProtocolError(
                 404, f"no session {session_id!r}: create one with POST /sessions", "not_found"
             )
-        return tito.sessions[session_id]
+        session = tito.sessions[session_id]
+        session.last_used = time.monotonic()
+        return session
 
     def check_model(model: str) -> None:
         if model != tito.model_name:
@@ -161,29 +204,27 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": tito.model_name, "object": "model", "owned_by": "tito"}]}
 
     @app.post("/s/{session_id}/v1/chat/completions")
-    async def chat_completions(session_id: str, body: openai.ChatRequest):
+    async def chat_completions(session_id: str, body: openai.ChatRequest, request: Request):
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = openai.to_messages(body)
         turn = ChatTurn(
-            tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(), id_prefix="call_"
-        )
+            tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(),
+            id_prefix="call_", route="chat.completions",
+        )  # fmt: skip
+        asked = body.asked(tools, tito.vocab_size)
         request_id = "chatcmpl-" + secrets.token_hex(12)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await _stream(
-                session, turn, body.sampling(tools), _openai_events(turn, request_id, tito, usage)
-            )
-        async with session.lock:
-            await turn.start(body.sampling(tools), stream=False)
-            parsed = await turn.run()
-            turn.remember(openai.reply_message(parsed))
+            events = _openai_events(turn, request_id, tito, usage)
+            return await _stream(session, turn, asked, events, openai.error_event)
+        parsed = await _whole(request, session, turn, asked, openai.reply_message)
         return openai.chat_completion(
             request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts
         )
 
     @app.post("/s/{session_id}/v1/messages")
-    async def messages(session_id: str, body: anthropic.MessagesRequest):
+    async def messages(session_id: str, body: anthropic.MessagesRequest, request: Request):
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = anthropic.to_messages(body)
@@ -195,24 +236,76 @@ def create_app(tito: Tito, *, api_key: str | None = None) -> FastAPI:
             stops=body.stop_sequences,
             parse_tools=body.parse_tools(),
             id_prefix="toolu_",
+            route="messages",
         )
+        asked = body.asked(tools, tito.vocab_size)
+        if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
+            asked.fields["query"] = dict(request.query_params)
         if body.stream:
-            return await _stream(session, turn, body.sampling(tools), _anthropic_events(turn, tito))
-        async with session.lock:
-            await turn.start(body.sampling(tools), stream=False)
-            parsed = await turn.run()
-            turn.remember(anthropic.reply_message(parsed))
+            events = _anthropic_events(turn, tito)
+            return await _stream(session, turn, asked, events, anthropic.error_event)
+        parsed = await _whole(request, session, turn, asked, anthropic.reply_message)
         reason = anthropic.stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
         return anthropic.message_reply(tito.model_name, parsed, reason, turn.counts)
+
+    @app.post("/s/{session_id}/v1/responses")
+    async def create_response(session_id: str, body: responses.ResponsesRequest, request: Request):
+        session = session_of(session_id)
+        check_model(body.model)
+        tools = body.chat_tools()
+        messages, conversation = responses.to_messages(body, session.responses.get(body.previous_response_id))
+        turn = ChatTurn(
+            tito, session, messages, tools, stops=None, parse_tools=body.parse_tools(), id_prefix="call_",
+            route="responses",
+        )  # fmt: skip
+        asked = body.asked(tools)
+        response_id = "resp_" + secrets.token_hex(12)
+
+        def remember(parsed) -> None:  # what previous_response_id will continue from
+            session.responses.add(response_id, [*conversation, responses.reply_message(parsed)])
+
+        if body.stream:
+
+            def done(parsed) -> None:
+                turn.commit(responses.reply_message(parsed))
+                remember(parsed)
+
+            events = responses.stream_events(turn, body, response_id, tito.model_name, done)
+            return await _stream(session, turn, asked, events, responses.error_event)
+        parsed = await _whole(request, session, turn, asked, responses.reply_message)
+        if turn.committed:
+            remember(parsed)
+        items = responses.output_items(parsed, "msg_" + secrets.token_hex(12))
+        finish = turn.generation.finish_reason
+        return responses.encode(
+            responses.response_body(body, response_id, tito.model_name, items, finish, turn.counts)
+        )
 
     return app
 
 
-async def _stream(session: Session, turn: ChatTurn, sampling: dict, events: AsyncIterator[str]):
-    """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503."""
+async def _whole(request: Request, session: Session, turn: ChatTurn, asked: Asked, reply_message) -> object:
+    """A turn answered in one body. It is committed only if the client is still there to receive it."""
+    async with session.lock:
+        await turn.start(asked, stream=False)
+        parsed = await turn.run()
+        if not await request.is_disconnected():
+            turn.commit(reply_message(parsed))
+    return parsed
+
+
+async def _stream(
+    session: Session, turn: ChatTurn, asked: Asked, events: AsyncIterator[str], error_event
+) -> StreamingResponse:
+    """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503.
+
+    `events` commits the turn after its last event was sent: a client that leaves mid-stream closes it
+    first, and the turn leaves no trace. An engine that fails mid-stream ends the stream with an error
+    event in the protocol's format (the turn is not committed).
+    """
     await session.lock.acquire()
     try:
-        await turn.start(sampling, stream=True)
+        await turn.start(asked, stream=True)
     except BaseException:
         session.lock.release()
         raise
@@ -221,6 +314,8 @@ async def _stream(session: Session, turn: ChatTurn, sampling: dict, events: Asyn
         try:
             async for event in events:
                 yield event
+        except (EngineUnavailable, ExpansionMismatch) as error:
+            yield error_event(f"{error}; the turn was not captured: retry it")
         finally:
             session.lock.release()
 
@@ -236,13 +331,13 @@ async def _openai_events(
         yield openai.chat_chunk(request_id, model, {"content": delta})
     for delta in openai.stream_tool_deltas(turn.parsed):
         yield openai.chat_chunk(request_id, model, delta)
-    turn.remember(openai.reply_message(turn.parsed))
     yield openai.chat_chunk(
         request_id, model, {}, openai.finish_reason(turn.generation.finish_reason, turn.parsed)
     )
     if include_usage:
         yield openai.chat_chunk(request_id, model, None, usage=openai.usage(*turn.counts))
     yield "data: [DONE]\n\n"
+    turn.commit(openai.reply_message(turn.parsed))
 
 
 async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
@@ -270,7 +365,6 @@ async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
         yield anthropic.sse("content_block_delta", {"index": index, "delta": partial})
         yield anthropic.sse("content_block_stop", {"index": index})
         index += 1
-    turn.remember(anthropic.reply_message(turn.parsed))
     reason, sequence = anthropic.stop_reason(
         turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed
     )
@@ -282,3 +376,4 @@ async def _anthropic_events(turn: ChatTurn, tito: Tito) -> AsyncIterator[str]:
         },
     )
     yield anthropic.sse("message_stop", {})
+    turn.commit(anthropic.reply_message(turn.parsed))

@@ -3,13 +3,15 @@
 `Tito` owns the engines, the tokenizer and the sessions. A turn is: put the prompt into the session's
 capture, sample on the session's engine, append what the engine sampled. The Env form calls
 `Tito.generate(session, prompt_ids, ...)` directly with token ids; the HTTP routes first turn messages
-into prompt ids and then call the same `stream_turn`. Requests of one session run one at a time.
+into prompt ids and then call the same `sample` and `commit`. Requests of one session run one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,9 +22,17 @@ import msgspec
 from ._chat import ChatRenderer, ChatState
 from ._engines import Engine, Generation, Router
 from ._images import ImageLayout
-from ._trajectory import Capture, ImageSpan, Trajectory
+from ._responses import History
+from ._tools import ToolCalls
+from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 
-__all__ = ["Session", "Tito"]
+__all__ = ["Session", "Tito", "TooManySessions"]
+
+NUM_ENDED_REMEMBERED = 10_000  # ended sessions whose reason a late request is told
+
+# Sampling parameters that reshape the distribution beyond temperature and top_p: under a trainer's fixed
+# sampling they are dropped (and recorded as asked), since the trainer's logprobs do not apply them.
+_SHAPING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass
@@ -33,6 +43,12 @@ class Session:
     chat: ChatState = field(default_factory=ChatState)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
+    responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
+    last_used: float = field(default_factory=time.monotonic)  # when a request last named it
+
+
+class TooManySessions(RuntimeError):
+    """A new session would pass `Tito(max_sessions=...)`."""
 
 
 class Tito:
@@ -44,7 +60,9 @@ class Tito:
     trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
     trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
-    there).
+    there). `idle_timeout`: seconds after its last request at which a session not in a request is
+    ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live sessions at
+    most; a new one past it raises `TooManySessions`.
     """
 
     def __init__(
@@ -57,6 +75,8 @@ class Tito:
         request_timeout: float = 600.0,
         fixed_sampling: dict | None = None,
         engine_transport: httpx.AsyncBaseTransport | None = None,
+        idle_timeout: float | None = None,
+        max_sessions: int | None = None,
     ) -> None:
         from transformers import AutoProcessor
 
@@ -66,28 +86,62 @@ class Tito:
         vision = getattr(processor, "image_processor", None) is not None
         self.tokenizer = processor.tokenizer if vision else processor
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
+        self.vocab_size = len(self.tokenizer)
+        self.tool_calls = ToolCalls(self.tokenizer)  # the template's tool-call family and its parser
         self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
         self.fixed_sampling = dict(fixed_sampling or {})
         self.max_tokens_cap = self.fixed_sampling.pop("max_tokens", None)
+        self.idle_timeout, self.max_sessions = idle_timeout, max_sessions
+        # Why recent sessions ended, so that a late request hears it (bounded: memory stays flat).
+        self.ended: OrderedDict[str, str] = OrderedDict()
 
     def new_session(self) -> Session:
         """A session bound to the least-loaded live engine. Ids are 128-bit random."""
+        if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
+            raise TooManySessions(
+                f"{len(self.sessions)} sessions are live, the most this server keeps: end one "
+                "(DELETE /sessions/{id}) or retry later"
+            )
         session_id = secrets.token_hex(16)
         session = Session(session_id, self.router.assign(), Capture(session_id))
         self.sessions[session_id] = session
         return session
 
-    def end_session(self, session_id: str) -> Trajectory:
-        """Forget a session, returning (and dumping, with `dump`) its trajectory."""
+    def end_session(self, session_id: str, *, reason: str = "was ended") -> Trajectory:
+        """Forget a session, returning (and dumping, with `dump`) its trajectory. `reason` is what a
+        later request naming it is told."""
         session = self.sessions.pop(session_id)
+        self.ended[session_id] = reason
+        while len(self.ended) > NUM_ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
         self.router.release(session.engine)
         trajectory = session.capture.trajectory()
         if self.dump_path is not None:
             with self.dump_path.open("ab") as dump:
                 dump.write(msgspec.json.encode(trajectory) + b"\n")
         return trajectory
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """End every session idle past `idle_timeout` and not in a request; returns their ids."""
+        if self.idle_timeout is None:
+            return []
+        now = time.monotonic() if now is None else now
+        idle = [
+            session.id
+            for session in self.sessions.values()
+            if now - session.last_used > self.idle_timeout and not session.lock.locked()
+        ]
+        for session_id in idle:
+            self.end_session(session_id, reason=f"expired after {self.idle_timeout:g} s without a request")
+        return idle
+
+    async def expire_idle_forever(self) -> None:
+        """`expire_idle` every quarter of `idle_timeout` (at most every 30 s), until cancelled."""
+        while True:
+            await asyncio.sleep(min(self.idle_timeout / 4, 30.0))
+            self.expire_idle()
 
     async def ready(self) -> bool:
         """Whether at least one engine answers (what `/health` reports)."""
@@ -106,10 +160,12 @@ class Tito:
             )
         asked = params.pop("max_tokens", None)
         params = {key: value for key, value in params.items() if value is not None}
+        if self.fixed_sampling:  # the trainer's distribution is the plain softmax at its temperature
+            params = {key: value for key, value in params.items() if key not in _SHAPING}
         max_tokens = min(limit for limit in (asked, self.max_tokens_cap, room) if limit)
         return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 
-    async def stream_turn(
+    async def sample(
         self,
         session: Session,
         prompt_ids: list[int],
@@ -117,44 +173,48 @@ class Tito:
         *,
         images: list[ImageSpan] = (),
         stream: bool = True,
+        routes_from: int = 0,
     ) -> AsyncIterator[Generation]:
-        """Sample one turn on the session's engine and capture it. The caller holds the session's lock.
-
-        The sampled tokens enter the capture when the turn completes, with their weight versions (a
-        stream reports those only at its end); a turn cut short leaves only its prompt captured.
-        """
-        capture = session.capture
-        capture.begin_turn(prompt_ids, images)
-        routes_from = capture.routes_known  # an MoE engine returns the routes of the tokens after these
-        whole = Generation()
+        """Sample one turn on the session's engine, chunk by chunk (one chunk without `stream`). Nothing
+        is captured here: the caller commits the whole turn once it completes (`commit`), so a turn that
+        fails, times out or is abandoned leaves the trajectory as it was. `routes_from`: the leading
+        tokens whose MoE routes the capture holds (`Capture.routes_known_after`)."""
+        if not prompt_ids:
+            raise ValueError("a turn needs at least one prompt token")
+        engine = session.engine
         if stream:
-            async for chunk in await session.engine.generate(
+            async for chunk in await engine.generate(
                 prompt_ids, sampling, images=images, stream=True, routes_from=routes_from
             ):
-                whole.extend(chunk)
                 yield chunk
         else:
-            whole = await session.engine.generate(
-                prompt_ids, sampling, images=images, routes_from=routes_from
-            )
-            yield whole
-        capture.add_sampled(
-            whole.token_ids, whole.logprobs, whole.versions,
-            routed_experts=whole.routed_experts, routes_from=routes_from,
-        )  # fmt: skip
+            yield await engine.generate(prompt_ids, sampling, images=images, routes_from=routes_from)
+
+    def commit(
+        self, session: Session, prompt_ids: list[int], images: list[ImageSpan], whole: Generation,
+        routes_from: int, *, turn: Turn | None = None,
+    ) -> None:  # fmt: skip
+        """Put a completed turn into the session's capture (`turn`: how it was asked for). The caller
+        holds the session's lock and does not await between this and recording the turn's messages
+        (`ChatState.record`)."""
+        session.capture.commit_turn(prompt_ids, images, whole, routes_from=routes_from, turn=turn)
         session.finish_reason = whole.finish_reason
 
     async def generate(
         self, session: Session, prompt_ids: list[int], *, images: list[ImageSpan] = (), **sampling
     ) -> Generation:
         """The Env form: token ids in (with the images on their placeholder tokens, see `ChatRenderer`),
-        sampled token ids (with logprobs and versions) out."""
+        sampled token ids (with logprobs and versions) out. A turn that fails is not captured."""
+        prompt_ids, images = list(prompt_ids), list(images)
         async with session.lock:
             params = await self.sampling(session, len(prompt_ids), **sampling)
+            routes_from = session.capture.routes_known_after(prompt_ids, images)
             result = Generation()
-            turn = self.stream_turn(session, list(prompt_ids), params, images=list(images), stream=False)
-            async for chunk in turn:
+            async for chunk in self.sample(
+                session, prompt_ids, params, images=images, stream=False, routes_from=routes_from
+            ):
                 result = chunk
+            self.commit(session, prompt_ids, images, result, routes_from, turn=Turn(0, 0, 0, sampling=params))
             return result
 
     async def aclose(self) -> None:

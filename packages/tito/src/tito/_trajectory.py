@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import base64
 import io
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
 
-__all__ = ["Capture", "ImageSpan", "Segment", "Trajectory"]
+if TYPE_CHECKING:
+    from ._engines import Generation
+
+__all__ = ["Capture", "ImageSpan", "Segment", "Trajectory", "Turn"]
 
 
 class ImageSpan(msgspec.Struct, frozen=True):
@@ -70,9 +74,35 @@ def _encode_routes(routes: np.ndarray | None) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+class Turn(msgspec.Struct, omit_defaults=True):
+    """One completed request of the session: where its sampled tokens sit, and how they were sampled.
+
+    `sampling`: the parameters the engine sampled with; `asked`: those the client asked for that differ
+    (a trainer's fixed sampling overrides them). `fields`: request fields that do not change the tokens
+    (metadata, cache hints, ...), as received; `notes`: what tito did with fields it mapped or could not
+    apply (thinking to the template's switch, say). `tool_parse_failures`: tool calls in the reply that
+    did not parse (they stay in the reply's text)."""
+
+    segment: int  # index into `Trajectory.segments`
+    start: int  # where the turn's sampled tokens start in that segment
+    num_sampled: int
+    route: str = ""  # "chat.completions" | "messages" | "responses"; "" for the token-level Env form
+    sampling: dict[str, Any] = msgspec.field(default_factory=dict)
+    asked: dict[str, Any] = msgspec.field(default_factory=dict)
+    finish_reason: str | None = None
+    fields: dict[str, Any] = msgspec.field(default_factory=dict)
+    notes: list[str] = msgspec.field(default_factory=list)
+    tool_parse_failures: int = 0
+
+
 class Trajectory(msgspec.Struct):
+    """A session's capture: its segments, and one `Turn` per completed request. `tool_parse_failures`
+    counts, over all turns, tool calls the model wrote that did not parse."""
+
     session_id: str
     segments: list[Segment]
+    turns: list[Turn] = msgspec.field(default_factory=list)
+    tool_parse_failures: int = 0
 
 
 class Capture:
@@ -85,6 +115,7 @@ class Capture:
         self._turn_start = -1  # where the last turn's prompt ended in the current segment
         self._turn_prompt: tuple[list[int], list[ImageSpan]] | None = None
         self.replies: list[list[int]] = []  # each turn's sampled ids as appended; a retried turn's removed
+        self.turns: list[Turn] = []  # one per entry of `replies`
 
     @property
     def tokens(self) -> list[int]:
@@ -102,6 +133,34 @@ class Capture:
         routes = self._routes[-1]
         return 0 if routes is None else len(routes)
 
+    def routes_known_after(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> int:
+        """`routes_known` as it will be once `prompt_ids` is placed (`begin_turn`), without placing it."""
+        if (prompt_ids, list(images)) == self._turn_prompt:
+            return min(self.routes_known, self._turn_start)
+        return self.routes_known if self._extends(self.segments[-1], prompt_ids, images) else 0
+
+    def commit_turn(
+        self,
+        prompt_ids: list[int],
+        images: list[ImageSpan],
+        sampled: Generation,
+        *,
+        routes_from: int = 0,
+        turn: Turn | None = None,
+    ) -> None:
+        """A completed turn, placed in one step: its prompt (`begin_turn`), then what the engine sampled.
+        Nothing enters the capture before the turn completes, so a turn that fails leaves no trace."""
+        self.begin_turn(prompt_ids, images)
+        self.add_sampled(
+            sampled.token_ids, sampled.logprobs, sampled.versions,
+            routed_experts=sampled.routed_experts, routes_from=routes_from,
+        )  # fmt: skip
+        if turn is not None:
+            self.turns[-1] = msgspec.structs.replace(
+                turn, segment=self.turns[-1].segment, start=self.turns[-1].start,
+                num_sampled=len(sampled.token_ids), finish_reason=sampled.finish_reason,
+            )  # fmt: skip
+
     def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> None:
         """Make the current segment equal `prompt_ids` with `images` (all of the prompt's, in order),
         appending, rolling back or sealing as needed.
@@ -117,6 +176,7 @@ class Capture:
         if (prompt_ids, list(images)) == self._turn_prompt:
             if len(segment.token_ids) > self._turn_start:  # the retried turn got a reply
                 self.replies.pop()
+                self.turns.pop()
             self._truncate(self._turn_start)
         elif not self._extends(segment, prompt_ids, images):
             self.segments.append(segment := Segment())
@@ -156,6 +216,7 @@ class Capture:
             )
         segment = self.segments[-1]
         self.replies.append(list(token_ids))
+        self.turns.append(Turn(len(self.segments) - 1, len(segment.token_ids), len(token_ids)))
         segment.token_ids += token_ids
         segment.loss_mask += [1] * len(token_ids)
         segment.logprobs += logprobs
@@ -200,4 +261,7 @@ class Capture:
             for s, routes in zip(self.segments, self._routes, strict=True)
             if s.token_ids
         ]
-        return Trajectory(self.session_id, segments)
+        offset = 0 if self.segments[0].token_ids else 1  # only the first segment can be empty
+        turns = [msgspec.structs.replace(turn, segment=turn.segment - offset) for turn in self.turns]
+        failures = sum(turn.tool_parse_failures for turn in turns)
+        return Trajectory(self.session_id, segments, turns, failures)

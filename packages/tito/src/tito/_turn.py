@@ -1,13 +1,17 @@
-"""One chat turn, from messages to sampled text, shared by the OpenAI and Anthropic routes."""
+"""One chat turn, from messages to sampled text, shared by the chat, Responses and messages routes."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from ._chat import ParsedReply, Prompt, parse_reply
+import msgspec
+
+from ._chat import ParsedReply, Prompt
 from ._engines import Generation
-from ._protocol import ProtocolError, TextStream
+from ._fields import check_constraints
+from ._protocol import Asked, ProtocolError, TextStream
 from ._service import Session, Tito
+from ._trajectory import Turn
 
 __all__ = ["ChatTurn"]
 
@@ -29,32 +33,68 @@ class ChatTurn:
         stops: list[str] | None,
         parse_tools: bool,
         id_prefix: str,
+        route: str,
     ) -> None:
-        self.tito, self.session = tito, session
+        self.tito, self.session, self.route = tito, session, route
         self.messages, self.tools = messages, tools
         self.parse_tools, self.id_prefix = parse_tools, id_prefix
-        self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools)
+        hold_all = parse_tools and tito.tool_calls.family != "hermes"
+        self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools, hold_all=hold_all)
         self.generation = Generation()
         self.parsed = ParsedReply("", [])
         self.prompt = Prompt([])
         self._chunks: AsyncIterator[Generation] | None = None
         self._first: Generation | None = None
+        self._routes_from = 0
+        self.committed = False
+        self._switches_used: dict = {}
+        self.record = Turn(0, 0, 0)
 
-    async def start(self, sampling: dict, *, stream: bool) -> None:
+    async def start(self, asked: Asked, *, stream: bool) -> None:
         if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
             raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
+        check_constraints(bool(self.tito.fixed_sampling), asked.constraints)
+        family = self.tito.tool_calls.family
+        forced = [c for c in asked.constraints if c.startswith("tool_choice")]
+        if forced and family != "hermes":
+            raise ProtocolError(
+                400, f"{forced[0]}: forced tool calls are constrained in the Hermes form only, and this "
+                f"model's template writes {family} tool calls; use tool_choice auto", param="tool_choice",
+            )  # fmt: skip
+        switches, notes = self._switches(asked)
         try:
             capture = self.session.capture
             self.prompt = self.session.chat.prompt(
-                self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images
+                self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images, switches
             )
-            params = await self.tito.sampling(self.session, len(self.prompt.token_ids), **sampling)
+            params = await self.tito.sampling(self.session, len(self.prompt.token_ids), **asked.sampling)
         except ValueError as error:
             raise ProtocolError(400, str(error)) from error
-        self._chunks = self.tito.stream_turn(
-            self.session, self.prompt.token_ids, params, images=self.prompt.images, stream=stream
+        self._switches_used = switches
+        differs = {k: v for k, v in asked.sampling.items() if v is not None and params.get(k) != v}
+        self.record = Turn(
+            0, 0, 0, self.route, params, differs, fields=asked.fields, notes=[*asked.notes, *notes]
         )
+        self._routes_from = capture.routes_known_after(self.prompt.token_ids, self.prompt.images)
+        self._chunks = self.tito.sample(
+            self.session, self.prompt.token_ids, params, images=self.prompt.images, stream=stream,
+            routes_from=self._routes_from,
+        )  # fmt: skip
         self._first = await anext(self._chunks, None)
+
+    def _switches(self, asked: Asked) -> tuple[dict, list[str]]:
+        """The chat template's switches for this request, and notes on what was mapped how."""
+        renderer, notes, switches = self.tito.renderer, [], {}
+        if asked.thinking is not None:
+            if renderer.thinking_switch:
+                switches[renderer.thinking_switch] = asked.thinking
+                notes.append(f"{asked.thinking_field}: {renderer.thinking_switch}={asked.thinking}")
+            else:
+                notes.append(f"{asked.thinking_field}: the chat template has no thinking switch; not applied")
+        roles = [message["role"] for message in self.messages]
+        if "system" in roles[1:] and not renderer.system_in_place:
+            notes.append("a system message among the turns was merged into the first system message")
+        return switches, notes
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text that may be shown as it arrives; `parsed` holds the whole reply once this ends."""
@@ -65,7 +105,12 @@ class ChatTurn:
                 yield delta
             chunk = await anext(self._chunks, None)
         text = self.text.finish(self.generation.stop_reason)
-        self.parsed = parse_reply(text, parse_tools=self.parse_tools, id_prefix=self.id_prefix)
+        if self.parse_tools:
+            self.parsed = self.tito.tool_calls.parse(
+                text, self.generation.token_ids, self.tools, self.id_prefix
+            )
+        else:
+            self.parsed = ParsedReply(text, [])
         # Content held back while it could have been a stop string or a tool call.
         if rest := self.parsed.content[self.text.sent :]:
             yield rest
@@ -75,10 +120,20 @@ class ChatTurn:
             pass
         return self.parsed
 
-    def remember(self, reply_message: dict) -> None:
-        """Record the assistant message the client received, so its next request can continue."""
+    def commit(self, reply_message: dict) -> None:
+        """The turn completed and the client has its reply: capture it, and record the assistant message
+        the client received so that its next request can continue. One step, no await inside: a turn
+        that does not get here (engine error, timeout, client gone, cancelled) leaves no trace."""
+        record = msgspec.structs.replace(self.record, tool_parse_failures=self.parsed.failures)
+        self.tito.commit(
+            self.session, self.prompt.token_ids, self.prompt.images, self.generation, self._routes_from,
+            turn=record,
+        )  # fmt: skip
+        self.committed = True
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
-        self.session.chat.record(self.messages, self.tools, self.prompt, reply_message, closing)
+        self.session.chat.record(
+            self.messages, self.tools, self.prompt, reply_message, closing, self._switches_used
+        )
 
     @property
     def counts(self) -> tuple[int, int]:

@@ -1,0 +1,373 @@
+"""The OpenAI Responses API: the request schema, its translation to messages, replies and SSE events.
+
+Supported: `input` as a string or items (messages with input_text / output_text / input_image parts,
+`function_call`, `function_call_output`), `instructions` (the system message, not carried over to a
+later response, as OpenAI does), function `tools` and `tool_choice`, `max_output_tokens`, `temperature`,
+`top_p`, `text.format` (JSON through vLLM's structured outputs), `reasoning.effort` (the template's
+thinking switch), `previous_response_id` naming one of the session's own recent responses, and
+`stream` (response.created, output items, text and function-call argument deltas, response.completed
+with usage). Refused with a 400 naming the field: tools other than functions, input items of other
+types, and the fields `_fields.REFUSED` names. A turn is rendered and captured like a chat completion.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ._chat import ParsedReply, message_text, parse_arguments
+from ._fields import extra_fields
+from ._protocol import (
+    Asked,
+    ProtocolError,
+    check_json_schema,
+    check_tool_name,
+    forced_tool_call,
+    response_format_constraint,
+)
+
+__all__ = ["ResponsesRequest", "response_body", "stream_events", "to_messages"]
+
+NUM_REMEMBERED = 32  # a session's recent responses that `previous_response_id` may name
+
+
+class ResponsesRequest(BaseModel):
+    # Fields beyond these are kept (`model_extra`): `_fields.extra_fields` refuses or records them.
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for index, tool in enumerate(tools or ()):
+            if tool.get("type") != "function":
+                raise ValueError(
+                    f"tools[{index}].type {tool.get('type')!r}: only function tools are supported"
+                )
+            check_tool_name(str(tool.get("name")))
+            check_json_schema(tool.get("parameters"))
+        return tools
+
+    def chat_tools(self) -> list[dict] | None:
+        """The tools in the chat-completions form the template renders."""
+        return [
+            {
+                "type": "function",
+                "function": {
+                    key: tool[key]
+                    for key in ("name", "description", "parameters")
+                    if tool.get(key) is not None
+                },
+            }
+            for tool in self.tools or ()
+        ] or None
+
+    def asked(self, tools: list[dict] | None) -> Asked:
+        """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
+        fields, notes = extra_fields("responses", self.model_extra)
+        choice, constraints, forced = self.tool_choice, [], None
+        if tools and (choice == "required" or isinstance(choice, dict)):
+            if isinstance(choice, dict) and choice.get("type") != "function":
+                raise ProtocolError(400, f"tool_choice {choice!r}: only function tools", param="tool_choice")
+            forced = forced_tool_call(tools, choice.get("name") if isinstance(choice, dict) else None)
+            constraints.append(f"tool_choice {choice!r}")
+        text = dict(self.text or {})
+        structured = response_format_constraint(text.pop("format", None), "text.format")
+        if structured is not None:
+            constraints.append("text.format")
+        if forced and structured:
+            raise ProtocolError(400, "tool_choice and text.format both constrain the reply: send one")
+        if text:
+            fields["text"] = text
+        effort = (self.reasoning or {}).get("effort")
+        thinking = None if effort is None else effort not in ("none", "minimal")
+        if self.reasoning:
+            fields["reasoning"] = self.reasoning
+        sampling = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "max_tokens": self.max_output_tokens,
+            "structured_outputs": forced or structured,
+        }
+        return Asked(sampling, constraints, fields, notes, thinking, f"reasoning.effort {effort!r}")
+
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class History:
+    """A session's recent responses: each one's conversation (input and output, without instructions)."""
+
+    def __init__(self) -> None:
+        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+
+    def get(self, response_id: str | None) -> list[dict]:
+        if response_id is None:
+            return []
+        if response_id not in self._conversations:
+            raise ProtocolError(
+                400,
+                f"previous_response_id {response_id!r} is not one of this session's last {NUM_REMEMBERED} "
+                "responses: send the conversation as input instead",
+                param="previous_response_id",
+            )
+        return self._conversations[response_id]
+
+    def add(self, response_id: str, conversation: list[dict]) -> None:
+        self._conversations[response_id] = conversation
+        while len(self._conversations) > NUM_REMEMBERED:
+            self._conversations.popitem(last=False)
+
+
+def to_messages(request: ResponsesRequest, history: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(messages for the template, the conversation to remember): the earlier response's conversation,
+    then this input; `instructions` lead the first only."""
+    items = [{"role": "user", "content": request.input}] if isinstance(request.input, str) else request.input
+    conversation = list(history)
+    for index, item in enumerate(items):
+        _add_item(conversation, item, f"input[{index}]")
+    _check_order(conversation)
+    system = [{"role": "system", "content": request.instructions}] if request.instructions else []
+    return system + conversation, conversation
+
+
+def _add_item(conversation: list[dict], item: dict, where: str) -> None:
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ("user", "assistant", "system", "developer"):
+            raise ProtocolError(
+                400, f"{where}.role {role!r}: user, assistant, system or developer", param=where
+            )
+        content = _content(item.get("content"), where)
+        conversation.append({"role": "system" if role == "developer" else role, "content": content})
+    elif kind == "function_call":
+        call = {
+            "type": "function",
+            "id": item.get("call_id"),
+            "function": {"name": item.get("name"), "arguments": parse_arguments(item.get("arguments", "{}"))},
+        }
+        last = conversation[-1] if conversation else None
+        if last is not None and last["role"] == "assistant":  # a copy: `history` stays as it was
+            conversation[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}
+        else:
+            conversation.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        text = output if isinstance(output, str) else message_text(_content(output, where))
+        conversation.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+    else:
+        raise ProtocolError(
+            400,
+            f"{where}.type {kind!r}: input items are messages, function_call and function_call_output",
+            param=where,
+        )
+
+
+def _content(content: Any, where: str) -> str | list[dict]:
+    if isinstance(content, str) or content is None:
+        return content or ""
+    parts = []
+    for index, part in enumerate(content):
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text", "")})
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise ProtocolError(
+                400, f"{where}.content[{index}].type {kind!r}: text and input_image parts only", param=where
+            )
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return message_text(parts)
+
+
+def _check_order(conversation: list[dict]) -> None:
+    for position, message in enumerate(conversation):
+        if message["role"] == "tool":
+            previous = conversation[position - 1] if position else {}
+            if not (previous.get("role") == "tool" or previous.get("tool_calls")):
+                raise ProtocolError(
+                    400, "a function_call_output must follow its function_call", param="input"
+                )
+    if not conversation or conversation[-1]["role"] not in ("user", "tool"):
+        raise ProtocolError(
+            400, "input must end with a user message or a function_call_output", param="input"
+        )
+
+
+def reply_message(parsed: ParsedReply) -> dict:
+    """The assistant turn as tito remembers it, in the internal form."""
+    calls = [
+        {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in parsed.tool_calls
+    ]
+    return {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
+
+
+def output_items(parsed: ParsedReply, message_id: str) -> list[dict]:
+    items = []
+    if parsed.content:
+        text = {"type": "output_text", "text": parsed.content, "annotations": [], "logprobs": []}
+        items.append(
+            {
+                "type": "message",
+                "id": message_id,
+                "status": "completed",
+                "role": "assistant",
+                "content": [text],
+            }
+        )
+    for call in parsed.tool_calls:
+        items.append(
+            {
+                "type": "function_call",
+                "id": "fc_" + call["id"].removeprefix("call_"),
+                "call_id": call["id"],
+                "name": call["name"],
+                "arguments": json.dumps(call["arguments"]),
+                "status": "completed",
+            }
+        )
+    return items
+
+
+def response_body(
+    request: ResponsesRequest, response_id: str, model: str, output: list[dict], finish: str | None,
+    counts: tuple[int, int] | None,
+) -> dict:  # fmt: skip
+    """The Response object (`counts` None: still in progress)."""
+    status = "in_progress" if counts is None else ("incomplete" if finish == "length" else "completed")
+    usage = None
+    if counts is not None:
+        usage = {
+            "input_tokens": counts[0],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": counts[1],
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": counts[0] + counts[1],
+        }
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": request.instructions,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": bool((request.model_extra or {}).get("parallel_tool_calls", True)),
+        "previous_response_id": request.previous_response_id,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "max_output_tokens": request.max_output_tokens,
+        "tool_choice": request.tool_choice or "auto",
+        "tools": request.tools or [],
+        "text": request.text or {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": (request.model_extra or {}).get("metadata") or {},
+        "usage": usage,
+    }
+
+
+def encode(body: dict) -> Response:
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+class _Events:
+    """SSE events of one streamed response, numbered in order."""
+
+    def __init__(self) -> None:
+        self.number = 0
+
+    def __call__(self, kind: str, **data) -> str:
+        body = {"type": kind, "sequence_number": self.number, **data}
+        self.number += 1
+        return f"event: {kind}\ndata: {msgspec.json.encode(body).decode()}\n\n"
+
+
+async def stream_events(
+    turn, request: ResponsesRequest, response_id: str, model: str, on_done
+) -> AsyncIterator[str]:
+    """The Responses event sequence for one turn; `on_done(parsed)` runs after the last event was sent
+    (it commits the turn)."""
+    event = _Events()
+    yield event("response.created", response=response_body(request, response_id, model, [], None, None))
+    yield event("response.in_progress", response=response_body(request, response_id, model, [], None, None))
+    message_id, text, index = "msg_" + secrets.token_hex(12), "", 0
+    async for delta in turn.deltas():
+        if not text:
+            item = {
+                "type": "message",
+                "id": message_id,
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            yield event("response.output_item.added", output_index=0, item=item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield event(
+                "response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part
+            )
+        text += delta
+        yield event(
+            "response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=delta,
+            logprobs=[],
+        )  # fmt: skip
+    items = output_items(turn.parsed, message_id)
+    if text:
+        (part,) = items[0]["content"]
+        yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
+                    text=part["text"], logprobs=[])  # fmt: skip
+        yield event(
+            "response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part
+        )
+        yield event("response.output_item.done", output_index=0, item=items[0])
+        index = 1
+    for position, item in enumerate(items[index:], start=index):
+        start = {**item, "arguments": "", "status": "in_progress"}
+        yield event("response.output_item.added", output_index=position, item=start)
+        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=position,
+                    delta=item["arguments"])  # fmt: skip
+        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=position,
+                    name=item["name"], arguments=item["arguments"])  # fmt: skip
+        yield event("response.output_item.done", output_index=position, item=item)
+    body = response_body(request, response_id, model, items, turn.generation.finish_reason, turn.counts)
+    yield event(
+        "response.completed" if body["status"] == "completed" else "response.incomplete", response=body
+    )
+    on_done(turn.parsed)
+
+
+def error_event(message: str) -> str:
+    """A stream's error, as the OpenAI SDK reads a Responses stream's `error` event."""
+    body = {
+        "type": "error",
+        "code": "engine_unavailable",
+        "message": message,
+        "param": None,
+        "sequence_number": 0,
+    }
+    return f"event: error\ndata: {msgspec.json.encode(body).decode()}\n\n"

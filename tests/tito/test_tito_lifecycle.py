@@ -1,0 +1,96 @@
+"""A standalone server's sessions: idle expiry, a cap on live sessions, the body limit for chunked bodies,
+and the served model name read from the engine (fake engine)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import msgspec
+import pytest
+import typer
+from conftest import LiveServer
+
+import tito._server
+from tito import Tito, Trajectory, create_app
+from tito._cli import engine_model_name
+
+pytestmark = pytest.mark.anyio
+BODY = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def tito_over(fake_engine, tiny_model_dir, **options) -> Tito:
+    transport = httpx.ASGITransport(app=fake_engine.app)
+    return Tito(
+        ["http://engine"], tiny_model_dir, served_model_name="tiny", engine_transport=transport, **options
+    )
+
+
+def client_of(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tito")
+
+
+async def test_an_idle_session_expires_is_dumped_and_says_so_afterwards(
+    fake_engine, tiny_model_dir, tmp_path
+):
+    served = tito_over(fake_engine, tiny_model_dir, idle_timeout=60.0, dump=tmp_path / "dump.jsonl")
+    client = client_of(create_app(served))
+    idle, busy = [(await client.post("/sessions")).json() for _ in range(2)]
+    assert (await client.post(f"/s/{idle['id']}/v1/chat/completions", json=BODY)).status_code == 200
+    async with served.sessions[busy["id"]].lock:  # a session in a request is never expired
+        assert served.expire_idle(now=time.monotonic() + 30) == []
+        assert served.expire_idle(now=time.monotonic() + 61) == [idle["id"]]
+    (line,) = (tmp_path / "dump.jsonl").read_bytes().splitlines()
+    assert msgspec.json.decode(line, type=Trajectory).session_id == idle["id"]
+    for _ in range(2):  # every later request hears why
+        late = await client.post(f"/s/{idle['id']}/v1/chat/completions", json=BODY)
+        assert late.status_code == 404 and "expired after 60 s" in late.json()["error"]["message"]
+    assert busy["id"] in served.sessions
+
+
+def test_the_server_expires_idle_sessions_by_itself(fake_engine, tiny_model_dir):
+    served = tito_over(fake_engine, tiny_model_dir, idle_timeout=0.3)
+    with LiveServer(create_app(served)) as server:
+        session = httpx.post(f"{server.url}/sessions").json()
+        deadline = time.monotonic() + 10
+        while session["id"] in served.sessions:
+            assert time.monotonic() < deadline, "the idle session was never expired"
+            time.sleep(0.1)
+        assert "expired" in httpx.get(f"{server.url}/sessions/{session['id']}/trajectory").text
+
+
+async def test_a_cap_on_live_sessions_answers_429(fake_engine, tiny_model_dir):
+    served = tito_over(fake_engine, tiny_model_dir, max_sessions=2)
+    client = client_of(create_app(served))
+    first, _ = (await client.post("/sessions")).json(), await client.post("/sessions")
+    refused = await client.post("/sessions")
+    assert refused.status_code == 429 and "DELETE /sessions" in refused.json()["error"]["message"]
+    await client.delete(f"/sessions/{first['id']}")
+    assert (await client.post("/sessions")).status_code == 200
+
+
+async def test_the_body_limit_holds_for_a_chunked_body(client, monkeypatch):
+    monkeypatch.setattr(tito._server, "MAX_BODY_BYTES", 1000)
+    session = (await client.post("/sessions")).json()
+
+    async def chunks():  # no Content-Length: the body arrives in pieces
+        for _ in range(10):
+            yield b" " * 500
+
+    for path in ("chat/completions", "messages"):
+        reply = await client.post(f"/s/{session['id']}/v1/{path}", content=chunks())
+        assert reply.status_code == 413, reply.text
+        assert "1000 bytes" in reply.text
+    assert reply.json()["type"] == "error"  # Anthropic's error shape under /v1/messages
+
+
+def test_the_served_model_name_defaults_to_the_engines(fake_engine):
+    with LiveServer(fake_engine.app) as engine:
+        assert engine_model_name(engine.url) == "fake"
+    with pytest.raises(typer.BadParameter, match="--served-model-name"):
+        engine_model_name("http://127.0.0.1:1")
