@@ -70,7 +70,8 @@ def max_logprob_error(url: str, model: torch.nn.Module, *, max_tokens: int = 24,
 
 
 def fsdp_refit_rank(rank: int, world_size: int, port: int, model_dir: str, url: str, out: dict) -> None:
-    """One FSDP2 trainer rank (gloo, CPU): shard the model, check the gather, refit the engine."""
+    """One FSDP2 trainer rank (gloo, CPU): shard the model, check the gather, refit the engine with one
+    byte of bucket 1 corrupted on rank 0's wire (the retry gathers again on every rank)."""
     import os
 
     import torch.distributed as dist
@@ -92,8 +93,13 @@ def fsdp_refit_rank(rank: int, world_size: int, port: int, model_dir: str, url: 
         assert all(type(p).__name__ == "DTensor" for p in model.parameters())
         for name, full in params:  # every rank gathers; each gets the unsharded values
             assert torch.equal(full, reference[name]), name
-        stats = refit.update_weights([refit.Engine(url)], params, version="fsdp", bucket_bytes=64 << 10)
-        out[rank] = None if stats is None else stats.num_buckets
+        import pytest
+
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            if rank == 0:
+                CorruptWire(monkeypatch, bucket=1, times=1)
+            stats = refit.update_weights([refit.Engine(url)], params, version="fsdp", bucket_bytes=64 << 10)
+        out[rank] = None if stats is None else (stats.num_buckets, stats.verify_failed)
     finally:
         dist.destroy_process_group()
 
