@@ -85,3 +85,42 @@ def test_delta_refits_send_what_changed_and_leave_the_engine_with_the_trainers_b
         else:
             assert stats.verify_failed == () and stats.bytes_sent < stats.num_bytes / 4
     assert fake.state()["version"] == "4"
+
+
+class _FailingParams(refit.FullParams):
+    """The trainer's parameter stream, failing after `after` parameters (a rank lost mid-gather)."""
+
+    def __init__(self, module, after: int, dtype) -> None:
+        super().__init__(module, dtype=dtype)
+        self.after = after
+
+    def __iter__(self):
+        for i, item in enumerate(super().__iter__()):
+            if i == self.after:
+                raise RuntimeError("trainer lost a rank")
+            yield item
+
+
+def test_a_delta_refit_the_trainer_aborts_keeps_the_engines_bytes_and_the_next_one_goes_whole(
+    fake_engine_factory, tiny_model_dir, tmp_path
+):
+    fake = fake_engine_factory(tiny_model_dir)
+    engine = refit.Engine(fake.url, timeout_s=60)
+    model = weight_set(tmp_path, 6)
+    _refit(engine, model, "one", delta=True, dtype=torch.bfloat16)
+    broken = nudged(model, fraction=0.01, seed=1)
+    with pytest.raises(refit.RefitError, match="phase 'transfer'.*trainer lost a rank"):
+        params = _FailingParams(broken, after=12, dtype=torch.bfloat16)
+        refit.update_weights([engine], params, version="x", bucket_bytes=SMALL_BUCKETS, delta=True)
+    state = fake.state()
+    assert state["version"] == "one" and state["paused"]
+    assert state["sums"] == pytest.approx(_sums(model, torch.bfloat16), rel=1e-12, abs=0)
+    # The engine failed that refit and the trainer's copy is half rewritten: the next refit goes whole.
+    model = nudged(model, fraction=0.01, seed=2)
+    stats = _refit(engine, model, "two", delta=True, dtype=torch.bfloat16)
+    assert stats.bytes_sent == stats.num_bytes and stats.verify_failed == ()
+    assert fake.state()["sums"] == pytest.approx(_sums(model, torch.bfloat16), rel=1e-12, abs=0)
+    model = nudged(model, fraction=0.01, seed=3)
+    stats = _refit(engine, model, "three", delta=True, dtype=torch.bfloat16)
+    assert stats.bytes_sent < stats.num_bytes / 4  # and deltas resume from there
+    assert fake.state()["sums"] == pytest.approx(_sums(model, torch.bfloat16), rel=1e-12, abs=0)
