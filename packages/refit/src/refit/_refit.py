@@ -41,7 +41,7 @@ from refit._transport import checksum
 __all__ = ["update_weights", "RefitError", "RefitStats", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-PAST_START = ("start", "transfer", "verify", "finish", "reset_prefix_cache", "resume")
+PAST_START = ("start", "transfer", "retry_start", "verify", "finish", "reset_prefix_cache", "resume")
 
 
 class RefitError(RuntimeError):
