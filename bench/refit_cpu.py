@@ -4,9 +4,11 @@ Starts one vLLM CPU server (refit_gloo backend) on a seeded tiny Qwen3 of the gi
 `--rounds` times with alternating weight sets, and prints the median seconds of each phase: pause,
 start (engine: initialise layerwise reload), transfer (trainer wall clock; on the engine, the wall
 clock from posting its receives to the last bucket, loads included, and the loads' own sum), finish
-(finalise reload), prefix-cache reset, resume. Between refits it broadcasts one buffer of the same
-byte count over a plain two-process gloo group, into a reused buffer and into fresh memory (round by
-round, so both sides of the ratio see the same load): the floor for the transfer on this machine.
+(finalise reload), prefix-cache reset, resume; and the cost of verifying every refit (the trainer's
+CRC-32 of each packed bucket, the engine's check of it before the load). Between refits it broadcasts
+one buffer of the same byte count over a plain two-process gloo group, into a reused buffer and into
+fresh memory (round by round, so both sides of the ratio see the same load): the floor for the
+transfer on this machine.
 Usage:
 
     uv run --no-sync python bench/refit_cpu.py --hidden 512 --layers 8 --bucket-mb 64
@@ -141,13 +143,13 @@ def main() -> None:
             stats = refit.update_weights(
                 [engine], refit.full_params(models[round_ % 2]), version=round_, bucket_bytes=bucket_bytes
             )
-            seconds = dict(stats.seconds, engine_recv=math.nan, engine_load=math.nan)
+            seconds = dict(stats.seconds, engine_recv=math.nan, engine_load=math.nan, engine_verify=math.nan)
             if args.engine == "vllm":
                 worker = engine.worker_timings()[0]
                 seconds.update(engine_recv=worker["recv_s"], engine_load=worker["load_s"])
-            seconds["total"] = sum(
-                v for k, v in stats.seconds.items() if k not in ("check", "connect", "gather_pack", "send")
-            )
+                seconds["engine_verify"] = worker["verify_s"]
+            inside = ("check", "connect", "gather_pack", "checksum", "send")  # parts of other phases
+            seconds["total"] = sum(v for k, v in stats.seconds.items() if k not in inside)
             seconds.update({name: raw_broadcast.once() for name, raw_broadcast in raws.items()})
             for name, value in seconds.items():
                 rows.setdefault(name, []).append(value)
@@ -163,8 +165,9 @@ def main() -> None:
     labels = {
         "check": "check names/shapes (HTTP)", "pause": "pause (mode=keep)", "start": "start (init reload)",
         "transfer": "transfer (trainer wall)", "send": "  trainer: gather+pack+bcast",
-        "gather_pack": "    of which gather + pack",
+        "gather_pack": "    of which gather + pack", "checksum": "    of which CRC-32 (verify)",
         "engine_recv": "  engine: receive+load wall", "engine_load": "  engine: load_weights (sum)",
+        "engine_verify": "  engine: CRC-32 check (sum)",
         "finish": "finish (finalize reload)", "reset_prefix_cache": "reset prefix cache", "resume": "resume",
         "total": "total (pause..resume)",
     }  # fmt: skip

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,22 @@ class FakeEngine:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+
+
+@pytest.fixture
+def pipe():
+    """(trainer channel, engine group) of one two-rank gloo group over loopback, both ends in this process."""
+    from refit._transport import GlooChannel, host_store, join_gloo_group
+
+    store = host_store("127.0.0.1", 30)
+    box = {}
+    engine = threading.Thread(
+        target=lambda: box.update(group=join_gloo_group("127.0.0.1", store.port, 1, 2, 30))
+    )
+    engine.start()
+    trainer = join_gloo_group("127.0.0.1", store.port, 0, 2, 30, store=store)
+    engine.join()
+    yield GlooChannel(trainer), box["group"]
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 It exists so a test can have a second engine (this machine runs one real vLLM server at a time) and
 kill it mid-refit. It speaks the same HTTP endpoints and the same refit_gloo wire protocol (header,
-then bucket, planned by refit._buckets, received by refit._transport) as refit.vllm_worker, and
-stores what it receives.
+then bucket, planned by refit._buckets, received and checked by refit._transport; or a delta stream,
+refit._delta) as refit.vllm_worker, and stores what it receives once the whole stream has arrived.
 Run: python fake_engine.py MODEL_DIR PORT
 """
 
@@ -19,9 +19,11 @@ from urllib.parse import urlparse
 from safetensors import safe_open
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
-from refit._transport import Incoming, ReceiveBuffers, join_gloo_group
+from refit._delta import DeltaIncoming, bucket_unit
+from refit._transport import Incoming, ReceiveBuffers, VerifyError, join_gloo_group
 
-STATE = {"version": "0", "paused": False, "group": None, "weights": {}}
+STATE = {"version": "0", "paused": False, "group": None, "weights": {}, "pending_token": None}
+VERIFY = {"checked": 0, "failed": None, "error": ""}
 BUFFERS = ReceiveBuffers()  # kept between refits, as the vLLM worker keeps its own
 LOCK = threading.Lock()
 
@@ -41,11 +43,27 @@ def receive(info: dict) -> None:
         ParamSpec.from_json(i) for i in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)
     ]
     plan = plan_buckets(specs, info["bucket_bytes"])
-    incoming = Incoming(STATE["group"], BUFFERS.carve([bucket_nbytes(specs, bucket) for bucket in plan]))
+    buffers = BUFFERS.carve([bucket_nbytes(specs, bucket) for bucket in plan])
+    base_ok = info["delta_base"] is not None and BUFFERS.token == info["delta_base"]
+    BUFFERS.token = STATE["pending_token"] = None
+    VERIFY.update(checked=0, failed=None, error="")
+    if info["delta_base"] is None:
+        incoming = Incoming(STATE["group"], buffers)
+    else:
+        units = [bucket_unit([specs[i] for i in bucket]) for bucket in plan]
+        incoming = DeltaIncoming(STATE["group"], buffers, units, base_ok)
+    payloads = []
     try:  # every bucket first, then the copies: nothing here competes with the wire for the cores
-        payloads = [incoming.wait(index) for index in range(len(plan))]
+        for index in range(len(plan)):
+            try:
+                payloads.append(incoming.wait(index))
+            except VerifyError as error:
+                VERIFY.update(failed=index, error=str(error))
+                raise
+            VERIFY["checked"] = index + 1
     finally:
         incoming.drain()
+    STATE["pending_token"] = info["token"]
     for payload, bucket in zip(payloads, plan, strict=True):
         for name, tensor in unpack_bucket(payload, [specs[i] for i in bucket]):
             STATE["weights"][name] = tensor.clone()
@@ -86,7 +104,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_post(self, path: str, body: dict) -> dict:
         if path == "/collective_rpc":
-            return {"results": [checkpoint_specs(MODEL_DIR)]}
+            answers = {
+                "refit_checkpoint_specs": lambda: checkpoint_specs(MODEL_DIR),
+                "refit_last_verify": VERIFY.copy,
+            }
+            return {"results": [answers[body["method"]]()]}
         if path == "/init_weight_transfer_engine":
             info = body["init_info"]
             STATE["group"] = join_gloo_group(
@@ -96,6 +118,7 @@ class Handler(BaseHTTPRequestHandler):
             receive(body["update_info"])
         elif path == "/finish_weight_update":
             STATE["version"] = body["weight_version"]
+            BUFFERS.token, STATE["pending_token"] = STATE["pending_token"], None
         elif path in ("/pause", "/resume"):
             STATE["paused"] = path == "/pause"
         elif path == "/reset_prefix_cache":

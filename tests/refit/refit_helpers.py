@@ -70,7 +70,8 @@ def max_logprob_error(url: str, model: torch.nn.Module, *, max_tokens: int = 24,
 
 
 def fsdp_refit_rank(rank: int, world_size: int, port: int, model_dir: str, url: str, out: dict) -> None:
-    """One FSDP2 trainer rank (gloo, CPU): shard the model, check the gather, refit the engine."""
+    """One FSDP2 trainer rank (gloo, CPU): shard the model, check the gather, refit the engine with one
+    byte of bucket 1 corrupted on rank 0's wire (the retry gathers again on every rank)."""
     import os
 
     import torch.distributed as dist
@@ -92,7 +93,61 @@ def fsdp_refit_rank(rank: int, world_size: int, port: int, model_dir: str, url: 
         assert all(type(p).__name__ == "DTensor" for p in model.parameters())
         for name, full in params:  # every rank gathers; each gets the unsharded values
             assert torch.equal(full, reference[name]), name
-        stats = refit.update_weights([refit.Engine(url)], params, version="fsdp", bucket_bytes=64 << 10)
-        out[rank] = None if stats is None else stats.num_buckets
+        import pytest
+
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            if rank == 0:
+                CorruptWire(monkeypatch, bucket=1, times=1)
+            stats = refit.update_weights([refit.Engine(url)], params, version="fsdp", bucket_bytes=64 << 10)
+        out[rank] = None if stats is None else (stats.num_buckets, stats.verify_failed)
     finally:
         dist.destroy_process_group()
+
+
+class CorruptWire:
+    """Test hook on the trainer's end of the wire: flips one byte of bucket `bucket`'s payload after the
+    trainer took its CRC (on the full stream, and on a delta stream), the first `times` times it goes out.
+    `hits` counts the corrupted sends. Install with `monkeypatch`; the trainer's own bytes stay intact."""
+
+    def __init__(self, monkeypatch, *, bucket: int = 1, times: int = 1) -> None:
+        from refit._transport import GlooChannel
+
+        self.hits, self.kept = 0, []
+        send, send_all = GlooChannel.send, GlooChannel.send_all
+
+        def corrupt(payload_N: torch.Tensor) -> torch.Tensor:
+            self.hits += 1
+            copy_N = payload_N.clone()
+            copy_N[copy_N.numel() // 2] ^= 0x40
+            self.kept.append(copy_N)  # alive until its asynchronous send completes
+            return copy_N
+
+        def corrupt_send(channel, index, payload_N, crc):
+            if index == bucket and self.hits < times:
+                payload_N = corrupt(payload_N)
+            return send(channel, index, payload_N, crc)
+
+        def corrupt_send_all(channel, payloads):
+            table_N3 = payloads[0]  # a delta stream: the table, then the payloads that travel
+            travelling = [i for i, (_, num_bytes, _) in enumerate(table_N3.tolist()) if num_bytes]
+            if bucket in travelling and self.hits < times:
+                payloads = list(payloads)
+                at = 1 + travelling.index(bucket)
+                payloads[at] = corrupt(payloads[at])
+            return send_all(channel, payloads)
+
+        monkeypatch.setattr(GlooChannel, "send", corrupt_send)
+        monkeypatch.setattr(GlooChannel, "send_all", corrupt_send_all)
+
+
+def nudged(model: torch.nn.Module, *, fraction: float, seed: int) -> torch.nn.Module:
+    """A copy of `model` with about `fraction` of every parameter's elements moved (a sparse change)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in out.parameters():
+            where = torch.rand(param.shape, generator=gen) < fraction
+            param.add_(where * (0.01 + torch.rand(param.shape, generator=gen)))
+    return out

@@ -1,4 +1,5 @@
-"""Refit into a real vLLM CPU server (the refit_gloo backend): correctness, partial rollout, failures."""
+"""Refit into a real vLLM CPU server (the refit_gloo backend): correctness, partial rollout, failures,
+verification of every refit (a byte corrupted on the wire) and delta refit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import time
 import httpx
 import pytest
 import torch
-from refit_helpers import PROMPTS, generate, load_model, max_logprob_error, reference_logprobs, weight_set
+from refit_helpers import (
+    PROMPTS,
+    CorruptWire,
+    generate,
+    load_model,
+    max_logprob_error,
+    nudged,
+    reference_logprobs,
+    weight_set,
+)
 
 import refit
 
@@ -162,3 +172,62 @@ def test_engine_dying_mid_refit_is_named_and_the_others_are_updated(
     assert max_logprob_error(server.url, second) < TOL
     real.close()
     doomed.close()
+
+
+def test_a_byte_corrupted_on_the_wire_rolls_back_and_a_full_refit_recovers(
+    refit_servers, tiny_model_dir, tmp_path, monkeypatch
+):
+    server = refit_servers.serve(tiny_model_dir)
+    engine = refit.Engine(server.url)
+    before = weight_set(tmp_path, 61)
+    refit.update_weights([engine], refit.full_params(before), version="before", bucket_bytes=SMALL_BUCKETS)
+    # Both attempts corrupted: the engine refuses bucket 2, rolls back, stays paused on its old version.
+    CorruptWire(monkeypatch, bucket=2, times=2)
+    with pytest.raises(refit.RefitError, match="phase 'verify'.*bucket 2 .*CRC-32") as failure:
+        refit.update_weights(
+            [engine], refit.full_params(weight_set(tmp_path, 62)), version="x", bucket_bytes=SMALL_BUCKETS
+        )
+    assert failure.value.paused == [server.url]
+    assert engine.verify_report()[0]["failed"] == 2 and engine.verify_report()[0]["checked"] == 2
+    assert engine.is_paused() and engine.weight_version() == "before"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # alive, no meta layers
+    monkeypatch.undo()
+
+    # One corrupted send: the refit rolls back, retries in full by itself and serves the new weights.
+    wire = CorruptWire(monkeypatch, bucket=1, times=1)
+    after = weight_set(tmp_path, 63)
+    stats = refit.update_weights(
+        [engine], refit.full_params(after), version="after", bucket_bytes=SMALL_BUCKETS
+    )
+    assert wire.hits == 1 and stats.verify_failed == (server.url,)
+    assert engine.verify_report()[0] == {"checked": stats.num_buckets, "failed": None, "error": ""}
+    assert not engine.is_paused() and engine.weight_version() == "after"
+    assert max_logprob_error(server.url, after) < TOL
+    engine.close()
+
+
+def test_delta_refits_serve_exactly_the_trainers_weights_also_after_a_rollback(
+    refit_servers, tiny_model_dir, tmp_path, monkeypatch
+):
+    server = refit_servers.serve(tiny_model_dir)
+    engine = refit.Engine(server.url)
+    model = weight_set(tmp_path, 71)
+
+    def delta_refit(version):
+        params = refit.full_params(model)
+        return refit.update_weights([engine], params, version=version, bucket_bytes=SMALL_BUCKETS, delta=True)
+
+    first = delta_refit("d0")
+    assert first.bytes_sent == first.num_bytes  # no base yet: every bucket whole
+    for step in range(1, 5):
+        model = nudged(model, fraction=0.02, seed=70 + step)  # 2% of each parameter's elements move
+        wire = CorruptWire(monkeypatch, bucket=1, times=1) if step == 2 else None
+        stats = delta_refit(f"d{step}")
+        if wire is not None:  # a flipped byte in a patch: rolled back, retried in full
+            assert wire.hits == 1 and stats.verify_failed == (server.url,)
+            monkeypatch.undo()
+        else:  # fp32 elements: an int32 index and a value per changed one
+            assert stats.verify_failed == () and stats.bytes_sent < stats.num_bytes / 10
+        assert engine.weight_version() == f"d{step}" and not engine.is_paused()
+        assert max_logprob_error(server.url, model) < TOL
+    engine.close()

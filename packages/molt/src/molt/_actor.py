@@ -366,13 +366,16 @@ class PolicyWorker:
         try:
             # In the dtype the trainer computes in, which its engines run (molt._sharding.compute_dtype).
             params = refit.full_params(self.model, dtype=compute_dtype(self.config))
-            stats = refit.update_weights(engines, params, version=version)
+            stats = refit.update_weights(engines, params, version=version, delta=self.config.refit.delta)
         except refit.RefitError as error:  # rank 0 only: the others have joined every gather
             for url in error.failures:
                 self.engines.pop(url, None)
             failed = {url: f"{phase}: {type(e).__name__}: {e}" for url, (phase, e) in error.failures.items()}
             return {"failed": failed}
-        return None if stats is None else {**stats.seconds, "failed": {}}
+        if stats is None:
+            return None
+        counts = {"refit/verify_failed": len(stats.verify_failed), "refit/bytes_sent": stats.bytes_sent}
+        return {**stats.seconds, **counts, "failed": {}}
 
     def save(self, path: str) -> None:
         """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""

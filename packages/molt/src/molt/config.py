@@ -338,6 +338,15 @@ class Ray(_Group):
     """CPUs of the local Ray; none = all of them."""
 
 
+class Refit(_Group):
+    """Weight refit from the trainer into the engines (the refit library); every refit is verified."""
+
+    delta: bool = False
+    """Send each engine only the weight elements that changed since its last refit (per bucket, in the
+    engine's dtype; a bucket that changed densely goes whole). CPU engines (refit_gloo) only. Pays where
+    engines run bf16 and most bf16 values survive a step; an fp32 engine's elements all change."""
+
+
 class Config(_Group):
     """A whole molt run: one field per flag group; a group's class docstring is its heading in --help."""
 
@@ -354,6 +363,7 @@ class Config(_Group):
     ckpt: Ckpt = Ckpt()
     logger: Logger = Logger()
     ray: Ray = Ray()
+    refit: Refit = Refit()
 
 
 def with_run_dir(config: Config, now: datetime.datetime | None = None) -> Config:

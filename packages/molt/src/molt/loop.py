@@ -183,7 +183,8 @@ async def run_steps(config: Config, run: Run) -> None:
             "timing/generation": generation_s,
             "timing/policy_train": train_s,
             "timing/broadcast": broadcast_s,
-            **{f"timing/refit_{phase}": seconds for phase, seconds in refit_s.items()},  # where it went
+            # where it went; refit/verify_failed: engines whose refit failed its check and was redone
+            **{(k if "/" in k else f"timing/refit_{k}"): float(v) for k, v in refit_s.items()},
             **eval_metrics,
             "timing/step_total": time.monotonic() - started,
             **(startup.metrics() if startup else {}),

@@ -3,8 +3,10 @@
 `update_weights(engines, full_params(model), version=v)` pauses every engine (keeping in-flight
 requests), streams the full parameters in bounded buckets through vLLM's weight-transfer API (vLLM's
 NCCL backend on GPU, our `refit_gloo` backend on CPU), labels them `v`, clears the prefix cache and
-resumes. `decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in
-transformers and NeMo AutoModel MoE models.
+resumes. On `refit_gloo` every bucket is verified (its CRC-32, checked by the engine before it loads;
+a mismatch is rolled back and retried in full), and `delta=True` sends only the elements that
+changed since the engine's last refit. `decode_routed_experts` and `RoutingReplay` replay an
+engine's MoE routing in transformers and NeMo AutoModel MoE models.
 See README.md.
 """
 

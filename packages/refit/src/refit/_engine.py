@@ -3,7 +3,8 @@
 Every call here is one documented vLLM endpoint (they exist only with `VLLM_SERVER_DEV_MODE=1`):
 `/pause?mode=keep`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
 `/reset_prefix_cache`, `/resume`, `/init_weight_transfer_engine`, `/get_world_size`, and
-`/collective_rpc` for the two read-only methods of our worker extension (checkpoint specs, timings).
+`/collective_rpc` for the read-only methods of our worker extension (checkpoint specs, timings, the
+last transfer's verification).
 No engine internals are touched from the trainer. This module does not order the calls; `_refit.py`
 runs the lifecycle. A non-2xx reply raises `EngineCallError` naming the engine, the call and the body.
 """
@@ -66,6 +67,7 @@ class Engine:
         self.timeout_s = timeout_s
         self.channel: GlooChannel | NcclChannel | None = None
         self.bucket_bytes: int | None = None  # fixed at connect for NCCL (vLLM reads it at init)
+        self.delta_base: str | None = None  # token of the delta refit whose bytes it holds (refit._delta)
         self._checkpoint_specs: list[ParamSpec] | None = None
         import httpx  # here, not at module top: the sender's pack path must import without it
 
@@ -74,8 +76,17 @@ class Engine:
     def __repr__(self) -> str:
         return f"Engine({self.url!r}, backend={self.backend!r})"
 
-    def _call(self, method: str, path: str, **kwargs):
-        reply = self._http.request(method, f"{self.url}{path}", **kwargs)
+    def _call(self, method: str, path: str, *, read_only: bool = False, **kwargs):
+        import httpx
+
+        try:
+            reply = self._http.request(method, f"{self.url}{path}", **kwargs)
+        except (httpx.ReadError, httpx.RemoteProtocolError):
+            if not (read_only or method == "GET"):
+                raise
+            # The server may close a kept-alive connection after answering an error (a failed update):
+            # a read-only query asks once more, on a fresh connection.
+            reply = self._http.request(method, f"{self.url}{path}", **kwargs)
         if reply.status_code >= 400:
             raise EngineCallError(f"{self.url}{path} answered {reply.status_code}: {reply.text[:2000]}")
         return reply
@@ -88,7 +99,10 @@ class Engine:
         self._call("POST", "/start_weight_update")
 
     def update_weights(self, update_info: dict) -> None:
-        self._call("POST", "/update_weights", json={"update_info": update_info})
+        # On its own connection: the server may reset a connection kept alive after an error reply,
+        # and this is the call that fails when a transfer does.
+        headers = {"Connection": "close"}
+        self._call("POST", "/update_weights", json={"update_info": update_info}, headers=headers)
 
     def finish_weight_update(self, version: str) -> None:
         self._call("POST", "/finish_weight_update", json={"weight_version": version})
@@ -114,8 +128,8 @@ class Engine:
         return int(self._call("GET", "/get_world_size").json()["world_size"])
 
     def _rpc(self, method: str, **kwargs: str) -> list:
-        body = {"method": method, "kwargs": kwargs}
-        return self._call("POST", "/collective_rpc", json=body).json()["results"]
+        body = {"method": method, "kwargs": kwargs}  # only our extension's read-only methods
+        return self._call("POST", "/collective_rpc", json=body, read_only=True).json()["results"]
 
     def checkpoint_specs(self, names: list[str] = ()) -> list[ParamSpec]:
         """Names and full shapes of the checkpoint the engine loaded (what a refit must send), a name
@@ -129,6 +143,11 @@ class Engine:
     def worker_timings(self) -> list[dict]:
         """Per worker, seconds spent receiving and loading in the last update (gloo backend only)."""
         return self._rpc("refit_last_timings")
+
+    def verify_report(self) -> list[dict]:
+        """Per worker, the last transfer's check: `{"checked": buckets that passed, "failed": the bucket
+        that did not, or None, "error": why}` (gloo backend only)."""
+        return self._rpc("refit_last_verify")
 
     # --- the byte pipe ---
     def connect(self, bucket_bytes: int) -> None:
@@ -150,8 +169,17 @@ class Engine:
         self.channel = _rendezvous(opener, init)
         self.bucket_bytes = bucket_bytes
 
-    def update_info(self, specs: list[ParamSpec], bucket_bytes: int) -> dict:
-        """The `/update_weights` payload: the parameter list both ends plan buckets from."""
+    def update_info(
+        self,
+        specs: list[ParamSpec],
+        bucket_bytes: int,
+        *,
+        token: str | None = None,
+        delta_base: str | None = None,
+    ) -> dict:
+        """The `/update_weights` payload: the parameter list both ends plan buckets from; on gloo also
+        the `token` naming the bytes the engine keeps after this refit and, for a delta stream, the
+        token of the bytes it is patched against (`refit._delta`)."""
         if self.backend == NCCL_BACKEND and bucket_bytes != self.bucket_bytes:
             raise ValueError(
                 f"{self.url}: vLLM's NCCL engine fixed its bucket size at {self.bucket_bytes} bytes when it "
@@ -163,7 +191,7 @@ class Engine:
             "shapes": [list(s.shape) for s in specs],
         }
         if self.backend == GLOO_BACKEND:
-            info["bucket_bytes"] = bucket_bytes
+            info.update(bucket_bytes=bucket_bytes, token=token, delta_base=delta_base)
         return info
 
     def close(self) -> None:

@@ -5,10 +5,12 @@ group, so the others still receive every bucket. Two kinds:
 
 - gloo (CPU, our `refit_gloo` vLLM backend): a TCPStore hosted by the trainer plus a ProcessGroupGloo,
   built from torch alone on both ends (no global process group is touched). Each bucket is preceded by
-  a one-element header (the bucket index, or -1 = aborted). The receiver posts every receive of the
-  refit at once (`Incoming`), so the stream must always run to its end: a trainer that fails
-  mid-transfer sends the remaining buckets as aborted junk (`GlooChannel.abort`), and the engine,
-  having seen an aborted header, rolls back instead of loading.
+  a two-element header: the bucket index (or -1 = aborted) and the CRC-32 of the bucket's bytes as the
+  trainer packed them. The receiver posts every receive of the refit at once (`Incoming`), so the
+  stream must always run to its end: a trainer that fails mid-transfer sends the remaining buckets as
+  aborted junk (`GlooChannel.abort`), and the engine, having seen an aborted header, rolls back
+  instead of loading. The engine checks every bucket's CRC before it loads it: a mismatch raises
+  `VerifyError`, the engine rolls back the same way, and the trainer retries with a full refit.
 - nccl (GPU, vLLM's own `nccl` backend): vLLM's StatelessProcessGroup + PyNcclCommunicator, because the
   engine side rendezvouses that way. vLLM is imported only here, lazily. vLLM's NCCL consumer has no
   header, so an abort cannot be signalled: the engine stays paused and is reported (see `_refit.py`).
@@ -18,13 +20,39 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import time
+import zlib
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["join_gloo_group", "Incoming", "ReceiveBuffers", "GlooChannel", "NcclChannel", "ABORT"]
+__all__ = [
+    "join_gloo_group", "Incoming", "ReceiveBuffers", "GlooChannel", "NcclChannel", "ABORT", "VerifyError",
+    "checksum",
+]  # fmt: skip
 
 ABORT = -1  # header value that tells a gloo engine to roll back
+
+
+class VerifyError(RuntimeError):
+    """A bucket's bytes on the engine differ from the bytes the trainer packed (its CRC-32 differs)."""
+
+
+def checksum(buffer_N: torch.Tensor) -> int:
+    """CRC-32 of a uint8 host tensor's bytes. zlib's CRC lets go of the GIL while it runs (the wire
+    keeps moving), and it catches every error of up to 32 consecutive bits, one flipped byte included."""
+    return zlib.crc32(buffer_N.numpy())
+
+
+def check_bucket(index: int, buffer_N: torch.Tensor, expected: int) -> None:
+    """Raise `VerifyError` unless `buffer_N` (bucket `index`) has the CRC-32 the trainer sent."""
+    got = checksum(buffer_N)
+    if got != expected:
+        raise VerifyError(
+            f"refit_gloo: bucket {index} ({buffer_N.numel()} bytes) has CRC-32 {got:#010x}, the trainer "
+            f"packed {expected:#010x}: its bytes changed on the way (the engine rolls back; the trainer "
+            "retries with a full refit)"
+        )
 
 
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:
@@ -64,18 +92,24 @@ class Incoming:
 
     def __init__(self, group: dist.ProcessGroupGloo, buffers: list[torch.Tensor]) -> None:
         self.buffers = buffers
-        self.headers = torch.full((len(buffers),), ABORT - 1, dtype=torch.int64)
+        self.verify_s = 0.0  # seconds spent on the CRC checks
+        self.headers_N2 = torch.full((len(buffers), 2), ABORT - 1, dtype=torch.int64)  # (index, CRC-32)
         self.works = [
-            (broadcast(group, self.headers[index : index + 1]), broadcast(group, buffer_N))
+            (broadcast(group, self.headers_N2[index]), broadcast(group, buffer_N))
             for index, buffer_N in enumerate(buffers)
         ]
 
     def wait(self, index: int) -> torch.Tensor:
-        """Bucket `index`, once it has arrived; raises `RuntimeError` if the trainer aborted it."""
+        """Bucket `index`, once it has arrived and its CRC matches the trainer's; raises `RuntimeError` if
+        the trainer aborted it, `VerifyError` if its bytes differ from what the trainer packed."""
         for work in self.works[index]:
             work.wait()
-        if int(self.headers[index]) != index:
+        sent_index, crc = self.headers_N2[index].tolist()
+        if sent_index != index:
             raise RuntimeError(f"refit_gloo: the trainer aborted the transfer at bucket {index}")
+        began = time.perf_counter()
+        check_bucket(index, self.buffers[index], crc)
+        self.verify_s += time.perf_counter() - began
         return self.buffers[index]
 
     def drain(self) -> None:
@@ -93,13 +127,17 @@ class ReceiveBuffers:
 
     def __init__(self) -> None:
         self.block_N: torch.Tensor | None = None
+        self.sizes: list[int] = []
+        self.token: str | None = None  # names the refit whose bytes the block holds whole (delta base)
 
     def carve(self, sizes: list[int]) -> list[torch.Tensor]:
+        if sizes != self.sizes:  # another layout: the bytes held are no base for it
+            self.sizes, self.token = list(sizes), None
         starts = [0]
         for num_bytes in sizes:  # each bucket starts 64-byte aligned, so its tensors view as any dtype
             starts.append(starts[-1] + -(-num_bytes // 64) * 64)
         if self.block_N is None or self.block_N.numel() < starts[-1]:
-            self.block_N = torch.empty(starts[-1], dtype=torch.uint8)
+            self.block_N, self.token = torch.empty(starts[-1], dtype=torch.uint8), None
         return [self.block_N[start : start + n] for start, n in zip(starts, sizes, strict=False)]
 
     def forget_if_used_by(self, tensors: list[torch.Tensor]) -> bool:
@@ -108,7 +146,7 @@ class ReceiveBuffers:
             return False
         block = self.block_N.untyped_storage().data_ptr()
         if any(t.untyped_storage().data_ptr() == block for t in tensors):
-            self.block_N = None
+            self.block_N, self.token = None, None
             return True
         return False
 
@@ -121,14 +159,19 @@ class GlooChannel:
     def __init__(self, group: dist.ProcessGroupGloo) -> None:
         self.group = group
 
-    def send(self, index: int, payload_N: torch.Tensor) -> list[dist.Work]:
-        header = torch.tensor([index], dtype=torch.int64)
+    def send(self, index: int, payload_N: torch.Tensor, crc: int) -> list[dist.Work]:
+        """Bucket `index` behind its header; `crc`: `checksum(payload_N)`, which the engine checks."""
+        header = torch.tensor([index, crc], dtype=torch.int64)
         return [broadcast(self.group, header), broadcast(self.group, payload_N)]
+
+    def send_all(self, payloads: list[torch.Tensor]) -> list[dist.Work]:
+        """Broadcast each of `payloads` as it is, in order (a delta stream: `refit._delta`)."""
+        return [broadcast(self.group, payload) for payload in payloads]
 
     def abort(self, sizes: list[int]) -> None:
         """Send the buckets not yet sent (their byte `sizes`) as aborted: an ABORT header and junk each,
         so the engine's posted receives all complete and it rolls back."""
-        header = torch.tensor([ABORT], dtype=torch.int64)
+        header = torch.tensor([ABORT, 0], dtype=torch.int64)
         junk_N = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
         works = []
         for num_bytes in sizes:
@@ -150,7 +193,8 @@ class NcclChannel:
 
         self.comm = trainer_init({"master_address": host, "master_port": port, "world_size": world_size})
 
-    def send(self, index: int, payload_N: torch.Tensor) -> list:
+    def send(self, index: int, payload_N: torch.Tensor, crc: int = 0) -> list:
+        # No header on vLLM's NCCL consumer, so no CRC either: this path is not verified.
         # Enqueued on the current stream; packing the next bucket is ordered after it on that stream.
         self.comm.broadcast(payload_N, src=0)
         return []

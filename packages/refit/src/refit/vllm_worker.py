@@ -8,13 +8,15 @@ its own lifecycle (`/start_weight_update`, `/update_weights`, `/finish_weight_up
 
 Why a backend of our own: vLLM's built-in backends are CUDA-only. This one receives the same buckets
 the sender packs for vLLM's NCCL engine (`refit._buckets`), over a gloo group, each bucket preceded by
-a header (its index, or -1 = the trainer aborted), into receive buffers kept between refits (one copy
-of the weights in host memory), every receive posted before the first load. It reloads layer by layer
+a header (its index, or -1 = the trainer aborted, and its CRC-32), into receive buffers kept between
+refits (one copy of the weights in host memory), every receive posted before the first load; or a delta
+stream (`refit._delta`) patched into those kept buffers. Every bucket's CRC is checked before it is
+loaded (`refit_last_verify` reports the last transfer's check). It reloads layer by layer
 (`initialize_layerwise_reload` → `load_weights` → `finalize_layerwise_reload`), because on the CPU
 build a plain `load_weights` fails half way (weights are repacked for oneDNN).
 
-What it refuses to leave behind: a model with layers on the meta device. If receiving or loading
-fails after `start_weight_update`, every layer not yet reloaded gets its old tensors back before the
+What it refuses to leave behind: a model with layers on the meta device. If receiving, verifying or
+loading fails after `start_weight_update`, every layer not yet reloaded gets its old tensors back before the
 error propagates, so the engine can serve again (with weights that may mix old and new layers: the
 trainer keeps it paused until a full refit succeeds). Tied embeddings: layerwise reload processes
 only `embed_tokens`, so the CPU build's packed copy of a tied `lm_head` is rebuilt after every reload.
@@ -40,9 +42,10 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
+from refit._delta import DeltaIncoming, bucket_unit
 from refit._engine import GLOO_BACKEND
 from refit._names import in_trainer_names
-from refit._transport import Incoming, ReceiveBuffers, join_gloo_group
+from refit._transport import Incoming, ReceiveBuffers, VerifyError, join_gloo_group
 
 __all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension"]
 
@@ -64,6 +67,8 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     bucket_bytes: int
+    token: str | None = None  # names the bytes the kept buffers hold once this refit is whole
+    delta_base: str | None = None  # a delta stream against the bytes of that token (refit._delta)
 
     def specs(self) -> list[ParamSpec]:
         return [
@@ -82,7 +87,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         super().__init__(config, vllm_config, device, model)
         self.group = None
         self.last_timings: dict[str, float] = {}
+        self.last_verify: dict = {"checked": 0, "failed": None, "error": ""}
         self.buffers = ReceiveBuffers()  # kept between refits
+        self.pending_token: str | None = None  # the buffers' token once finish_weight_update succeeds
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -103,28 +110,44 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("refit_gloo: /init_weight_transfer_engine was never called")
+        self.last_verify = {"checked": 0, "failed": None, "error": ""}
         try:
-            self._receive(update_info.specs(), update_info.bucket_bytes)
+            self._receive(update_info)
         except BaseException:
             self._roll_back()
             raise
 
-    def _receive(self, specs: list[ParamSpec], bucket_bytes: int) -> None:
-        """Post the receive of every bucket at once, then load each as it arrives: the wire never
-        waits for a load or for this thread (which holds the GIL while loading), so small buckets
+    def _receive(self, info: GlooUpdateInfo) -> None:
+        """Post the receive of every bucket at once, then verify and load each as it arrives: the wire
+        never waits for a load or for this thread (which holds the GIL while loading), so small buckets
         pipeline the trainer's packing, the wire and the reload."""
-        plan = plan_buckets(specs, bucket_bytes)
-        incoming = Incoming(self.group, self.buffers.carve([bucket_nbytes(specs, b) for b in plan]))
+        specs = info.specs()
+        plan = plan_buckets(specs, info.bucket_bytes)
+        buffers = self.buffers.carve([bucket_nbytes(specs, b) for b in plan])
+        base_ok = info.delta_base is not None and self.buffers.token == info.delta_base
+        self.buffers.token = self.pending_token = None  # overwritten from here on
         began = time.perf_counter()
+        if info.delta_base is None:
+            incoming = Incoming(self.group, buffers)
+        else:
+            units = [bucket_unit([specs[i] for i in bucket]) for bucket in plan]
+            incoming = DeltaIncoming(self.group, buffers, units, base_ok)
         try:
             for index, bucket in enumerate(plan):
-                payload_N = incoming.wait(index)
+                try:
+                    payload_N = incoming.wait(index)
+                except VerifyError as error:
+                    self.last_verify.update(failed=index, error=str(error))
+                    raise
+                self.last_verify["checked"] = index + 1
                 loading = time.perf_counter()
                 self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
                 self.last_timings["load_s"] += time.perf_counter() - loading
         finally:  # after an error the rest of the stream still arrives: take it before rolling back
             incoming.drain()
             self.last_timings["recv_s"] = time.perf_counter() - began
+            self.last_timings["verify_s"] = incoming.verify_s
+        self.pending_token = info.token
 
     def _forget_buffers_if_kept(self) -> None:
         """Layerwise reload copies each loaded tensor into the layer's own storage, so no weight should
@@ -136,6 +159,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         began = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
         _repack_tied(self.model)
+        self.buffers.token, self.pending_token = self.pending_token, None  # they hold this refit whole
         self._forget_buffers_if_kept()
         self.last_timings["finish_s"] = time.perf_counter() - began
 
@@ -210,6 +234,9 @@ class RefitWorkerExtension:
 
     def refit_last_timings(self) -> dict[str, float]:
         return dict(getattr(self.weight_transfer_engine, "last_timings", {}))
+
+    def refit_last_verify(self) -> dict:
+        return dict(getattr(self.weight_transfer_engine, "last_verify", {}))
 
 
 with contextlib.suppress(ValueError):  # already registered: imported twice in one process
