@@ -510,3 +510,11 @@ def test_no_start_note_where_the_settings_act_as_named(cpu_only):
 
     assert start_notes(resolve(["--train.mini_batches", "2"])) == []
     assert start_notes(resolve(["--algo.loss.kind", "pg"])) == []
+
+
+def test_delta_refit_is_refused_with_cuda_engines(with_cuda):
+    _refused(["--refit.delta"], ["--refit.delta", "gloo"])
+
+
+def test_delta_refit_is_accepted_on_a_cpu(cpu_only):
+    assert resolve(["--refit.delta"]).refit.delta is True

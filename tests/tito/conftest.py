@@ -1,11 +1,9 @@
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import pytest
 from fake_engine import FakeEngine
+from tito_helpers import LiveServer
 
 from tito import Tito, create_app
 
@@ -39,32 +37,6 @@ def client(fake_tito):
     """An httpx client on tito's app; `client.base_url` is what an SDK's http_client should use."""
     transport = httpx.ASGITransport(app=create_app(fake_tito))
     return httpx.AsyncClient(transport=transport, base_url="http://tito")
-
-
-class LiveServer:
-    """tito served by uvicorn on loopback in a background thread."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        from molt.vllm_server import free_port
-
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "tito did not start"
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")

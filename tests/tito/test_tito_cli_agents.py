@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from conftest import LiveServer
 from test_tito_app import encode
+from tito_helpers import LiveServer
 
 from tito import Tito, Trajectory, create_app
 

@@ -9,7 +9,7 @@ import httpx
 import msgspec
 import pytest
 import typer
-from conftest import LiveServer
+from tito_helpers import LiveServer
 
 import tito._server
 from tito import Tito, Trajectory, create_app

@@ -12,8 +12,8 @@ import httpx
 import msgspec
 import openai
 import pytest
-from conftest import LiveServer
 from test_tito_app import anthropic_client, encode, new_session, openai_client, trajectory
+from tito_helpers import LiveServer
 
 from tito import Tito, Trajectory, create_app
 

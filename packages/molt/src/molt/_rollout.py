@@ -119,7 +119,9 @@ class RolloutRunner:
             trajectory = self.tito.end_session(session.id)
         sampled = [token for reply in replies for token in reply]
         truncated = session.finish_reason == "length"
-        return Rollout(trajectory.segments, float(result.reward), sampled, truncated, dict(result.info))
+        # Tool calls the model wrote that did not parse: rollout/tool_parse_failed, never silently lost.
+        info = {"tool_parse_failed": trajectory.tool_parse_failures, **result.info}
+        return Rollout(trajectory.segments, float(result.reward), sampled, truncated, info)
 
     def _seed(self, row: dict, index: int, turn: int) -> int | None:
         """--rollout.seed_requests: a seed from the row's content, the sample index and the turn."""

@@ -283,6 +283,11 @@ def _check_machine(config: Config) -> None:
     if changed and not _on_gpu():
         path = changed[0]
         raise ConfigError(f"--{path} needs CUDA, and this machine has none: {_CUDA_ONLY[path]}; drop it")
+    if config.refit.delta and _on_gpu():
+        raise ConfigError(
+            "--refit.delta sends changed elements over the CPU (gloo) refit only; CUDA engines take full "
+            "refits over NCCL for now: drop --refit.delta"
+        )
     fsdp, ranks = config.fsdp, config.actor.num_ranks
     if ranks % (fsdp.tp_size * fsdp.cp_size):
         raise ConfigError(
