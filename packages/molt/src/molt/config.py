@@ -13,6 +13,7 @@ importing them (rlestimators imports torch); a test checks the two agree.
 """
 
 import datetime
+import importlib.util
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -317,7 +318,8 @@ class Logger(_Group):
     tensorboard: bool = True
     """Write TensorBoard events into the run directory."""
     wandb_project: str = ""
-    """Weights & Biases project; empty = no W&B."""
+    """Weights & Biases project: a run offline under <run_dir>/wandb (WANDB_MODE=online logs live); needs
+    the wandb extra; empty = no W&B."""
 
 
 class Ray(_Group):
@@ -489,6 +491,11 @@ def validate(config: Config) -> Config:
     if rollout.temperature <= 0:
         raise ConfigError(
             f"--rollout.temperature must be > 0 (the trainer divides logits by it), got {rollout.temperature}"
+        )
+    if config.logger.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--logger.wandb_project {config.logger.wandb_project} needs the wandb package, which is not "
+            "installed: run `uv sync --extra wandb` (or `pip install 'molt[wandb]'`), or drop the flag"
         )
     return config
 
