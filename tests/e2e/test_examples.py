@@ -55,8 +55,7 @@ def test_example_trains(tmp_path, tiny_model_dir, molt_engine, ray_cluster, exam
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
-        assert step["train/token_identity"] == 1.0
-        assert step["train/mismatch_kl"] < 1e-3
+        assert step["train/mismatch_kl"] < 1e-3  # the trainer scored the tokens the engine sampled
         assert step["pool/failed"] == 0 and step["agent/raised"] == 0
         if example == "compacting_agent.py":
             assert step["rollout/segments_mean"] == 3.0  # three turns, each after a compaction
@@ -92,7 +91,6 @@ def test_visual_question_example_trains(tmp_path, tiny_vl_model_dir, vl_vllm_ser
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
     for step in steps:
-        assert step["train/token_identity"] == 1.0
         assert step["train/mismatch_kl"] < 1e-3  # the trainer saw the pixels and layout the engine saw
         assert step["rollout/turns"] == 2.0
     records = list(molt.read_rollouts(run_dir / "rollouts"))

@@ -44,7 +44,6 @@ def differs(a: float, b: float) -> bool:
 
 def test_the_plain_run_starts_no_extra_group(plain_run):
     assert started_groups(plain_run.stderr) == set()
-    assert all(step["train/kl"] == 0.0 for step in steps_of(plain_run.dir).values())
     assert not list(plain_run.dir.glob("checkpoints/*/critic"))
 
 

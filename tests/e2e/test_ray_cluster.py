@@ -25,5 +25,5 @@ def test_train_joins_an_existing_ray_cluster(tmp_path, tiny_model_dir, molt_engi
     assert "Started a local Ray instance" not in result.stderr
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
-    assert all(s["train/token_identity"] == 1.0 for s in steps)
+    assert all(s["train/mismatch_kl"] < 1e-3 for s in steps)  # trained on the tokens the engine sampled
     assert ray_cluster.process.poll() is None  # the run left the cluster it joined running

@@ -11,11 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from molt.loop import REQUIRED_METRICS
-
 pytestmark = pytest.mark.slow
 
 MOLT = str(Path(sys.executable).parent / "molt")
+
+# DESIGN §6: logged every step whatever the algorithm (written out here, not read from molt.loop).
+REQUIRED_METRICS = {
+    "rollout/reward_mean", "rollout/reward_std_in_group", "rollout/response_len_mean",
+    "rollout/truncated_frac", "train/policy_loss", "train/kl", "train/entropy", "train/grad_norm",
+    "train/lr", "train/clip_frac", "train/mismatch_kl", "train/seq_masked_frac", "train/staleness_mean",
+    "pool/dropped_stale", "pool/filtered", "timing/generation", "timing/policy_train",
+    "timing/broadcast", "timing/step_total",
+}  # fmt: skip
 
 
 def engine_processes(marker: str) -> list[int]:
@@ -50,7 +57,6 @@ def test_a_short_on_policy_run_with_two_actor_ranks(tmp_path, tiny_model_dir, mo
     assert [s["step"] for s in steps] == [1, 2, 3]
     for step in steps:
         assert step.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - step.keys()
-        assert step["train/token_identity"] == 1.0
         assert step["train/mismatch_kl"] < 1e-3  # float32 engine vs float32 trainer on the same weights
         assert 0.0 <= step["rollout/reward_mean"] <= 1.0
     # On policy, every token of step s was sampled by version s - 1: the engine reports the versions the

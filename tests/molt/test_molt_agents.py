@@ -51,6 +51,7 @@ def prompt_of(rollout) -> list[int]:
     return first.token_ids[: first.loss_mask.index(1)]
 
 
+@pytest.mark.slow  # the session's vLLM server
 def test_both_forms_give_the_engine_identical_prompt_tokens(tiny_model_dir, vllm_server):
     from arithmetic import SYSTEM, dataset
     from transformers import AutoTokenizer
@@ -91,6 +92,7 @@ def test_a_chat_agent_needs_the_template_applied_by_molt():
     validate(env)  # an Env may take rendered rows
 
 
+@pytest.mark.slow  # the session's vLLM server
 def test_a_compacting_agent_trains_as_one_rollout_with_several_segments(tiny_model_dir, vllm_server):
     from compacting_agent import dataset
 
@@ -143,6 +145,7 @@ AgentRunner = {kind}
         pytest.param("NotFinite", "non-finite reward", "nonfinite_reward", id="non-finite"),
     ],
 )
+@pytest.mark.slow  # the session's vLLM server
 def test_a_failing_agent_loses_its_rollout_and_is_counted(tiny_model_dir, vllm_server, tmp_path, kind,
                                                           error, counted):  # fmt: skip
     module = tmp_path / "agent.py"
@@ -154,6 +157,7 @@ def test_a_failing_agent_loses_its_rollout_and_is_counted(tiny_model_dir, vllm_s
     assert runner.failures[counted] == 1 and sum(runner.failures.values()) == 1
 
 
+@pytest.mark.slow  # the session's vLLM server
 def test_the_pool_retries_a_lost_rollout_and_the_run_goes_on(tiny_model_dir, vllm_server, tmp_path):
     module = tmp_path / "agent.py"
     module.write_text(AGENTS.format(kind="Flaky"))

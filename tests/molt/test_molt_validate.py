@@ -356,6 +356,7 @@ _BAD_TEXT = {  # the string fields' bad values (tmp_path -> value)
     "ckpt.dir": _file,
     "logger.run_dir": _file,
     "ray.address": lambda tmp: "not an address",
+    "logger.wandb_project": lambda tmp: "team/project",
 }
 
 
@@ -427,6 +428,7 @@ _CHANGED = {  # a valid value other than the default, where flipping or nudging 
     "algo.loss.clip_low": "0.1",
     "algo.gae.gamma": "0.9",
     "algo.gae.lam": "0.95",
+    "logger.wandb_project": "molt-runs",
 }
 
 

@@ -1,5 +1,6 @@
-"""Where a run's numbers and words go: `metrics.jsonl` (one object per step), TensorBoard, one console line
-a step, molt's progress lines, and (`quiet_console`) the other libraries' output into the run directory.
+"""Where a run's numbers and words go: `metrics.jsonl` (one object per step), TensorBoard, Weights & Biases
+(offline, into the run directory), one console line a step, molt's progress lines, and (`quiet_console`)
+the other libraries' output into the run directory.
 """
 
 from __future__ import annotations
@@ -69,8 +70,25 @@ def redirect_output(log_path: str) -> None:
         os.dup2(log.fileno(), 2)
 
 
+WANDB_INSTALL = "uv sync --extra wandb (or pip install 'molt[wandb]')"
+
+
+def start_wandb(run_dir: Path, project: str, config: dict):
+    """A W&B run of `project` writing under `<run_dir>/wandb`, offline unless WANDB_MODE says otherwise
+    (upload it later with `wandb sync <run_dir>/wandb/offline-run-*`)."""
+    import wandb
+
+    settings = wandb.Settings(silent=True, disable_git=True)
+    return wandb.init(project=project, dir=str(run_dir), config=config, name=run_dir.name,
+                      mode=os.environ.get("WANDB_MODE", "offline"), settings=settings)  # fmt: skip
+
+
 class RunLog:
-    def __init__(self, run_dir: Path, *, num_steps: int, tensorboard: bool) -> None:
+    """Every step's metrics into each sink asked for. `wandb_project`: also a W&B run of that project
+    (`config`, the resolved run's, is its config)."""
+
+    def __init__(self, run_dir: Path, *, num_steps: int, tensorboard: bool, wandb_project: str = "",
+                 config: dict | None = None) -> None:  # fmt: skip
         self.num_steps = num_steps
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.writer = None
@@ -78,6 +96,7 @@ class RunLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.wandb = start_wandb(run_dir, wandb_project, config or {}) if wandb_project else None
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
@@ -86,6 +105,8 @@ class RunLog:
             for name, value in metrics.items():
                 self.writer.add_scalar(name, value, step)
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
         print(self._line(step, metrics), flush=True)
 
     def _line(self, step: int, m: dict[str, float]) -> str:
@@ -101,3 +122,5 @@ class RunLog:
         self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -18,6 +18,7 @@ Imports torch only when a flag needs CUDA, and transformers only for a teacher o
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import re
@@ -179,6 +180,17 @@ def _check_paths(config: Config) -> None:
     for url in config.vllm.urls:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"--vllm.urls {url!r}: each is a running vLLM server's http:// address")
+    project = config.logger.wandb_project
+    if project and (len(project) > 128 or any(c in project for c in "/\\#?%:")):  # W&B's own rule
+        raise ConfigError(
+            f"--logger.wandb_project {project!r}: a W&B project name has at most 128 characters and none of "
+            "/ \\ # ? % :"
+        )
+    if config.logger.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--logger.wandb_project {config.logger.wandb_project} needs the wandb package, which is not "
+            "installed: run `uv sync --extra wandb` (or `pip install 'molt[wandb]'`), or drop the flag"
+        )
     if not config.data.messages_key:
         raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
     address = config.ray.address

@@ -323,7 +323,8 @@ class Logger(_Group):
     tensorboard: bool = True
     """Write TensorBoard events into the run directory."""
     wandb_project: str = ""
-    """Weights & Biases project; empty = no W&B."""
+    """Weights & Biases project: a run offline under <run_dir>/wandb (WANDB_MODE=online logs live); needs
+    the wandb extra; empty = no W&B."""
     verbose: bool = False
     """Show other libraries' output (warnings, progress bars, Ray workers' logs) on the console; default:
     into the run directory's *.log files, molt's own lines and every error on the console."""

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 
 from asyncpool import GroupPool, PoolExhausted, PoolStats, PromptStarved
@@ -461,7 +462,8 @@ def train(config: Config, *, resume: bool = False) -> None:
         if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
             policy.refit(urls, first_step - 1)
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=config.logger.tensorboard)
+        sinks = dict(tensorboard=config.logger.tensorboard, wandb_project=config.logger.wandb_project)
+        log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
         parts = dict(policy=policy, rows=rows, log=log, model_dir=model_dir, eval_rows=evaluation,
