@@ -90,3 +90,75 @@ def test_a_missing_library_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # what an install without it imports
     with pytest.raises(ValueError, match=r"reasoning-gym package .*uv sync --group envs"):
         load_agent(f"{RG}:chain_sum")
+
+
+TA = "molt.integrations.textarena"
+
+
+def play_guess_the_number(runner, seed: int) -> tuple[list, list, float]:
+    """Bisect the secret number: the observations, the moves and the final reward."""
+    low, high = 1, 20
+    observations, moves = [runner.reset({"seed": seed})], []
+    while True:
+        moves.append(f"[{(low + high) // 2}]")
+        result = runner.step(moves[-1])
+        if result.observation is None:
+            return observations, moves, result.reward
+        observations.append(result.observation)
+        guess = (low + high) // 2
+        low, high = (guess + 1, high) if "higher" in result.observation else (low, guess - 1)
+
+
+def test_textarena_game_reward_is_the_games_own_and_a_seed_gives_the_same_game():
+    import random
+
+    import textarena as ta
+
+    agent = load_agent(f"{TA}:GuessTheNumber-v0")
+    rows = first(agent.dataset(0), 3)
+    assert rows == first(agent.dataset(0), 3) and rows != first(agent.eval_dataset(0), 3)
+    state = random.getstate()
+    observations, moves, reward = play_guess_the_number(agent.AgentRunner(), rows[1]["seed"])
+    assert random.getstate() == state  # the caller's `random` is left as it was
+    assert "Guess The Number" in observations[0] and "[GAME]" not in observations[0]
+    assert all("lower" in o or "higher" in o for o in observations[1:])
+    assert play_guess_the_number(agent.AgentRunner(), rows[1]["seed"]) == (observations, moves, reward)
+    game = ta.make("GuessTheNumber-v0")  # textarena's own game, seeded alike, given the same moves
+    game.reset(num_players=1, seed=rows[1]["seed"])
+    assert [game.step(move)[0] for move in moves] == [False] * (len(moves) - 1) + [True]
+    rewards, _ = game.close()
+    random.setstate(state)
+    assert reward == rewards[0] == 1.0
+
+
+def test_textarena_episodes_interleaved_play_as_they_do_alone():
+    agent = load_agent(f"{TA}:Minesweeper-v0-small")  # it places the mines at the first move
+    moves = ["[2 2]", "[0 0]", "[4 4]"]
+
+    def alone(seed):
+        runner = agent.AgentRunner()
+        return [runner.reset({"seed": seed})] + [runner.step(m).observation for m in moves]
+
+    expected = {seed: alone(seed) for seed in (1, 2)}
+    runners = {seed: agent.AgentRunner() for seed in (1, 2)}
+    seen = {seed: [runners[seed].reset({"seed": seed})] for seed in (1, 2)}
+    for move in moves:  # one move each in turn, as concurrent episodes in one host do
+        for seed in (1, 2):
+            seen[seed].append(runners[seed].step(move).observation)
+    assert seen == expected and expected[1] != expected[2]
+
+
+@pytest.mark.parametrize(
+    ("game", "message"),
+    [
+        pytest.param("Wordle-v0", "cannot run offline: it downloads NLTK corpora", id="corpus"),
+        pytest.param("TwentyQuestions-v0", "cannot run offline: .*hosted", id="hosted-model"),
+        pytest.param("Chess-v0", "does not start with one player", id="two-players"),
+        pytest.param("Klondike-v0", "cannot be built", id="broken"),
+        pytest.param("NoSuchGame-v0", "has no game 'NoSuchGame-v0'; its games: .*Mastermind", id="unknown"),
+        pytest.param("GuessTheNumber-v0,colour=2", "refused the settings", id="setting"),
+    ],
+)
+def test_textarena_refuses_games_it_cannot_run_with_the_reason(game, message):
+    with pytest.raises(ValueError, match=message):
+        load_agent(f"{TA}:{game}")
