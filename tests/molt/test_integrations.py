@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,33 @@ def test_textarena_episodes_interleaved_play_as_they_do_alone():
 def test_textarena_refuses_games_it_cannot_run_with_the_reason(game, message):
     with pytest.raises(ValueError, match=message):
         load_agent(f"{TA}:{game}")
+
+
+VF = "molt.integrations.verifiers"
+VF_ENVS = Path(__file__).with_name("verifiers_envs")
+
+
+@pytest.mark.slow  # importing verifiers takes ~8 s
+def test_verifiers_rows_are_the_tasksets_tasks_reshuffled_each_pass():
+    agent = load_agent(f"{VF}:{VF_ENVS / 'vf_say.py'}")
+    rows = first(agent.dataset(0), 8)
+    words = [row["task"]["word"] for row in rows]
+    assert sorted(words[:4]) == sorted(words[4:]) == ["cat", "dog", "fox", "owl"]
+    assert rows == first(agent.dataset(0), 8) and rows != first(agent.dataset(1), 8)
+    assert rows[0]["task"]["prompt"] == f"copy the word: {words[0]}"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        pytest.param("no_such_dir/tasks.py", "no such file", id="missing-file"),
+        pytest.param("molt_no_such_taskset", "cannot load the taskset", id="missing-module"),
+        pytest.param(
+            str(Path(__file__).parent / "test_environment.py"), "cannot load the taskset", id="not-a-taskset"
+        ),
+    ],
+)
+@pytest.mark.slow
+def test_verifiers_refuses_what_is_not_a_taskset(env, message):
+    with pytest.raises(ValueError, match=message):
+        load_agent(f"{VF}:{env}")
