@@ -105,7 +105,7 @@ def test_env_libraries_roll_out_through_tito(tiny_model_dir, vllm_server, spec, 
     results, runner = rollouts(vllm_server.url, tiny_model_dir, spec, 3, max_turns=max_turns)
     assert all(isinstance(r, Rollout) and math.isfinite(r.reward) for r in results), results
     if "textarena" in spec:  # the game runs to its own turn limit (or a second invalid move ends it)
-        assert all({"invalid_move", "turns"} <= set(r.info) for r in results)
+        assert all({"invalid_move", "game_turns"} <= set(r.info) for r in results)
         assert all(turns_of(r) >= 1 for r in results)
 
 

@@ -8,7 +8,7 @@ Settings after the game id are passed to the game (its registered arguments, e.g
 runs without textarena's observation wrappers (they restate the whole history each turn; the chat already
 holds it) but with its action wrappers (e.g. the brackets some games expect around a move). Give
 `--agent.max_turns` at least the game's own turn limit: an episode that molt cuts short scores 0.
-`rollout/invalid_move` and `rollout/turns` log how episodes ended.
+`rollout/invalid_move` and `rollout/game_turns` log how episodes ended.
 
 Games that need the network are refused with the reason: word games read NLTK corpora that they download
 when imported, and some games play against a hosted model. Multi-player games are refused too.
@@ -117,7 +117,7 @@ class TextArenaEnv(Env):
         end = game_info.get(0, {})
         info = {
             "invalid_move": float(bool(end.get("invalid_move"))),
-            "turns": float(end.get("turn_count", 0)),
+            "game_turns": float(end.get("turn_count", 0)),
         }
         return Result(reward=float(rewards[0]), info=info)
 
