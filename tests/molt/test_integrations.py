@@ -193,3 +193,29 @@ def test_verifiers_rows_are_the_tasksets_tasks_reshuffled_each_pass():
 def test_verifiers_refuses_what_is_not_a_taskset(env, message):
     with pytest.raises(ValueError, match=message):
         load_agent(f"{VF}:{env}")
+
+
+def test_settings_may_hold_tuples_and_quoted_text_with_commas():
+    agent = load_agent(
+        f"{RG}:basic_arithmetic,operators=('+', '-'),min_terms=2,max_terms=2,allow_parentheses=False,"
+        "system_prompt='Think, then reply with the number only.'"
+    )
+    rows = first(agent.dataset(0), 40)
+    assert rows[0]["messages"][0] == {"role": "system", "content": "Think, then reply with the number only."}
+    assert {op for r in rows for op in "+-*/" if op in r["entry"]["question"]} == {"+", "-"}
+
+
+def test_the_smollm2_reasoning_gym_recipe_asks_single_digit_sums_and_scores_the_bare_sum_1():
+    import tomllib
+
+    import molt.recipes
+
+    recipe = Path(molt.recipes.__file__).with_name("smollm2_reasoning_gym.toml")
+    agent = load_agent(tomllib.loads(recipe.read_text())["agent"]["module"])
+    for row in first(agent.eval_dataset(0), 30):
+        terms = row["entry"]["metadata"]["expression"].split(" + ")
+        assert len(terms) == 2 and all(0 <= int(t) <= 10 for t in terms)
+        assert row["messages"] == [{"role": "user", "content": row["entry"]["question"]}]
+        runner = agent.AgentRunner()
+        runner.reset(row)
+        assert runner.step(row["entry"]["answer"]).reward == 1.0

@@ -6,7 +6,7 @@
 
 Each library is optional (`uv sync --group envs`); a missing one is named with the command that installs it.
 `ENV` is the library's own name for the environment, then optional `key=value` settings, comma-separated
-(values read as Python literals, else as text).
+(values read as Python literals, else as text; a tuple or quoted text may hold commas).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["parse_env", "require"]
 
 def parse_env(env: str) -> tuple[str, dict]:
     """`NAME,key=value,...` -> (NAME, {key: value}); a value is a Python literal where it parses as one."""
-    name, *pairs = [part.strip() for part in env.split(",")]
+    name, *pairs = [part.strip() for part in _split(env)]
     settings = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
@@ -35,6 +35,24 @@ def parse_env(env: str) -> tuple[str, dict]:
     if not name:
         raise ValueError(f"environment {env!r}: the name comes first, e.g. basic_arithmetic,min_terms=2")
     return name, settings
+
+
+def _split(env: str) -> list[str]:
+    """Split at the commas outside brackets and quotes (a value may be a tuple or quoted text)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for index, char in enumerate(env):
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(env[start:index])
+            start = index + 1
+    return [*parts, env[start:]]
 
 
 def require(module: str, package: str):

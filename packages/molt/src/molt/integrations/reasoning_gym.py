@@ -8,7 +8,7 @@ Settings after the task name are the task's own config fields (`reasoning_gym.cr
 **settings)`), plus two of this module's:
 
 - `system_prompt`: a name in reasoning-gym's `SYSTEM_PROMPTS` (default `default`: think, then answer
-  inside `<answer>` tags), or `none` for the bare question.
+  inside `<answer>` tags), `none` for the bare question, or the text itself (it holds a space).
 - `answer`: `tag` (default, reasoning-gym's own rule: the last `<answer>...</answer>` is scored, no tag
   scores as no answer) or `reply` (the whole reply is scored, for models that never learned the tags).
   With `tag`, `rollout/answered` logs the share of replies that carried one.
@@ -92,9 +92,12 @@ def load(env: str) -> SimpleNamespace:
     if answer not in ANSWER_MODES:
         raise ValueError(f"reasoning-gym answer={answer!r}: use one of {ANSWER_MODES}")
     prompts = library.utils.SYSTEM_PROMPTS
-    if prompt_name != "none" and prompt_name not in prompts:
-        raise ValueError(f"reasoning-gym system_prompt={prompt_name!r}: use none or one of {sorted(prompts)}")
-    system = None if prompt_name == "none" else prompts[prompt_name]
+    if prompt_name != "none" and prompt_name not in prompts and " " not in prompt_name:
+        raise ValueError(
+            f"reasoning-gym system_prompt={prompt_name!r}: use none, one of {sorted(prompts)}, "
+            "or the text itself"
+        )
+    system = None if prompt_name == "none" else prompts.get(prompt_name, prompt_name)
     try:
         _scorer(task, tuple(sorted(settings.items())))[0]  # bad settings fail here, before a run starts
     except (TypeError, ValueError, AssertionError) as error:
