@@ -219,3 +219,19 @@ def test_the_smollm2_reasoning_gym_recipe_asks_single_digit_sums_and_scores_the_
         runner = agent.AgentRunner()
         runner.reset(row)
         assert runner.step(row["entry"]["answer"]).reward == 1.0
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [
+        pytest.param("11", 1.0, id="bare"),
+        pytest.param("4 + 7 = 11.", 1.0, id="restated"),
+        pytest.param("11? no, 12", 0.0, id="last-counts"),
+        pytest.param("eleven", 0.0, id="no-number"),
+    ],
+)
+def test_reasoning_gym_last_number_mode_hands_the_last_number_to_score_answer(reply, reward):
+    agent = load_agent(f"{RG}:basic_arithmetic,answer=last_number")
+    runner = agent.AgentRunner()
+    runner.reset({"messages": [], "entry": {"question": "What is 4 + 7?", "answer": "11", "metadata": {}}})
+    assert runner.step(reply).reward == reward

@@ -9,8 +9,10 @@ Settings after the task name are the task's own config fields (`reasoning_gym.cr
 
 - `system_prompt`: a name in reasoning-gym's `SYSTEM_PROMPTS` (default `default`: think, then answer
   inside `<answer>` tags), `none` for the bare question, or the text itself (it holds a space).
-- `answer`: `tag` (default, reasoning-gym's own rule: the last `<answer>...</answer>` is scored, no tag
-  scores as no answer) or `reply` (the whole reply is scored, for models that never learned the tags).
+- `answer`: which part of the reply `score_answer` sees. `tag` (default, reasoning-gym's own rule: the
+  last `<answer>...</answer>`; no tag scores as no answer), `reply` (the whole reply, stripped), or
+  `last_number` (the reply's last number, the usual rule for numeric answers; none: no answer). The last
+  two serve models that never learned the tags.
   With `tag`, `rollout/answered` logs the share of replies that carried one.
 
 Rows: training rows come from the generator seeded from `--data.seed` upward, held-out evaluation rows
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -33,7 +36,8 @@ __all__ = ["load"]
 
 CHUNK = 10_000  # rows per generator instance; the next chunk continues the seeds
 EVAL_SEED_BASE = 2**31
-ANSWER_MODES = ("tag", "reply")
+ANSWER_MODES = ("tag", "reply", "last_number")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _library():
@@ -74,6 +78,9 @@ class ReasoningGymEnv(Env):
         if self.answer == "tag":
             answer = _library().utils.extract_answer(action)
             info["answered"] = float(answer is not None)
+        elif self.answer == "last_number":
+            numbers = _NUMBER.findall(action)
+            answer = numbers[-1] if numbers else None
         score = _scorer(self.task, self.settings).score_answer(answer, self.entry)
         if score is None:
             raise ValueError(f"reasoning-gym task {self.task!r} returned no score for the reply {action!r}")
