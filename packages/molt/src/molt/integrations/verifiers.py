@@ -131,21 +131,20 @@ class VerifiersAgent(ChatAgent):
         return result_of(episode)
 
 
+def _wire(task) -> dict:
+    return {"task": task.data.model_dump(mode="json", exclude_defaults=True)}
+
+
 def _rows(taskset_id: str, seed: int) -> Iterator[dict]:
     taskset = environment(taskset_id).taskset
+    if not taskset.bounded:  # an endless taskset: its own order
+        yield from map(_wire, taskset)
+        return
+    tasks = [_wire(task) for task in taskset]
+    if not tasks:
+        raise ValueError(f"verifiers taskset {taskset_id!r} yields no tasks")
     for epoch in itertools.count():
-        tasks = (
-            [{"task": t.data.model_dump(mode="json", exclude_defaults=True)} for t in taskset]
-            if taskset.bounded
-            else None
-        )
-        if tasks is None:  # an endless taskset: its own order
-            yield from ({"task": t.data.model_dump(mode="json", exclude_defaults=True)} for t in taskset)
-            return
-        if not tasks:
-            raise ValueError(f"verifiers taskset {taskset_id!r} yields no tasks")
-        random.Random(seed * 1_000_003 + epoch).shuffle(tasks)
-        yield from tasks
+        yield from random.Random(seed * 1_000_003 + epoch).sample(tasks, len(tasks))
 
 
 def load(env: str) -> SimpleNamespace:
