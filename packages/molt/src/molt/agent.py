@@ -18,6 +18,9 @@ an observation a step returns, in a dataset row's messages, and in a ChatAgent's
 A fresh `AgentRunner()` serves each rollout, so it may keep per-episode state. Methods may be plain or
 `async`. A module may also export `dataset(seed) -> Iterable[dict]`, the rows used when no `--data.path`
 is given (each row: chat `messages` plus task fields, e.g. the expected answer).
+
+`--agent.module MODULE:ENV` names one environment of a module that serves many (`molt.integrations`):
+the module exports `load(env)`, which returns the namespace (`AgentRunner`, `dataset`, ...) for that one.
 """
 
 from __future__ import annotations
@@ -82,8 +85,24 @@ class ChatAgent:
         raise NotImplementedError(f"{type(self).__name__} must implement run(ctx, sample) -> Result")
 
 
-def load_agent(module: str):
-    """The agent module named by `--agent.module`: a Python file path or an importable module name."""
+def load_agent(spec: str):
+    """The agent module named by `--agent.module`: a Python file path or an importable module name,
+    optionally `:ENV` for a module that exports `load(env)` (module docstring)."""
+    module, _, env = (spec, "", "") if Path(spec).is_file() else spec.partition(":")
+    loaded = _import_agent(module)
+    if env:
+        if not callable(getattr(loaded, "load", None)):
+            raise ValueError(f"--agent.module {spec!r}: {module} exports no load(env); drop ':{env}'")
+        loaded = loaded.load(env)
+    runner = getattr(loaded, "AgentRunner", None)
+    if not (isinstance(runner, type) and issubclass(runner, Env | ChatAgent)):
+        raise ValueError(
+            f"--agent.module {spec!r} must export AgentRunner, a subclass of molt.Env or molt.ChatAgent"
+        )
+    return loaded
+
+
+def _import_agent(module: str):
     if module.endswith(".py") or Path(module).is_file():
         path = Path(module)
         if not path.is_file():
@@ -101,9 +120,4 @@ def load_agent(module: str):
             loaded = importlib.import_module(module)
         except ModuleNotFoundError as error:
             raise ValueError(f"--agent.module {module!r}: cannot import it ({error})") from error
-    runner = getattr(loaded, "AgentRunner", None)
-    if not (isinstance(runner, type) and issubclass(runner, Env | ChatAgent)):
-        raise ValueError(
-            f"--agent.module {module!r} must export AgentRunner, a subclass of molt.Env or molt.ChatAgent"
-        )
     return loaded
