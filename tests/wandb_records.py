@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32 * 1024
@@ -36,9 +37,21 @@ def records(path: Path):
             parts = []
 
 
+def run_file(run_dir: Path, timeout: float = 60.0) -> Path:
+    """The one offline W&B run file under `<run_dir>/wandb`, once it is whole: wandb's service process
+    writes it behind the caller, so `wandb.finish()` can return before the last records (its `exit`
+    record) are in it; a busy machine shows that."""
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while not any(r.WhichOneof("record_type") == "exit" for r in records(path)):
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout:.0f} s"
+        time.sleep(0.2)
+    return path
+
+
 def history(run_dir: Path) -> dict[int, dict[str, float]]:
     """The one offline W&B run under `<run_dir>/wandb`: each logged step's values by name."""
-    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    path = run_file(run_dir)
     steps = {}
     for record in records(path):
         if record.WhichOneof("record_type") == "history":
@@ -50,7 +63,7 @@ def history(run_dir: Path) -> dict[int, dict[str, float]]:
 
 def config(run_dir: Path) -> dict:
     """The offline W&B run's config, by top-level key."""
-    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    path = run_file(run_dir)
     found = {}
     for record in records(path):  # the run record holds the config `wandb.init` was given
         kind = record.WhichOneof("record_type")

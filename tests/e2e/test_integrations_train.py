@@ -49,9 +49,10 @@ def test_environment_library_trains(tmp_path, tiny_model_dir, molt_engine, ray_c
     )  # fmt: skip
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]
+    # Step 1 trains tokens of the weights the trainer holds (lag 0): engine and trainer agree. Later
+    # steps may train tokens one version old (max lag 1), whose mismatch is the policy's change.
+    assert steps[0]["train/staleness_mean"] == 0 and steps[0]["train/mismatch_kl"] < 1e-3
     for step in steps:
-        assert step["train/token_identity"] == 1.0
-        assert step["train/mismatch_kl"] < 1e-3
         assert step["pool/failed"] == 0 and step["agent/raised"] == 0
         assert {f"rollout/{key}" for key in logged} <= set(step)
     if extra == EVAL:
