@@ -46,6 +46,7 @@ def bare_engine(model_dir: Path, log: Path) -> float:
 
 def one_run(workdir: Path) -> dict[str, float]:
     run_dir = workdir / "run"
+    workdir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     subprocess.run([MOLT, "train", "--train.num_steps", "1", "--logger.run_dir", str(run_dir)], cwd=workdir,
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)  # fmt: skip
