@@ -15,7 +15,7 @@ import ray
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
-__all__ = ["EngineActor", "check_attached", "launch_engines", "stop_engines", "wait_for_engines"]
+__all__ = ["EngineActor", "check_attached", "launch_engines", "stop_engines"]
 
 
 class EngineActor:
@@ -67,7 +67,7 @@ def engine_extra_args(config: Config) -> list[str]:
 
 
 def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
-    """Start `--vllm.num_engines` engine actors; they load in the background (see `wait_for_engines`)."""
+    """Start `--vllm.num_engines` engine actors; they load in the background (each actor's `url()` answers once its server does)."""
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -78,11 +78,6 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
         remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu)
         for index in range(config.vllm.num_engines)
     ]
-
-
-def wait_for_engines(actors: list) -> list[str]:
-    """Wait until every engine answers `/health`; their base URLs, in order."""
-    return ray.get([actor.url.remote() for actor in actors])
 
 
 def check_attached(urls: list[str]) -> list[str]:
