@@ -67,7 +67,8 @@ def engine_extra_args(config: Config) -> list[str]:
 
 
 def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
-    """Start `--vllm.num_engines` engine actors; they load in the background (each actor's `url()` answers once its server does)."""
+    """Start `--vllm.num_engines` engine actors; they load in the background (each actor's `url()`
+    answers once its server does)."""
     import torch
 
     on_gpu = torch.cuda.is_available()
