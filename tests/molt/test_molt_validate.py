@@ -19,7 +19,8 @@ import molt
 import molt._validate
 from molt._engines import engine_extra_args
 from molt._flags import _leaves, resolve
-from molt._validate import _CUDA_ONLY, RANGES, check_cluster_gpus, gpus_needed, num_experts, validate
+from molt._placement import engine_gpus, engine_memory_utilization, gpu_share, gpus_needed, refit_backend
+from molt._validate import _CUDA_ONLY, RANGES, check_cluster_gpus, num_experts, validate
 from molt.config import Config, ConfigError
 
 
@@ -224,16 +225,15 @@ def test_gpus_needed_counts_actor_ranks_and_engine_gpus():
     config = _config(
         actor={"num_ranks": 4}, vllm={"num_engines": 2, "tensor_parallel_size": 2, "data_parallel_size": 2}
     )
-    assert gpus_needed(config, on_gpu=True) == 4 + 2 * 2 * 2
-    assert gpus_needed(config, on_gpu=False) == 0
+    assert gpus_needed(config) == 4 + 2 * 2 * 2
     attached = _config(actor={"num_ranks": 4}, vllm={"num_engines": 2, "urls": ["http://x"]})
-    assert gpus_needed(attached, on_gpu=True) == 4
+    assert gpus_needed(attached) == 4
 
 
 def test_gpus_needed_counts_each_extra_group_like_the_policy(with_cuda, monkeypatch):
     args = ["--actor.num_ranks", "2", "--vllm.urls", "http://x:1", "--algo.kl.coef", "0.1",
             "--algo.advantage.estimator", "gae"]  # fmt: skip
-    assert gpus_needed(resolve(args), on_gpu=True) == 3 * 2  # policy, reference, critic
+    assert gpus_needed(resolve(args)) == 3 * 2  # policy, reference, critic
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 4)
     _refused(args, ["['policy', 'reference', 'critic']"])
 
@@ -275,11 +275,45 @@ def test_a_joined_clusters_gpus_are_checked_against_what_it_has(with_cuda, monke
     import ray
 
     config = resolve(["--actor.num_ranks", "2", "--ray.address", "head:6379"])
+    assert config.vllm.placement == "auto"  # decided once the cluster is joined
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
     with pytest.raises(ConfigError, match="needs 3 GPUs but Ray sees 2"):
         check_cluster_gpus(config)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 3.0})
-    check_cluster_gpus(config)
+    assert check_cluster_gpus(config).vllm.placement == "separate"
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
+    assert check_cluster_gpus(resolve(["--ray.address", "head:6379"])).vllm.placement == "shared"
+
+
+def test_one_gpu_is_enough_the_engine_and_the_actor_share_it(with_cuda, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # for the engine's command line
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 1)
+    config = resolve([])
+    assert config.vllm.placement == "shared"
+    assert gpu_share(config) == engine_gpus(config) == 0.5  # Ray places both on the one GPU
+    assert engine_memory_utilization(config) == 0.4 and refit_backend(config, on_gpu=True) == "ipc"
+    with_kl = resolve(["--algo.kl.coef", "0.1"])  # the reference policy shares it too
+    assert gpu_share(with_kl) == engine_gpus(with_kl) == 0.3333
+    assert "--weight-transfer-config" in (args := engine_extra_args(config))
+    assert '{"backend": "ipc"}' in args and args[args.index("--gpu-memory-utilization") + 1] == "0.4"
+    for flags, named in [
+        (["--actor.num_ranks", "2"], "--actor.num_ranks 2"),
+        (["--vllm.tensor_parallel_size", "2"], "more than one engine GPU"),
+    ]:
+        _refused(flags, ["needs 3 GPUs but Ray sees 1", "--vllm.placement shared"])  # auto: separate
+        _refused([*flags, "--vllm.placement", "shared"], ["--vllm.placement shared", named])
+
+
+def test_gpus_of_their_own_keep_the_nccl_refit(with_cuda, monkeypatch):
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 2)
+    config = resolve([])
+    assert config.vllm.placement == "separate" and gpu_share(config) == 1.0 and engine_gpus(config) == 1
+    assert engine_memory_utilization(config) == 0.8 and refit_backend(config, on_gpu=True) == "nccl"
+    shared = resolve(["--vllm.placement", "shared", "--vllm.gpu_memory_utilization", "0.3"])
+    assert shared.vllm.placement == "shared" and engine_memory_utilization(shared) == 0.3
+    assert refit_backend(config, on_gpu=False) == "refit_gloo"
 
 
 def test_engine_flags_reach_the_vllm_command_line_on_cuda(monkeypatch):

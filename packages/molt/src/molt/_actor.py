@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
 from molt._log import redirect_output
+from molt._placement import gpu_share, refit_backend
 from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
@@ -427,6 +428,7 @@ class PolicyGroup:
         if num_ranks < 1:
             raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.on_gpu = torch.cuda.is_available()
+        self.backend = refit_backend(config, on_gpu=self.on_gpu)  # how its refits reach the engines
         self.num_ranks = num_ranks
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas
@@ -439,9 +441,10 @@ class PolicyGroup:
         if not self.on_gpu:
             env["env_vars"] = {"OMP_NUM_THREADS": "1"}
         # No task events: Ray's GCS keeps one for every call (its dashboard's task table), a few a step.
-        remote = ray.remote(
-            num_cpus=0, num_gpus=1 if self.on_gpu else 0, runtime_env=env, enable_task_events=False
-        )(self.worker_class)
+        gpus = gpu_share(config) if self.on_gpu else 0  # a whole GPU, or its part of a shared one
+        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(
+            self.worker_class
+        )
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.workers = [
             remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
@@ -517,11 +520,8 @@ class PolicyGroup:
 
         `trainer_host`: the address the engines reach rank 0 at; default, the driver node's address.
         """
-        import refit
-
-        backend = refit.NCCL_BACKEND if self.on_gpu else refit.GLOO_BACKEND
         host = trainer_host or self.master_addr
-        report = self._each("refit", *[(list(engine_urls), backend, version, host)] * self.num_ranks)[0]
+        report = self._each("refit", *[(list(engine_urls), self.backend, version, host)] * self.num_ranks)[0]
         failed = report.pop("failed")
         if failed:
             raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])

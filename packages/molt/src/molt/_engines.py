@@ -12,6 +12,7 @@ from pathlib import Path
 
 import ray
 
+from molt._placement import engine_gpus, engine_memory_utilization, refit_backend
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
@@ -22,8 +23,11 @@ class EngineActor:
     """Runs inside a Ray worker: starts the server in `__init__`, so the actor is ready when it answers.
     It never loads torch: the server starts seconds sooner (the trainer says whether it is a CPU run)."""
 
-    def __init__(self, model_dir: str, extra_args: list[str], log_path: str, on_cpu: bool) -> None:
-        self.server = VLLMServer(model_dir, extra_args=extra_args, log_path=log_path, on_cpu=on_cpu).start()
+    def __init__(
+        self, model_dir: str, extra_args: list[str], log_path: str, on_cpu: bool, env: dict[str, str]
+    ) -> None:
+        server = VLLMServer(model_dir, extra_args=extra_args, log_path=log_path, on_cpu=on_cpu, env=env)
+        self.server = server.start()
 
     def url(self) -> str:
         return self.server.url
@@ -39,7 +43,7 @@ def engine_extra_args(config: Config) -> list[str]:
     import refit
     from molt._sharding import compute_dtype
 
-    backend = refit.NCCL_BACKEND if torch.cuda.is_available() else refit.GLOO_BACKEND
+    backend = refit_backend(config, on_gpu=torch.cuda.is_available())
     vllm = config.vllm
     args = refit.engine_flags(backend) + [
         "--max-model-len",
@@ -54,7 +58,7 @@ def engine_extra_args(config: Config) -> list[str]:
         args += ["--dtype", str(compute_dtype(config)).removeprefix("torch.")]
         args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
         args += ["--data-parallel-size", str(vllm.data_parallel_size)]
-        args += ["--gpu-memory-utilization", str(vllm.gpu_memory_utilization)]
+        args += ["--gpu-memory-utilization", str(engine_memory_utilization(config))]
         args += ["--enable-expert-parallel"] if vllm.enable_expert_parallel else []
         args += [] if vllm.cuda_graphs else ["--enforce-eager"]
         args += ["--enable-return-routed-experts"] if config.train.routing_replay else []  # R3's routes
@@ -71,12 +75,14 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
     answers once its server does)."""
     import torch
 
+    import refit
+
     on_gpu = torch.cuda.is_available()
-    gpus = config.vllm.tensor_parallel_size * config.vllm.data_parallel_size if on_gpu else 0
+    gpus = engine_gpus(config) if on_gpu else 0
     remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # as the actor's
-    args = engine_extra_args(config)
+    args, env = engine_extra_args(config), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
     return [
-        remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu)
+        remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu, env)
         for index in range(config.vllm.num_engines)
     ]
 

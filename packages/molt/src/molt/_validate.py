@@ -27,11 +27,11 @@ from typing import Any, NamedTuple, get_args
 
 import msgspec
 
+from molt._placement import engine_memory_utilization, extra_groups, resolve_placement
 from molt.config import Config, ConfigError, OutcomeEstimator
 
 __all__ = [
-    "RANGES", "Range", "check_cluster_gpus", "extra_groups", "gpus_needed", "num_experts", "start_notes",
-    "validate",
+    "RANGES", "Range", "check_cluster_gpus", "extra_groups", "num_experts", "start_notes", "validate",
 ]  # fmt: skip
 
 
@@ -96,6 +96,7 @@ _CUDA_ONLY = {
     "fsdp.offload": "it moves optimizer states to host memory, where a CPU actor's already are",
     "vllm.cuda_graphs": "the CPU engine always runs eager",
     "vllm.gpu_memory_utilization": "it sizes an engine's share of GPU memory",
+    "vllm.placement": "it places engines and actor ranks on GPUs",
     "vllm.tensor_parallel_size": "the CPU engine runs one process",
     "vllm.data_parallel_size": "the CPU engine runs one process",
     "vllm.enable_expert_parallel": "the CPU engine runs one process",
@@ -137,6 +138,8 @@ def validate(config: Config) -> Config:
     _check_algorithm(config)
     _check_sampling(config)
     _check_machine(config)
+    if _on_gpu() and not config.ray.address:  # a joined cluster's GPUs are counted once joined
+        config = resolve_placement(config, _local_gpus())
     _check_model(config, config.model.path)
     _check_companions(config)
     _check_agent(config)
@@ -321,51 +324,16 @@ def _check_machine(config: Config) -> None:
             "--actor.compile with --train.routing_replay: replay swaps each router's choice per call from "
             "Python hooks, which compiled layers are not tested to follow; drop one of the two"
         )
-    if not config.ray.address and gpus_needed(config):
-        _check_gpus(config, _local_gpus())
 
 
-def extra_groups(config: Config) -> list[str]:
-    """The optional groups a run starts beside the policy (each with --actor.num_ranks ranks)."""
-    algo = config.algo
-    wanted = {
-        "reference": algo.kl.coef != 0,
-        "critic": algo.advantage.estimator == "gae",
-        "teacher": algo.advantage.estimator == "opd",
-    }
-    return [name for name, started in wanted.items() if started]
-
-
-def gpus_needed(config: Config, *, on_gpu: bool | None = None) -> int:
-    """GPUs a run takes: one per rank of the policy and of each extra group, TP x DP per engine it
-    starts; none on CPU."""
-    if not (_on_gpu() if on_gpu is None else on_gpu):
-        return 0
-    vllm = config.vllm
-    engines = 0 if vllm.urls else vllm.num_engines
-    groups = 1 + len(extra_groups(config))
-    return groups * config.actor.num_ranks + engines * vllm.tensor_parallel_size * vllm.data_parallel_size
-
-
-def _check_gpus(config: Config, num_gpus: float) -> None:
-    """Refuse a run that asks for more GPUs than there are (Ray would wait for them forever)."""
-    needed = gpus_needed(config)
-    if needed > num_gpus:
-        vllm = config.vllm
-        raise ConfigError(
-            f"the run needs {needed} GPUs but Ray sees {num_gpus:g}: --actor.num_ranks "
-            f"{config.actor.num_ranks} x the groups {['policy', *extra_groups(config)]} "
-            f"+ --vllm.num_engines {vllm.num_engines} x --vllm.tensor_parallel_size "
-            f"{vllm.tensor_parallel_size} x --vllm.data_parallel_size {vllm.data_parallel_size}; lower them, "
-            "or join a larger cluster with --ray.address"
-        )
-
-
-def check_cluster_gpus(config: Config) -> None:
-    """`_check_gpus` against the Ray cluster joined with --ray.address (call right after joining)."""
+def check_cluster_gpus(config: Config) -> Config:
+    """The config placed on the Ray cluster joined with --ray.address (call right after joining): its
+    GPUs are counted there (`molt._placement`)."""
     import ray
 
-    _check_gpus(config, ray.cluster_resources().get("GPU", 0.0))
+    if not _on_gpu():
+        return config
+    return resolve_placement(config, ray.cluster_resources().get("GPU", 0.0))
 
 
 def num_experts(model_config: dict) -> int:
@@ -479,5 +447,11 @@ def start_notes(config: Config) -> list[str]:
         notes.append(
             f"the actor computes in {actor_dtype} but the CPU engine samples in float32: "
             "their logprobs differ by the rounding (train/mismatch_kl shows it; the correction weighs it)"
+        )
+    if config.vllm.placement == "shared":
+        share = engine_memory_utilization(config)
+        notes.append(
+            f"the engine and the actor share one GPU (--vllm.placement shared): the engine takes {share:.0%} "
+            "of its memory (--vllm.gpu_memory_utilization), the actor the rest; refits go over CUDA IPC"
         )
     return notes

@@ -236,8 +236,12 @@ class VLLM(_Group):
     """Capture CUDA graphs (CUDA only: the CPU engine runs eager)."""
     max_model_len: int = 2048
     """Longest prompt plus response, in tokens."""
-    gpu_memory_utilization: float = 0.8
-    """Fraction of GPU memory an engine may take."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of its GPU's memory an engine may take; none = 0.8 on GPUs of its own, 0.4 on a GPU it
+    shares with the actor (see --vllm.placement)."""
+    placement: Literal["auto", "shared", "separate"] = "auto"
+    """GPUs: separate = each engine and actor rank on its own (NCCL refit); shared = the engine and the actor
+    on one GPU (CUDA IPC refit); auto = shared when a local Ray has too few GPUs for separate."""
 
 
 class Rollout(_Group):

@@ -425,7 +425,7 @@ def train(config: Config, *, resume: bool = False) -> None:
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)
-            _start_ray(config, clock)
+            config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
             cleanup.callback(ray.shutdown)
             model_dir = building.result()
         attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
@@ -435,6 +435,8 @@ def train(config: Config, *, resume: bool = False) -> None:
         clock.begin("engines")
         engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
         cleanup.callback(stop_engines, engines)
+        if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
+            ray.get([engine.url.remote() for engine in engines])
         clock.begin("actor")
         policy = PolicyGroup(
             model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor"
@@ -499,9 +501,10 @@ def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, log
     return groups
 
 
-def _start_ray(config: Config, clock: StartupClock) -> None:
-    """Join `--ray.address`, or start a fresh local Ray (never one found running here). Ray workers' own
-    output reaches the console only with --logger.verbose (each worker writes into the run directory)."""
+def _start_ray(config: Config, clock: StartupClock) -> Config:
+    """Join `--ray.address`, or start a fresh local Ray (never one found running here); returns the config
+    placed on the joined cluster's GPUs. Ray workers' own output reaches the console only with
+    --logger.verbose (each worker writes into the run directory)."""
     import ray
 
     progress("starting Ray")
@@ -509,10 +512,11 @@ def _start_ray(config: Config, clock: StartupClock) -> None:
     quiet = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
     if config.ray.address:
         ray.init(address=config.ray.address, **quiet)
-        check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
+        config = check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
     else:
         ray.init(address="local", num_cpus=config.ray.num_cpus, **quiet)
     clock.end("ray")
+    return config
 
 
 async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool) -> None:

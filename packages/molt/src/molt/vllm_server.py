@@ -1,8 +1,8 @@
 """Start one vLLM OpenAI-compatible server as a subprocess, with the flags Molt's engines need.
 
-An engine for Molt must offer the token-level interface (`/inference/v1/generate`, enabled by
-`--enable-scale-out`), return processed (post-temperature) logprobs so they match the trainer's
-recomputation, and expose the RL endpoints (pause, weight transfer, prefix-cache reset), which vLLM
+An engine for Molt must offer the token-level interface (`/inference/v1/generate`, which vLLM 0.26
+registers for every generating model), return processed (post-temperature) logprobs so they match the
+trainer's recomputation, and expose the RL endpoints (pause, weight transfer, prefix-cache reset), which vLLM
 only registers with `VLLM_SERVER_DEV_MODE=1`. On a CPU the fast-start settings below bring a tiny model
 up in well under a minute. This module does not place engines (Ray does that); it only starts and
 stops one server process and waits until it answers `/health`.
@@ -61,7 +61,6 @@ def engine_args(
         "--host", "127.0.0.1",
         "--port", str(port),
         "--max-model-len", str(max_model_len),
-        "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
@@ -102,7 +101,8 @@ class VLLMServer:
 
     The server's output goes to `log_path` (a temporary file by default) so a failed start can show
     its last lines in the error. `on_cpu`: whether it runs the CPU build; None asks torch (a process that
-    only starts servers need not load it: molt's engine actors pass what the trainer found).
+    only starts servers need not load it: molt's engine actors pass what the trainer found). `env`: set in
+    the server's environment on top of this process's (e.g. `refit.engine_env`).
     """
 
     def __init__(
@@ -114,6 +114,7 @@ class VLLMServer:
         log_path: str | Path | None = None,
         start_timeout: float = 300.0,
         on_cpu: bool | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -121,6 +122,7 @@ class VLLMServer:
         self.args = engine_args(model, port=self.port, extra=extra_args, on_cpu=self.on_cpu)
         self.log_path = Path(log_path or f"/tmp/molt-vllm-{self.port}.log")
         self.start_timeout = start_timeout
+        self.env = {**_engine_env(self.on_cpu), **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> VLLMServer:
@@ -129,7 +131,7 @@ class VLLMServer:
             self.args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_engine_env(self.on_cpu),
+            env=self.env,
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

@@ -2,16 +2,25 @@
 
 `update_weights(engines, full_params(model), version=v)` pauses every engine (keeping in-flight
 requests), streams the full parameters in bounded buckets through vLLM's weight-transfer API (vLLM's
-NCCL backend on GPU, our `refit_gloo` backend on CPU), labels them `v`, clears the prefix cache and
-resumes. On `refit_gloo` every bucket is verified (its CRC-32, checked by the engine before it loads;
-a mismatch is rolled back and retried in full), and `delta=True` sends only the elements that
-changed since the engine's last refit. `decode_routed_experts` and `RoutingReplay` replay an
-engine's MoE routing in transformers and NeMo AutoModel MoE models.
+NCCL backend across GPUs, its CUDA IPC backend on one shared GPU, our `refit_gloo` backend on CPU),
+labels them `v`, clears the prefix cache and resumes. On `refit_gloo` every bucket is verified (its
+CRC-32, checked by the engine before it loads; a mismatch is rolled back and retried in full), and
+`delta=True` sends only the elements that changed since the engine's last refit.
+`decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in transformers and NeMo
+AutoModel MoE models.
 See README.md.
 """
 
 from refit._buckets import ParamSpec, pack_bucket, plan_buckets, unpack_bucket
-from refit._engine import GLOO_BACKEND, NCCL_BACKEND, Engine, EngineCallError, engine_flags
+from refit._engine import (
+    GLOO_BACKEND,
+    IPC_BACKEND,
+    NCCL_BACKEND,
+    Engine,
+    EngineCallError,
+    engine_env,
+    engine_flags,
+)
 from refit._gather import FullParams, full_params
 from refit._refit import DEFAULT_BUCKET_BYTES, RefitError, RefitStats, update_weights
 from refit._routing import RoutingReplay, decode_routed_experts
@@ -19,6 +28,7 @@ from refit._routing import RoutingReplay, decode_routed_experts
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "GLOO_BACKEND",
+    "IPC_BACKEND",
     "NCCL_BACKEND",
     "Engine",
     "EngineCallError",
@@ -28,6 +38,7 @@ __all__ = [
     "RefitStats",
     "RoutingReplay",
     "decode_routed_experts",
+    "engine_env",
     "engine_flags",
     "full_params",
     "pack_bucket",

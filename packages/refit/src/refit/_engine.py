@@ -17,21 +17,37 @@ import threading
 from functools import partial
 
 from refit._buckets import ParamSpec
-from refit._transport import GlooChannel, NcclChannel, host_store, join_gloo_group
+from refit._transport import GlooChannel, IpcChannel, NcclChannel, host_store, join_gloo_group
 
-__all__ = ["Engine", "EngineCallError", "GLOO_BACKEND", "NCCL_BACKEND", "engine_flags"]
+__all__ = [
+    "Engine",
+    "EngineCallError",
+    "GLOO_BACKEND",
+    "IPC_BACKEND",
+    "NCCL_BACKEND",
+    "engine_env",
+    "engine_flags",
+]
 
 GLOO_BACKEND = "refit_gloo"  # our CPU backend, registered into vLLM by refit.vllm_worker
-NCCL_BACKEND = "nccl"  # vLLM's own GPU backend
+NCCL_BACKEND = "nccl"  # vLLM's own GPU backend, engine and trainer on GPUs of their own
+IPC_BACKEND = "ipc"  # vLLM's own CUDA IPC backend, engine and trainer on one GPU
+BACKENDS = (GLOO_BACKEND, NCCL_BACKEND, IPC_BACKEND)
 
 
 def engine_flags(backend: str = GLOO_BACKEND) -> list[str]:
     """The vLLM server flags an engine needs for refit (besides `VLLM_SERVER_DEV_MODE=1`)."""
-    # The extension registers refit_gloo and answers the checkpoint-spec query both backends use.
+    # The extension registers refit_gloo and answers the checkpoint-spec query every backend uses.
     return [
         "--worker-extension-cls", "refit.vllm_worker.RefitWorkerExtension",
         "--weight-transfer-config", json.dumps({"backend": backend}),
     ]  # fmt: skip
+
+
+def engine_env(backend: str) -> dict[str, str]:
+    """Environment an engine's server needs for `backend`: vLLM's IPC backend takes the CUDA IPC handles
+    as a pickle over HTTP, which vLLM reads only when told to (the server listens on loopback)."""
+    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == IPC_BACKEND else {}
 
 
 class EngineCallError(RuntimeError):
@@ -59,13 +75,13 @@ class Engine:
         trainer_host: str = "127.0.0.1",
         timeout_s: float = 300.0,
     ) -> None:
-        if backend not in (GLOO_BACKEND, NCCL_BACKEND):
-            raise ValueError(f"backend must be {GLOO_BACKEND!r} or {NCCL_BACKEND!r}, got {backend!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.url = url.rstrip("/")
         self.backend = backend
         self.trainer_host = trainer_host
         self.timeout_s = timeout_s
-        self.channel: GlooChannel | NcclChannel | None = None
+        self.channel: GlooChannel | NcclChannel | IpcChannel | None = None
         self.bucket_bytes: int | None = None  # fixed at connect for NCCL (vLLM reads it at init)
         self.delta_base: str | None = None  # token of the delta refit whose bytes it holds (refit._delta)
         self._checkpoint_specs: list[ParamSpec] | None = None
@@ -151,7 +167,16 @@ class Engine:
 
     # --- the byte pipe ---
     def connect(self, bucket_bytes: int) -> None:
-        """Open this engine's transfer group (trainer = rank 0, its workers = 1..N)."""
+        """Open this engine's transfer group (trainer = rank 0, its workers = 1..N); for IPC, only tell the
+        engine to get ready (each bucket's handle then travels in its own `/update_weights`)."""
+        if self.backend == IPC_BACKEND:
+            if self.world_size() != 1:
+                raise ValueError(
+                    f"{self.url}: the IPC refit serves a one-GPU engine, not {self.world_size()}"
+                )
+            self._call("POST", "/init_weight_transfer_engine", json={"init_info": {}})
+            self.channel, self.bucket_bytes = IpcChannel(self.update_weights), bucket_bytes
+            return
         host, world_size = self.trainer_host, 1 + self.world_size()
         if self.backend == NCCL_BACKEND:  # vLLM's NCCL group binds the port itself: find a free one
             port = _free_port(host)

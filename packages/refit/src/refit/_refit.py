@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from refit._buckets import ParamSpec, bucket_nbytes, packed_buckets, plan_buckets
 from refit._delta import ABORTED, FULL, SPARSE, Shadow, bucket_unit, diff_into
-from refit._engine import GLOO_BACKEND, NCCL_BACKEND, Engine
+from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, Engine
 from refit._gather import FullParams
 from refit._transport import checksum
 
@@ -95,8 +95,8 @@ def update_weights(
     engine that holds the previous delta refit's bytes only what changed (rank 0 keeps a copy of the
     weights in the wire dtype for it); refit_gloo engines only.
     """
-    if delta and (nccl := [e.url for e in engines if e.backend != GLOO_BACKEND]):
-        raise ValueError(f"delta refit runs on {GLOO_BACKEND!r} engines only; {nccl} use another backend")
+    if delta and (others := [e.url for e in engines if e.backend != GLOO_BACKEND]):
+        raise ValueError(f"delta refit runs on {GLOO_BACKEND!r} engines only; {others} use another backend")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     specs = list(params.specs)
     plan = plan_buckets(specs, bucket_bytes)
@@ -244,7 +244,12 @@ class _Run:
         began = time.perf_counter()
         engines = list(self.live if engines is None else engines)
         infos = {e: e.update_info(specs, bucket_bytes, token=token) for e in engines}
-        receivers = {e: self.pool.submit(e.update_weights, infos[e]) for e in engines}
+        receivers = {  # an IPC engine takes each bucket in a call of its own, made by its channel
+            e: self.pool.submit(e.update_weights, infos[e]) for e in engines if e.backend != IPC_BACKEND
+        }
+        for engine in engines:
+            if engine.backend == IPC_BACKEND:
+                engine.channel.begin(specs, plan)
         self.buckets_sent = 0
         try:
             self._send(params, specs, plan, engines, prefix)
@@ -338,8 +343,8 @@ class _Run:
         """Gather, pack and send bucket by bucket, into two buffers: each bucket is queued for sending as
         soon as it is packed (behind the one on the wire), and packing the next waits only for the
         send of the bucket whose buffer it reuses, so the wire never waits for the packing."""
-        device = "cuda" if any(e.backend == NCCL_BACKEND for e in engines) else "cpu"
-        verified = device == "cpu"  # refit_gloo engines check each bucket's CRC; vLLM's NCCL one cannot
+        device = "cuda" if any(e.backend in (NCCL_BACKEND, IPC_BACKEND) for e in engines) else "cpu"
+        verified = device == "cpu"  # refit_gloo engines check each bucket's CRC; vLLM's own ones cannot
         buffers_2N = _send_buffers(device, max((bucket_nbytes(specs, b) for b in plan), default=0))
         in_flight: deque[dict[Engine, list]] = deque()
         gather_pack = crc_s = 0.0

@@ -11,6 +11,9 @@ group, so the others still receive every bucket. Two kinds:
   aborted junk (`GlooChannel.abort`), and the engine, having seen an aborted header, rolls back
   instead of loading. The engine checks every bucket's CRC before it loads it: a mismatch raises
   `VerifyError`, the engine rolls back the same way, and the trainer retries with a full refit.
+- ipc (one GPU, vLLM's own `ipc` backend): no group. Each bucket, packed into the trainer's GPU buffer,
+  reaches the engine as a CUDA IPC handle in its own `/update_weights` call; the engine copies it out and
+  loads it before answering. Like NCCL it has no CRC and no abort signal.
 - nccl (GPU, vLLM's own `nccl` backend): vLLM's StatelessProcessGroup + PyNcclCommunicator, because the
   engine side rendezvouses that way. vLLM is imported only here, lazily. vLLM's NCCL consumer has no
   header, so an abort cannot be signalled: the engine stays paused and is reported (see `_refit.py`).
@@ -18,17 +21,21 @@ group, so the others still receive every bucket. Two kinds:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
+import pickle
 import time
 import zlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "join_gloo_group", "Incoming", "ReceiveBuffers", "GlooChannel", "NcclChannel", "ABORT", "VerifyError",
-    "checksum",
+    "join_gloo_group", "Incoming", "ReceiveBuffers", "GlooChannel", "IpcChannel", "NcclChannel", "ABORT",
+    "VerifyError", "checksum",
 ]  # fmt: skip
 
 ABORT = -1  # header value that tells a gloo engine to roll back
@@ -205,3 +212,58 @@ class NcclChannel:
     def close(self) -> None:
         torch.cuda.current_stream().synchronize()
         self.comm = None
+
+
+class IpcChannel:
+    """Trainer end of an engine on this trainer's GPU (vLLM's `ipc` backend; needs CUDA, not vLLM).
+
+    `begin` gives it the refit's parameter list and bucket plan; `send` hands the engine a CUDA IPC handle
+    of one packed bucket in one `/update_weights` call (`post`), which answers once the engine has copied
+    and loaded the bucket. The calls run one at a time on a thread of their own, so the trainer packs the
+    next bucket into its other buffer meanwhile; `wait` on what `send` returns before reusing a buffer.
+    """
+
+    kind = "ipc"
+
+    def __init__(self, post: Callable[[dict], None]) -> None:
+        self.post = post
+        self.specs: list = []
+        self.plan: list[range] = []
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="refit-ipc")
+
+    def begin(self, specs: Sequence, plan: Sequence[range]) -> None:
+        self.specs, self.plan = list(specs), list(plan)
+
+    def send(self, index: int, payload_N: torch.Tensor, crc: int = 0) -> list[_Posted]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        torch.cuda.current_stream(payload_N.device).synchronize()  # the packing kernel has written it
+        bucket = [self.specs[i] for i in self.plan[index]]
+        gpu = str(torch.cuda.get_device_properties(payload_N.device).uuid)  # the engine finds its GPU here
+        handle = {gpu: reduce_tensor(payload_N)[1]}
+        info = {
+            "names": [spec.name for spec in bucket],
+            "dtype_names": [str(spec.dtype).removeprefix("torch.") for spec in bucket],
+            "shapes": [list(spec.shape) for spec in bucket],
+            "tensor_sizes": [spec.nbytes for spec in bucket],
+            "packed": True,
+            "ipc_handles_pickled": base64.b64encode(pickle.dumps(handle)).decode(),
+        }
+        return [_Posted(self.pool.submit(self.post, info))]
+
+    def abort(self, sizes: list[int]) -> None:
+        pass  # nothing is posted ahead: the engine never waits for a bucket that is not sent
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        torch.cuda.ipc_collect()  # lets go of buffers the engine has released
+
+
+class _Posted:
+    """One `/update_weights` call in flight, waited for like a collective's work."""
+
+    def __init__(self, future: Future) -> None:
+        self.future = future
+
+    def wait(self) -> None:
+        self.future.result()

@@ -1,0 +1,132 @@
+"""Where a run's processes sit on GPUs, and the refit path each layout takes (`--vllm.placement`).
+
+- separate: every actor rank (of the policy and of each extra group) takes a GPU of its own, every engine
+  TP x DP; the refit goes over NCCL (vLLM's `nccl` weight transfer). The paper's disaggregated layout.
+- shared: one GPU holds the engine and every actor group, one process each. The engine takes
+  `--vllm.gpu_memory_utilization` of the GPU's memory (0.4 unless set) and starts first, since vLLM sizes
+  its KV cache from the memory it finds free; the actor groups use the rest. The refit hands the engine
+  CUDA IPC handles of the trainer's bucket buffers (vLLM's `ipc` weight transfer): NCCL refuses two ranks
+  on one device.
+- auto: shared when a local Ray would have fewer GPUs than separate needs and the run fits on one GPU;
+  separate otherwise (and always on a joined cluster, whose GPUs are counted once joined).
+
+A CPU run has no placement (gloo refit, `placement` stays auto). This module refuses layouts that cannot
+run: a shared GPU holds one actor rank and one single-GPU engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from molt.config import Config, ConfigError
+
+__all__ = [
+    "check_gpus", "engine_gpus", "engine_memory_utilization", "extra_groups", "gpus_needed", "gpu_share",
+    "refit_backend", "resolve_placement",
+]  # fmt: skip
+
+_MEMORY = {"separate": 0.8, "shared": 0.4}  # --vllm.gpu_memory_utilization when unset
+
+
+def extra_groups(config: Config) -> list[str]:
+    """The optional groups a run starts beside the policy (each with --actor.num_ranks ranks)."""
+    algo = config.algo
+    wanted = {
+        "reference": algo.kl.coef != 0,
+        "critic": algo.advantage.estimator == "gae",
+        "teacher": algo.advantage.estimator == "opd",
+    }
+    return [name for name, started in wanted.items() if started]
+
+
+def gpus_needed(config: Config) -> int:
+    """GPUs a separate layout takes: one per rank of the policy and of each extra group, TP x DP per
+    engine it starts."""
+    vllm = config.vllm
+    engines = 0 if vllm.urls else vllm.num_engines
+    groups = 1 + len(extra_groups(config))
+    return groups * config.actor.num_ranks + engines * vllm.tensor_parallel_size * vllm.data_parallel_size
+
+
+def _fits_one_gpu(config: Config) -> str:
+    """Why the run cannot share one GPU (empty: it can)."""
+    vllm = config.vllm
+    if config.actor.num_ranks > 1:
+        return f"--actor.num_ranks {config.actor.num_ranks} (a shared GPU holds one actor rank)"
+    if not vllm.urls and vllm.num_engines * vllm.tensor_parallel_size * vllm.data_parallel_size > 1:
+        return "more than one engine GPU (--vllm.num_engines x tensor_parallel_size x data_parallel_size)"
+    return ""
+
+
+def resolve_placement(config: Config, num_gpus: float) -> Config:
+    """The config with `--vllm.placement auto` decided for a Ray with `num_gpus` GPUs; refuses a layout
+    that does not fit them. Call on a CUDA machine only."""
+    placement, needed = config.vllm.placement, gpus_needed(config)
+    if placement == "auto":
+        placement = (
+            "shared" if needed > num_gpus and num_gpus >= 1 and not _fits_one_gpu(config) else "separate"
+        )
+    if placement == "shared" and (why := _fits_one_gpu(config)):
+        raise ConfigError(
+            f"--vllm.placement shared puts the engine and the actor on one GPU; {why}: lower it"
+        )
+    if placement == "separate":
+        check_gpus(config, num_gpus)
+    elif num_gpus < 1:
+        raise ConfigError(f"--vllm.placement shared needs a GPU, and Ray sees {num_gpus:g}")
+    return msgspec.structs.replace(config, vllm=msgspec.structs.replace(config.vllm, placement=placement))
+
+
+def check_gpus(config: Config, num_gpus: float) -> None:
+    """Refuse a separate layout that asks for more GPUs than there are (Ray would wait for them forever)."""
+    needed = gpus_needed(config)
+    if needed > num_gpus:
+        vllm = config.vllm
+        raise ConfigError(
+            f"the run needs {needed} GPUs but Ray sees {num_gpus:g}: --actor.num_ranks "
+            f"{config.actor.num_ranks} x the groups {['policy', *extra_groups(config)]} "
+            f"+ --vllm.num_engines {vllm.num_engines} x --vllm.tensor_parallel_size "
+            f"{vllm.tensor_parallel_size} x --vllm.data_parallel_size {vllm.data_parallel_size}; lower them, "
+            "join a larger cluster with --ray.address, or (one actor rank, one single-GPU engine) share one "
+            "GPU with --vllm.placement shared"
+        )
+
+
+def gpu_share(config: Config) -> float:
+    """What one actor rank asks Ray for: a whole GPU (separate), or its part of the shared one."""
+    if config.vllm.placement != "shared":
+        return 1.0
+    processes = 1 + len(extra_groups(config)) + (0 if config.vllm.urls else config.vllm.num_engines)
+    return math.floor(1e4 / processes) / 1e4  # Ray counts GPU fractions in steps of 1e-4
+
+
+def engine_gpus(config: Config) -> float:
+    """What one engine asks Ray for."""
+    vllm = config.vllm
+    return (
+        gpu_share(config)
+        if vllm.placement == "shared"
+        else vllm.tensor_parallel_size * vllm.data_parallel_size
+    )
+
+
+def engine_memory_utilization(config: Config) -> float:
+    """--vllm.gpu_memory_utilization, or the layout's default."""
+    chosen = config.vllm.gpu_memory_utilization
+    return (
+        chosen
+        if chosen is not None
+        else _MEMORY["shared" if config.vllm.placement == "shared" else "separate"]
+    )
+
+
+def refit_backend(config: Config, *, on_gpu: bool) -> str:
+    """The weight-transfer backend of the run's engines: CUDA IPC on a shared GPU, NCCL on separate ones,
+    refit's gloo backend on a CPU."""
+    import refit
+
+    if not on_gpu:
+        return refit.GLOO_BACKEND
+    return refit.IPC_BACKEND if config.vllm.placement == "shared" else refit.NCCL_BACKEND
