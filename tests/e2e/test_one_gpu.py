@@ -3,10 +3,10 @@ auto -> shared, CUDA IPC refit), and the default recipe learns. GPU machine only
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
+import tomllib
 
 import pytest
 from molt_runs import steps_of
@@ -26,7 +26,7 @@ def test_the_default_recipe_learns_on_one_shared_gpu(tmp_path):
         capture_output=True, text=True, timeout=1200, env={**os.environ},
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    config = json.loads((run_dir / "config.json").read_text())
+    config = tomllib.loads((run_dir / "config.toml").read_text())  # the resolved run, as written
     assert config["vllm"]["placement"] == "shared"
     steps = steps_of(run_dir)
     rewards = [steps[step]["rollout/reward_mean"] for step in sorted(steps)]

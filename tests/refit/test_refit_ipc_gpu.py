@@ -21,7 +21,8 @@ PROMPTS = [[5, 17, 33, 60, 2, 41, 41, 9], [70, 3, 3, 3, 12, 88, 19, 4, 51, 27, 3
 def ipc_engine(tiny_model_dir, tmp_path_factory):
     from molt.vllm_server import VLLMServer
 
-    args = [*refit.engine_flags(refit.IPC_BACKEND), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.2"]
+    args = [*refit.engine_flags(refit.IPC_BACKEND), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
+            "--enforce-eager"]  # fmt: skip
     log = tmp_path_factory.mktemp("ipc-vllm") / "server.log"
     env = refit.engine_env(refit.IPC_BACKEND)
     with VLLMServer(tiny_model_dir, extra_args=args, log_path=log, on_cpu=False, env=env) as server:

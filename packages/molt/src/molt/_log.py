@@ -90,8 +90,6 @@ class RunLog:
     def __init__(self, run_dir: Path, *, num_steps: int, tensorboard: bool, wandb_project: str = "",
                  config: dict | None = None) -> None:  # fmt: skip
         self.num_steps = num_steps
-        if config:  # the resolved run, every default filled: what ran, next to what it measured
-            (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.writer = None
         if tensorboard:
