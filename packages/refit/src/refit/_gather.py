@@ -30,13 +30,13 @@ class FullParams:
         self.module = module
         self.dtype = dtype
         self.specs = [
-            ParamSpec(name, dtype or param.dtype, tuple(param.shape))
+            ParamSpec(checkpoint_name(name), dtype or param.dtype, tuple(param.shape))
             for name, param in module.named_parameters()
         ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param in self.module.named_parameters():
-            yield name, self._materialize(param)
+            yield checkpoint_name(name), self._materialize(param)
 
     def _materialize(self, param: torch.Tensor) -> torch.Tensor:
         tensor = param.detach()
@@ -46,6 +46,15 @@ class FullParams:
         if self.dtype is not None:
             tensor = tensor.to(self.dtype)
         return tensor
+
+
+_WRAPPED = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper adds it to every name
+
+
+def checkpoint_name(name: str) -> str:
+    """A parameter's checkpoint name: without the wrapper segment that activation checkpointing
+    (torch's `checkpoint_wrapper`, which AutoModel applies) inserts into module paths."""
+    return name.replace(_WRAPPED, "")
 
 
 def full_params(module: torch.nn.Module, *, dtype: torch.dtype | None = None) -> FullParams:
