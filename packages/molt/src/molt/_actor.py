@@ -35,13 +35,13 @@ import torch
 import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
+from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._objective import step_loss
 from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
     load_model,
-    logprob_head,
     params_by_mesh,
     replicas,
     sum_gradients_over_ranks,
@@ -97,7 +97,8 @@ class PolicyWorker:
             world_size=world_size,
         )
         self.model = self._load(str(model_dir), world_size)
-        self._logprob_head = logprob_head(self.model, config)
+        head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
+        self._logprob_head = head if isinstance(head, LogprobHead) else None
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.optimizer = self.scheduler = self.replay = None
         if not trainable:
@@ -131,7 +132,7 @@ class PolicyWorker:
 
     def _forward(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over `mb`: from the logprob head, log p of each next token [B, T, 1] and the entropy
-        of its distribution [B, T]; where the head is not installed (`molt._sharding.logprob_head`), the
+        of its distribution [B, T]; for a model without that head (`molt._lean.LogprobHead`), the
         [B, T, V] logits and None."""
         from torch.distributed.tensor import DTensor
 
@@ -141,15 +142,10 @@ class PolicyWorker:
         images = mb.model_inputs(self.device)
         if self._needs_blank_image(mb):
             tokens_BT, images = self._blank_image_column(tokens_BT)
-        head = self._logprob_head
-        if head is not None:  # the last column's next token wraps to column 0: `_token_stats` drops it
-            head["next_tokens_BT"] = tokens_BT.roll(-1, dims=1)
-        try:
+        head = self._logprob_head  # the last column's next token wraps to column 0: `_token_stats` drops it
+        with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
             out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
-            entropy_BT = None if head is None else head.pop("entropy_BT")
-        finally:
-            if head is not None:
-                head.pop("next_tokens_BT")
+            entropy_BT = None if head is None else head.entropy_BT
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
         out_BTX = out_BTX.full_tensor() if isinstance(out_BTX, DTensor) else out_BTX
         num_cols = mb.tokens_BT.shape[1]  # a blank image's column, if any, dropped
