@@ -305,8 +305,6 @@ class PolicyWorker:
         """
         if self.optimizer is None:
             raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
-        if batch.num_tokens < 1:
-            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
         if ref_logp_BT is None and self.config.algo.kl.coef != 0 and not self.config.algo.kl.in_reward:
             raise ValueError("--algo.kl.coef is set: pass reference logprobs (ref_logp_BT) to train_step")
         sums = self._micro_batch_sums(batch, self._forward_backward, old_logp_BT, ref_logp_BT)
@@ -469,11 +467,7 @@ class PolicyGroup:
     ) -> dict[str, float]:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
         says what the arguments mean)."""
-        for name, tensor in (("old_logp_BT", old_logp_BT), ("ref_logp_BT", ref_logp_BT)):
-            if tensor is not None and tensor.shape != batch.tokens_BT.shape:
-                raise ValueError(f"{name} must be {tuple(batch.tokens_BT.shape)}, got {tuple(tensor.shape)}")
-        if batch.num_tokens < 1:
-            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
+        batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
         shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
