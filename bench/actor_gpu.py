@@ -185,7 +185,7 @@ def molt_stepper(model_dir: str, case: str, micro_batch_size: int):
     )
     worker = PolicyWorker(0, 1, "127.0.0.1", _free_port(), model_dir, config)
     if case == "molt-logits":
-        worker._logprob_head = None  # the head's forward then gives logits (molt._sharding.logprob_head)
+        worker._logprob_head = None  # the head's forward then gives logits (molt._lean.LogprobHead)
     return worker.train_step
 
 

@@ -128,6 +128,16 @@ def test_train_batch_refuses_mismatched_tensors():
         TrainBatch(batch.tokens_BT, batch.loss_mask_BT, batch.rollout_logp_BT, batch.advantages_BT[:1], 1)
 
 
+def test_a_step_is_refused_rows_of_another_shape_or_no_trainable_token():
+    batch = collate(_sequences(2, [1.0] * 2, lengths=(5, 6)), pad_id=0)
+    batch.check_step(old_logp_BT=torch.zeros(2, 6), ref_logp_BT=None)
+    with pytest.raises(ValueError, match=r"returns_BT must be \(2, 6\), got \(2, 5\)"):
+        batch.check_step(old_values_BT=torch.zeros(2, 6), returns_BT=torch.zeros(2, 5))
+    untrainable = collate([([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0)], pad_id=0)
+    with pytest.raises(ValueError, match="at least one trainable token"):
+        untrainable.check_step()
+
+
 @pytest.mark.parametrize("temperature", [pytest.param(1.0, id="t1"), pytest.param(0.7, id="t0.7")])
 def test_shifted_logprobs_are_the_logprob_of_each_token_given_its_prefix(tiny_model_dir, temperature):
     model = _hf_model(tiny_model_dir)

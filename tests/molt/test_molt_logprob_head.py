@@ -1,4 +1,4 @@
-"""The policy actor's logprob head (`molt._sharding.logprob_head`): the model's LM head gives token
+"""The policy actor's logprob head (`molt._lean.LogprobHead`): the model's LM head gives token
 logprobs and entropies from its input, and a train step with it equals one through the logits.
 
 One rank of the real `PolicyWorker` in this process (AutoModel over gloo, the tiny Qwen3 with tied
@@ -96,12 +96,16 @@ def _initial(model_dir) -> dict[str, torch.Tensor]:
 
 
 def test_no_head_under_tensor_parallelism_or_for_a_head_with_bias():
-    from molt._sharding import logprob_head
+    from molt._lean import LogprobHead, use_logprob_head
 
     tensor_parallel = msgspec.structs.replace(Config(), fsdp=FSDP(tp_size=2))
     model = torch.nn.Module()
-    model.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=False)
-    assert logprob_head(model, tensor_parallel) is None
-    assert logprob_head(model, Config()) == {}
-    model.get_output_embeddings = lambda: torch.nn.Linear(4, 8, bias=True)
-    assert logprob_head(model, Config()) is None
+    head = torch.nn.Linear(4, 8, bias=False)
+    model.get_output_embeddings = lambda: head
+    assert use_logprob_head(model, tensor_parallel) is None
+    assert type(head) is torch.nn.Linear
+    assert use_logprob_head(model, Config()) is head and isinstance(head, LogprobHead)
+    biased = torch.nn.Linear(4, 8, bias=True)
+    model.get_output_embeddings = lambda: biased
+    assert use_logprob_head(model, Config()) is None
+    assert type(biased) is torch.nn.Linear

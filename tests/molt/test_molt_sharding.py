@@ -58,7 +58,7 @@ def test_cuda_engines_run_the_trainers_compute_dtype(monkeypatch):
 def test_lean_rms_norms_compute_what_transformers_computes(dtype):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-    from molt._sharding import use_lean_rms_norms
+    from molt._lean import use_lean_rms_norms
 
     torch.manual_seed(0)
     norms = [Qwen3RMSNorm(64, eps=1e-6) for _ in range(2)]
@@ -86,7 +86,7 @@ def test_lean_mlps_compute_what_transformers_computes_and_keep_less(dtype):
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
 
-    from molt._sharding import use_lean_mlps
+    from molt._lean import use_lean_mlps
 
     torch.manual_seed(0)
     config = Qwen3Config(hidden_size=16, intermediate_size=48, hidden_act="silu")

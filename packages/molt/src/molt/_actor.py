@@ -5,8 +5,8 @@ AdamW state. It recomputes logprobs, runs one optimizer step over a `TrainBatch`
 engines. The group shards rows over ranks, fans each call out with Ray and gathers the results in row
 order.
 
-Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's policy, entropy and KL sums are divided
-by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
+Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's loss (`molt._objective.step_loss`) is
+divided by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
 FSDP's gradient averaging undone (`molt._sharding.sum_gradients_over_ranks`), the summed gradient is the
 gradient of the global token mean, so the update does not depend on the number of ranks or micro-batches.
 Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
@@ -35,20 +35,21 @@ import torch
 import torch.distributed as dist
 
 from molt._batch import TrainBatch, shard_rows, shifted_logprobs
+from molt._lean import LogprobHead
 from molt._log import redirect_output
+from molt._objective import step_loss
 from molt._placement import gpu_share, refit_backend
 from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
     load_model,
-    logprob_head,
     params_by_mesh,
     replicas,
     sum_gradients_over_ranks,
 )
 from molt.config import Config
 from molt.vllm_server import free_port
-from rlestimators import entropy_from_logits, kl, masked_sum, policy_loss, rollout_correction
+from rlestimators import entropy_from_logits
 
 if TYPE_CHECKING:
     from refit import RoutingReplay
@@ -97,7 +98,8 @@ class PolicyWorker:
             world_size=world_size,
         )
         self.model = self._load(str(model_dir), world_size)
-        self._logprob_head = logprob_head(self.model, config)
+        head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
+        self._logprob_head = head if isinstance(head, LogprobHead) else None
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.optimizer = self.scheduler = self.replay = None
         if not trainable:
@@ -131,7 +133,7 @@ class PolicyWorker:
 
     def _forward(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over `mb`: from the logprob head, log p of each next token [B, T, 1] and the entropy
-        of its distribution [B, T]; where the head is not installed (`molt._sharding.logprob_head`), the
+        of its distribution [B, T]; for a model without that head (`molt._lean.LogprobHead`), the
         [B, T, V] logits and None."""
         from torch.distributed.tensor import DTensor
 
@@ -141,15 +143,10 @@ class PolicyWorker:
         images = mb.model_inputs(self.device)
         if self._needs_blank_image(mb):
             tokens_BT, images = self._blank_image_column(tokens_BT)
-        head = self._logprob_head
-        if head is not None:  # the last column's next token wraps to column 0: `_token_stats` drops it
-            head["next_tokens_BT"] = tokens_BT.roll(-1, dims=1)
-        try:
+        head = self._logprob_head  # the last column's next token wraps to column 0: `_token_stats` drops it
+        with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
             out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
-            entropy_BT = None if head is None else head.pop("entropy_BT")
-        finally:
-            if head is not None:
-                head.pop("next_tokens_BT")
+            entropy_BT = None if head is None else head.entropy_BT
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
         out_BTX = out_BTX.full_tensor() if isinstance(out_BTX, DTensor) else out_BTX
         num_cols = mb.tokens_BT.shape[1]  # a blank image's column, if any, dropped
@@ -224,63 +221,53 @@ class PolicyWorker:
                 logp_BT.append(self._token_stats(mb)[0])
         return torch.cat(logp_BT).cpu()
 
-    def _micro_batch_loss(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch; returns its metric numerators (token sums, the
-        row counts of the sequence-level correction, and under routing replay the (token, router)
-        pairs it compared and those the router would have routed elsewhere)."""
+    def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
+        """One micro-batch: the policy's logprobs and entropies, its loss (`molt._objective.step_loss`)
+        and the backward. Returns the loss's metric numerators and, under routing replay, the (token,
+        router) pairs it compared and those the router would have routed elsewhere."""
+        algo, device = self.config.algo, self.device
         with self._routes(mb) as replay:
-            sums = self._forward_backward(mb, old_logp_BT, ref_logp_BT)
+            # The entropy of the distribution each token was sampled from; a bonus trains it.
+            logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if algo.entropy_coef else "detached")
+            loss, sums = step_loss(
+                logp_BT,
+                entropy_BT,
+                None if old_logp_BT is None else old_logp_BT.to(device),
+                mb.rollout_logp_BT.to(device),
+                mb.advantages_BT.to(device),
+                mb.loss_mask_BT.to(device),
+                num_tokens=mb.num_tokens,
+                algo=algo,
+                ref_logp_BT=None if ref_logp_BT is None else ref_logp_BT.to(device),
+            )
+            loss.backward()
         if replay is not None:
             differed, compared = (torch.as_tensor(count, device=self.device) for count in replay.mismatch)
             sums.update(routes_differed=differed, routes_compared=compared)
         return sums
 
-    def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
-        algo, device = self.config.algo, self.device
-        mask_BT = mb.loss_mask_BT.to(device)
-        # The entropy of the distribution each token was sampled from; a bonus trains it.
-        bonus = algo.entropy_coef != 0
-        logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if bonus else "detached")
-        # Without old logprobs the batch is one optimizer step, so the logprobs "before the step" are this
-        # forward's, detached (train_step's docstring).
-        old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT.to(device)
-        correction = algo.correction  # engine vs trainer mismatch (DESIGN invariant 2)
-        weights_BT, keep_B, mismatch = rollout_correction(
-            old_logp_BT, mb.rollout_logp_BT.to(device), mask_BT, mode=correction.mode,
-            token_cap=correction.token_cap, token_bounds=correction.token_bounds,
-            seq_bounds=correction.seq_bounds,
-        )  # fmt: skip
-        pg_sum, pg_metrics = policy_loss(
-            logp_BT,
-            old_logp_BT,
-            mb.advantages_BT.to(device),
-            mask_BT,
-            kind=algo.loss.kind,
-            clip_low=algo.loss.clip_low,
-            clip_high=algo.loss.clip_high,
-            dual_clip=algo.loss.dual_clip,
-            weights=weights_BT,
-        )
-        entropy_sum = masked_sum(entropy_BT, mask_BT)
-        loss = pg_sum - algo.entropy_coef * entropy_sum
-        num_trainable = (mask_BT != 0).sum()
-        has_tokens_B = (mask_BT != 0).any(dim=1)  # shard padding rows are not sequences
-        sums = {
-            "train/policy_loss": pg_sum.detach(),
-            "train/entropy": entropy_sum.detach(),
-            "train/clip_frac": pg_metrics["clip_frac"] * num_trainable,
-            "train/mismatch_kl": mismatch["mismatch_kl"] * num_trainable,
-            "train/correction_weight_mean": masked_sum(weights_BT, mask_BT),
-            "train/correction_weight_dev": masked_sum((weights_BT - 1).abs(), mask_BT),  # 0: all weigh 1
-            "rows_rejected": (has_tokens_B & ~keep_B).sum(),
-            "rows": has_tokens_B.sum(),
-        }
-        if ref_logp_BT is not None:  # KL loss term against a reference policy (--algo.kl.coef)
-            kl_sum = masked_sum(kl(logp_BT, ref_logp_BT.to(device), kind=algo.kl.kind), mask_BT)
-            loss = loss + algo.kl.coef * kl_sum
-            sums["train/kl"] = kl_sum.detach()
-        (loss / mb.num_tokens).backward()  # the ONE global denominator (module docstring)
-        return sums
+    def _micro_batch_sums(self, batch: TrainBatch, loss_of, *tensors_BT) -> dict[str, float]:
+        """Forward and backward of each micro-batch of this rank's rows through `loss_of(mb, *its rows of
+        tensors_BT)` (None stays None), which returns metric numerators: their sums over the micro-batches
+        and all ranks. The policy's step and the critic's (`molt._critic`) both run it."""
+        from torch.distributed.fsdp import FSDPModule
+
+        size = self.config.actor.micro_batch_size
+        micro_batches = list(batch.micro_batches(size))
+        splits = [[None] * len(micro_batches) if t_BT is None else t_BT.split(size) for t_BT in tensors_BT]
+        totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
+        one_rank = dist.get_world_size() == 1
+        for index, (mb, *rows_BT) in enumerate(zip(micro_batches, *splits, strict=True)):
+            # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
+            # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
+            # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
+            for name, value in loss_of(mb, *rows_BT).items():
+                totals[name] = totals[name] + value if name in totals else value
+        sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
+        dist.all_reduce(sums_K)  # SUM over ranks
+        return dict(zip(totals, sums_K.tolist(), strict=True))
 
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip the global gradient norm, step; returns (norm before clipping, learning rate used)."""
@@ -314,37 +301,14 @@ class PolicyWorker:
         old policy: before the first of the batch's `--train.mini_batches` steps), computed once by the
         caller. None takes them from this step's own forward, detached: right for a batch that is one
         optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
-        rollout correction (`--algo.correction.*`) weighs each
-        token by the ratio of `old_logp` to the engine's `batch.rollout_logp_BT`. `ref_logp_BT`:
-        reference logprobs, which add the KL loss term.
+        rollout correction (`--algo.correction.*`) weighs each token by the ratio of `old_logp` to the
+        engine's `batch.rollout_logp_BT`. `ref_logp_BT`: reference logprobs, which add the KL loss term.
         """
-        from torch.distributed.fsdp import FSDPModule
-
         if self.optimizer is None:
             raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
-        if batch.num_tokens < 1:
-            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
         if ref_logp_BT is None and self.config.algo.kl.coef != 0 and not self.config.algo.kl.in_reward:
             raise ValueError("--algo.kl.coef is set: pass reference logprobs (ref_logp_BT) to train_step")
-        size = self.config.actor.micro_batch_size
-        micro_batches = list(batch.micro_batches(size))
-        olds, refs = (
-            [None] * len(micro_batches) if t_BT is None else t_BT.split(size)
-            for t_BT in (old_logp_BT, ref_logp_BT)
-        )
-        totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
-        one_rank = dist.get_world_size() == 1
-        for index, (mb, old_BT, ref_BT) in enumerate(zip(micro_batches, olds, refs, strict=True)):
-            # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
-            # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
-            # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
-            for name, value in self._micro_batch_loss(mb, old_BT, ref_BT).items():
-                totals[name] = totals[name] + value if name in totals else value
-        sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
-        dist.all_reduce(sums_K)  # SUM over ranks
-        sums = dict(zip(totals, sums_K.tolist(), strict=True))
+        sums = self._micro_batch_sums(batch, self._forward_backward, old_logp_BT, ref_logp_BT)
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
@@ -506,11 +470,7 @@ class PolicyGroup:
     ) -> dict[str, float]:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
         says what the arguments mean)."""
-        for name, tensor in (("old_logp_BT", old_logp_BT), ("ref_logp_BT", ref_logp_BT)):
-            if tensor is not None and tensor.shape != batch.tokens_BT.shape:
-                raise ValueError(f"{name} must be {tuple(batch.tokens_BT.shape)}, got {tuple(tensor.shape)}")
-        if batch.num_tokens < 1:
-            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
+        batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
         shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 

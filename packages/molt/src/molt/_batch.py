@@ -118,6 +118,16 @@ class TrainBatch:
         experts = None if self.experts_BTLK is None else select(self.experts_BTLK, -1)
         return TrainBatch(**tensors, num_tokens=self.num_tokens, images=images, experts_BTLK=experts)
 
+    def check_step(self, **tensors_BT: torch.Tensor | None) -> None:
+        """Refuse an optimizer step over these rows that has no trainable token, or is given a per-row
+        tensor (None: not given) of another shape than theirs; the policy's and the critic's groups
+        check here, before the rows are split over ranks."""
+        for name, tensor in tensors_BT.items():
+            if tensor is not None and tensor.shape != self.tokens_BT.shape:
+                raise ValueError(f"{name} must be {tuple(self.tokens_BT.shape)}, got {tuple(tensor.shape)}")
+        if self.num_tokens < 1:
+            raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
+
     def shard(self, rank: int, world_size: int) -> TrainBatch:
         """Rank `rank`'s contiguous rows, padded with all-masked rows so that every rank gets
         ceil(B / world_size) of them (module docstring). `num_tokens` stays the global count."""

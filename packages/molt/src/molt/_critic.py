@@ -5,7 +5,8 @@ head (transformers' `*ForTokenClassification`, `num_labels=1`), loaded from `--a
 default, from the policy's initial weights. A freshly made head starts at zero, so every first value is 0
 and the first advantages are the returns themselves. It trains with `rlestimators.value_loss` (clipped
 around the values before the step) at `--algo.critic.lr`, with the same one-denominator normalisation as
-the policy (the step's trainable tokens), and checkpoints beside it (`<step>/critic`).
+the policy (the step's trainable tokens) through the policy worker's micro-batch loop
+(`PolicyWorker._micro_batch_sums`), and checkpoints beside it (`<step>/critic`).
 
 Alignment: `values_BT[:, t]` is the value of the state in which token t was sampled, read from the hidden
 state of token t - 1 (as a logprob in column t comes from the logits of t - 1); column 0 holds 0. The
@@ -21,7 +22,6 @@ from pathlib import Path
 
 import msgspec
 import torch
-import torch.distributed as dist
 
 from molt._actor import PolicyGroup, PolicyWorker
 from molt._batch import TrainBatch
@@ -85,37 +85,30 @@ class CriticWorker(PolicyWorker):
         size = self.config.actor.micro_batch_size
         return torch.cat([self._values(mb.tokens_BT) for mb in batch.micro_batches(size)]).cpu()
 
+    def _value_loss(self, mb: TrainBatch, old_values_BT, returns_BT) -> dict[str, torch.Tensor]:
+        """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
+        mask_BT = mb.loss_mask_BT.to(self.device)
+        values_BT = self._values(mb.tokens_BT)
+        loss_sum, metrics = value_loss(
+            values_BT, old_values_BT.to(self.device), returns_BT.to(self.device), mask_BT,
+            clip=self.config.algo.critic.value_clip,
+        )  # fmt: skip
+        (loss_sum / mb.num_tokens).backward()  # the step's one denominator, as for the policy
+        return {
+            "critic/value_loss": loss_sum.detach(),
+            "critic/value_clip_frac": metrics["value_clip_frac"] * (mask_BT != 0).sum(),
+            "critic/value_mean": masked_sum(values_BT.detach(), mask_BT),
+        }
+
     def train_step(
         self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
     ) -> dict[str, float]:
         """One optimizer step of the clipped value loss over this rank's rows; global metrics."""
-        from torch.distributed.fsdp import FSDPModule
-
-        size, clip = self.config.actor.micro_batch_size, self.config.algo.critic.value_clip
-        micro_batches = list(batch.micro_batches(size))
-        chunks = zip(micro_batches, old_values_BT.split(size), returns_BT.split(size), strict=True)
-        totals = torch.zeros(3, device=self.device)  # value loss, clipped tokens, value sum
-        for index, (mb, old_BT, returns_mb_BT) in enumerate(chunks):
-            if isinstance(self.model, FSDPModule):  # reduce-scatter once, after the last micro-batch
-                self.model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            mask_BT = mb.loss_mask_BT.to(self.device)
-            values_BT = self._values(mb.tokens_BT)
-            loss_sum, metrics = value_loss(
-                values_BT, old_BT.to(self.device), returns_mb_BT.to(self.device), mask_BT, clip=clip
-            )
-            (loss_sum / mb.num_tokens).backward()  # the step's one denominator, as for the policy
-            num_trainable = (mask_BT != 0).sum()
-            totals += torch.stack([
-                loss_sum.detach(), metrics["value_clip_frac"] * num_trainable,
-                masked_sum(values_BT.detach(), mask_BT),
-            ])  # fmt: skip
-        dist.all_reduce(totals)
-        loss, clipped, value_sum = (totals / (batch.num_tokens * replicas(self.config))).tolist()
-        grad_norm, lr = self._optimizer_step()
-        return {
-            "critic/value_loss": loss, "critic/value_clip_frac": clipped, "critic/value_mean": value_sum,
-            "critic/grad_norm": grad_norm, "critic/lr": lr,
-        }  # fmt: skip
+        sums = self._micro_batch_sums(batch, self._value_loss, old_values_BT, returns_BT)
+        counted = batch.num_tokens * replicas(self.config)  # as the policy's (`PolicyWorker.train_step`)
+        metrics = {name: value / counted for name, value in sums.items()}
+        metrics["critic/grad_norm"], metrics["critic/lr"] = self._optimizer_step()
+        return metrics
 
 
 class CriticGroup(PolicyGroup):
@@ -142,4 +135,5 @@ class CriticGroup(PolicyGroup):
         self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
     ) -> dict[str, float]:
         """One critic optimizer step over the whole batch; returns the global metrics."""
+        batch.check_step(old_values_BT=old_values_BT, returns_BT=returns_BT)
         return self._each("train_step", *self._row_shards(batch, old_values_BT, returns_BT))[0]

@@ -4,16 +4,14 @@ critic (`molt._actor`, `molt._critic`)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from molt._lean import use_lean_modules
 from molt.config import Config
 
 __all__ = [
-    "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "logprob_head",
-    "compile_layers", "params_by_mesh", "replicas", "sum_gradients_over_ranks", "use_lean_mlps",
-    "use_lean_rms_norms",
+    "compile_layers", "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model",
+    "params_by_mesh", "replicas", "sum_gradients_over_ranks",
 ]  # fmt: skip
 
 
@@ -82,104 +80,12 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
         loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = loader.from_pretrained(model_dir, dtype=dtype)
         model = parallelize_model(model, setup.mesh_context)
-    use_lean_rms_norms(model)
-    if config.fsdp.tp_size == 1:  # under TP the projections' outputs may be DTensors: left as they are
-        use_lean_mlps(model)
+    use_lean_modules(model, config)  # the same function in less memory (`molt._lean`)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
         shard_one_rank(model, setup.strategy_config, device)
     if config.actor.compile:
         compile_layers(model)
     return model
-
-
-def use_lean_rms_norms(model: torch.nn.Module) -> int:
-    """Run transformers' RMSNorm layers through AutoModel's float32 RMSNorm op; returns how many.
-
-    Same function, less memory: transformers' RMSNorm keeps a float32 copy of its input for the
-    backward pass, AutoModel's op keeps the input in its own dtype and recomputes the rest (at 16k
-    tokens on a Qwen3-1.7B, about 12 GiB of activations). It also rounds once, after the weight, as
-    vLLM's fused RMSNorm does. AutoModel's own model classes already use the op.
-    """
-    import nemo_automodel.components.models.common.utils  # noqa: F401 (registers the op)
-
-    def lean_forward(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.nemo_automodel.float32_rms_norm(x, norm.weight, norm.variance_epsilon)
-
-    norms = [
-        m for m in model.modules() if hasattr(m, "variance_epsilon") and type(m).__name__.endswith("RMSNorm")
-    ]
-    for norm in norms:
-        norm.forward = functools.partial(lean_forward, norm)
-    return len(norms)
-
-
-class _SiluMul(torch.autograd.Function):
-    """silu(gate) * up, keeping gate and up for the backward and recomputing silu(gate) there."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return torch.nn.functional.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        gate, up = ctx.saved_tensors
-        grad_up = grad * torch.nn.functional.silu(gate)
-        return torch.ops.aten.silu_backward(grad * up, gate), grad_up
-
-
-def use_lean_mlps(model: torch.nn.Module) -> int:
-    """Run SwiGLU MLPs (`down(silu(gate(x)) * up(x))`, transformers' Qwen/Llama MLP) through one autograd
-    function that keeps only silu's input and recomputes silu in the backward; returns how many.
-
-    Same numbers (the same ops, rounded the same way), less memory: autograd would also keep silu's
-    output for the product's backward, one [tokens, intermediate] tensor per layer (at 16k tokens on a
-    Qwen3-1.7B, 192 MiB a layer, 5.3 GiB in all), for one more elementwise pass in the backward.
-    """
-    mlps = [
-        m for m in model.modules()
-        if all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
-        and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-    ]  # fmt: skip
-
-    def lean_forward(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return mlp.down_proj(_SiluMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
-
-    for mlp in mlps:
-        mlp.forward = functools.partial(lean_forward, mlp)
-    return len(mlps)
-
-
-def logprob_head(model: torch.nn.Module, config: Config) -> dict | None:
-    """Make the policy's LM head give token logprobs and entropies instead of logits; returns its request.
-
-    While `request["next_tokens_BT"]` is set, the head maps the final hidden states [B, T, H] to [B, T, 1],
-    log p(next token) at each position at the sampling temperature, and leaves the entropy there [B, T] in
-    `request["entropy_BT"]` (apart, so that a detached entropy sends no gradient back), both through
-    `rlestimators.lm_head_logprobs`: the [B, T, V] logits and their gradient never exist (at 16k tokens
-    and a 152k vocabulary, 2 x 4.6 GiB in bf16). Without it the head gives logits as before. It runs inside
-    the head's own call, where FSDP2 has gathered its weight (tied embeddings included). Not installed
-    (None) under tensor parallelism, whose plans shard the head over the vocabulary, or for a head that is
-    not a bias-free linear layer.
-    """
-    from rlestimators import lm_head_logprobs
-
-    head = model.get_output_embeddings()
-    if config.fsdp.tp_size > 1 or type(head) is not torch.nn.Linear or head.bias is not None:
-        return None
-    request: dict[str, torch.Tensor] = {}
-    logits_forward, temperature = head.forward, config.rollout.temperature
-
-    def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
-        if "next_tokens_BT" not in request:
-            return logits_forward(hidden_BTH)
-        logp_BT, request["entropy_BT"] = lm_head_logprobs(
-            hidden_BTH, head.weight, request["next_tokens_BT"], temperature=temperature
-        )
-        return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
-
-    head.forward = forward
-    return request
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -150,7 +150,8 @@ async def run_steps(config: Config, run: Run) -> None:
         batch = dataclasses.replace(batch, advantages_BT=advantages_BT)
         # The advantage metrics count rollouts for an outcome estimator, trainable tokens for gae and opd.
         advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
-        # Each window is one optimizer step; the step applies the rollout correction itself (invariant 2).
+        # Each window is one optimizer step; its loss, rollout correction included (invariant 2), is
+        # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
         windows = [(w, rows) for w, rows in batch.windows(num_windows) if w.num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, old_logp_BT, ref_logp_BT)]  # ref: KL term
         if critic_args is not None:  # the critic's steps run beside the policy's

@@ -1,0 +1,166 @@
+"""The modules molt swaps into a loaded policy: the same function as transformers' modules, less memory.
+
+- `LeanRMSNorm`: RMSNorm through AutoModel's float32 op, which keeps its input in its own dtype;
+- `LeanMLP`: a SwiGLU MLP that recomputes silu in the backward instead of keeping its output;
+- `LogprobHead`: the LM head, able to give token logprobs and entropies instead of [B, T, V] logits.
+
+`use_lean_modules` swaps them in, once, in `molt._sharding.load_model`; `print(model)` shows them. A
+swap changes the class of the module object (to a subclass of its own class with the lean `forward`
+first), never the object: FSDP2 keeps the module objects that hold its parameters and puts the gathered
+parameters back on those objects before each forward (`ParamModuleInfo` in torch's `_fsdp_param.py`),
+so a new module object swapped in after sharding would compute with stale, sharded weights. It is how
+`fully_shard` itself makes `FSDP<class>`. Parameter names, objects and the state dict stay as they were.
+
+Legend: B sequences, T tokens, H hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+
+from molt.config import Config
+
+__all__ = [
+    "LeanMLP", "LeanRMSNorm", "LogprobHead", "use_lean_mlps", "use_lean_modules", "use_lean_rms_norms",
+    "use_logprob_head",
+]  # fmt: skip
+
+
+@functools.cache
+def _lean_class(lean: type, original: type) -> type:
+    """`original` with `lean`'s forward: a subclass whose method resolution order puts `lean` first."""
+    return type(f"{lean.__name__}[{original.__name__}]", (lean, original), {})
+
+
+def _swap(module: torch.nn.Module, lean: type) -> None:
+    if not isinstance(module, lean):
+        module.__class__ = _lean_class(lean, type(module))
+
+
+class LeanRMSNorm(torch.nn.Module):
+    """transformers' RMSNorm (`weight`, `variance_epsilon`) through AutoModel's float32 RMSNorm op.
+
+    Same function, less memory: transformers' RMSNorm keeps a float32 copy of its input for the
+    backward pass, AutoModel's op keeps the input in its own dtype and recomputes the rest (at 16k
+    tokens on a Qwen3-1.7B, about 12 GiB of activations). It also rounds once, after the weight, as
+    vLLM's fused RMSNorm does. AutoModel's own model classes already use the op.
+    """
+
+    weight: torch.nn.Parameter
+    variance_epsilon: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nemo_automodel.float32_rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class _SiluMul(torch.autograd.Function):
+    """silu(gate) * up, keeping gate and up for the backward and recomputing silu(gate) there."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        grad_up = grad * torch.nn.functional.silu(gate)
+        return torch.ops.aten.silu_backward(grad * up, gate), grad_up
+
+
+class LeanMLP(torch.nn.Module):
+    """A SwiGLU MLP, `down(silu(gate(x)) * up(x))` (transformers' Qwen/Llama MLP), through one autograd
+    function that keeps only silu's input and recomputes silu in the backward.
+
+    Same numbers (the same ops, rounded the same way), less memory: autograd would also keep silu's
+    output for the product's backward, one [tokens, intermediate] tensor per layer (at 16k tokens on a
+    Qwen3-1.7B, 192 MiB a layer, 5.3 GiB in all), for one more elementwise pass in the backward.
+    """
+
+    gate_proj: torch.nn.Module
+    up_proj: torch.nn.Module
+    down_proj: torch.nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_SiluMul.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class LogprobHead(torch.nn.Module):
+    """A bias-free linear LM head that, inside `logprobs_of(next_tokens_BT)`, maps the final hidden states
+    [B, T, H] to [B, T, 1], log p(next token) at each position at the sampling temperature, and leaves
+    the entropy there [B, T] in `entropy_BT` (apart, so that a detached entropy sends no gradient back),
+    both through `rlestimators.lm_head_logprobs`: the [B, T, V] logits and their gradient never exist (at
+    16k tokens and a 152k vocabulary, 2 x 4.6 GiB in bf16). Outside the block it gives logits, as before.
+    It runs inside the head's own call, where FSDP2 has gathered its weight (tied embeddings included)."""
+
+    weight: torch.nn.Parameter
+    temperature: float = 1.0  # the sampling temperature, set by `use_logprob_head`
+    next_tokens_BT: torch.Tensor | None = None  # set within `logprobs_of`
+    entropy_BT: torch.Tensor | None = None  # the last forward's within `logprobs_of`
+
+    @contextlib.contextmanager
+    def logprobs_of(self, next_tokens_BT: torch.Tensor) -> Iterator[LogprobHead]:
+        """Within the block, forwards give the logprobs of `next_tokens_BT` [B, T] (class docstring)."""
+        self.next_tokens_BT = next_tokens_BT
+        try:
+            yield self
+        finally:  # drop the entropy too: it holds the forward's graph
+            self.next_tokens_BT = self.entropy_BT = None
+
+    def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
+        from rlestimators import lm_head_logprobs
+
+        if self.next_tokens_BT is None:
+            return torch.nn.functional.linear(hidden_BTH, self.weight)
+        logp_BT, self.entropy_BT = lm_head_logprobs(
+            hidden_BTH, self.weight, self.next_tokens_BT, temperature=self.temperature
+        )
+        return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
+
+
+def use_lean_rms_norms(model: torch.nn.Module) -> int:
+    """Swap `LeanRMSNorm` into transformers' RMSNorm layers; returns how many."""
+    import nemo_automodel.components.models.common.utils  # noqa: F401 (registers the op)
+
+    norms = [
+        m for m in model.modules() if hasattr(m, "variance_epsilon") and type(m).__name__.endswith("RMSNorm")
+    ]
+    for norm in norms:
+        _swap(norm, LeanRMSNorm)
+    return len(norms)
+
+
+def use_lean_mlps(model: torch.nn.Module) -> int:
+    """Swap `LeanMLP` into SwiGLU MLPs (transformers' Qwen/Llama MLP); returns how many."""
+    mlps = [
+        m for m in model.modules()
+        if all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
+        and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    ]  # fmt: skip
+    for mlp in mlps:
+        _swap(mlp, LeanMLP)
+    return len(mlps)
+
+
+def use_logprob_head(model: torch.nn.Module, config: Config) -> LogprobHead | None:
+    """Swap `LogprobHead` into the policy's LM head at the sampling temperature; returns it. None (not
+    swapped) under tensor parallelism, whose plans shard the head over the vocabulary, or for a head that
+    is not a bias-free linear layer."""
+    head = model.get_output_embeddings()
+    if config.fsdp.tp_size > 1 or type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    _swap(head, LogprobHead)
+    head.temperature = config.rollout.temperature
+    return head
+
+
+def use_lean_modules(model: torch.nn.Module, config: Config) -> None:
+    """Every swap of this module, applied to a loaded policy (`molt._sharding.load_model`)."""
+    use_lean_rms_norms(model)
+    if config.fsdp.tp_size == 1:  # under TP the projections' outputs may be DTensors: left as they are
+        use_lean_mlps(model)
+    use_logprob_head(model, config)

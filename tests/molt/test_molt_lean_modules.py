@@ -1,0 +1,101 @@
+"""`molt._lean.use_lean_modules`: the policy with its lean norms, MLPs and logprob head swapped in computes
+what the model as loaded computes, forward and backward, with the same parameters under the same names.
+
+The tiny Qwen3 through transformers in this process (float32), no distribution: the swap is the same
+whether FSDP2 has sharded the model or not (it changes classes, never module objects).
+
+Legend: B sequences, T tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+from torch.testing import assert_close
+
+from molt.config import Config
+
+pytestmark = [  # importing AutoModel (its RMSNorm op) in this process
+    pytest.mark.filterwarnings("ignore:Transformer Engine and Apex are not installed:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+TEMPERATURE = 0.7
+
+
+def _models(model_dir) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The model as loaded, and a copy with the lean modules swapped in."""
+    from transformers import AutoModelForCausalLM
+
+    from molt._lean import use_lean_modules
+
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lean = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = dict(lean.named_parameters())
+    config = Config()
+    use_lean_modules(
+        lean,
+        msgspec.structs.replace(
+            config, rollout=msgspec.structs.replace(config.rollout, temperature=TEMPERATURE)
+        ),
+    )
+    assert dict(lean.named_parameters()).keys() == params.keys()
+    assert all(p is params[name] for name, p in lean.named_parameters()), "the same parameter objects"
+    return original, lean
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(4, 100, (3, 9), generator=torch.Generator().manual_seed(0))
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_every_lean_module_is_swapped_in_and_shows(tiny_model_dir):
+    from molt._lean import LeanMLP, LeanRMSNorm, LogprobHead
+
+    _, lean = _models(tiny_model_dir)
+    layers = lean.config.num_hidden_layers
+    kinds = [type(m) for m in lean.modules()]
+    # per layer: input, post-attention, q and k norms; then the final norm
+    assert sum(issubclass(kind, LeanRMSNorm) for kind in kinds) == 4 * layers + 1
+    assert sum(issubclass(kind, LeanMLP) for kind in kinds) == layers
+    assert isinstance(lean.get_output_embeddings(), LogprobHead)
+    assert "LeanRMSNorm[Qwen3RMSNorm]" in repr(lean) and "LogprobHead[Linear]" in repr(lean)
+
+
+def test_the_swapped_model_gives_the_same_logits_and_gradients(tiny_model_dir):
+    original, lean = _models(tiny_model_dir)
+    tokens_BT = _tokens()
+    for model in (original, lean):
+        logits_BTV = model(tokens_BT).logits
+        (logits_BTV.square().mean() + torch.log_softmax(logits_BTV, -1)[..., 5].sum()).backward()
+    assert_close(lean(tokens_BT).logits, original(tokens_BT).logits, atol=1e-5, rtol=1e-5)
+    lean_grads = _grads(lean)
+    for name, grad in _grads(original).items():
+        assert_close(lean_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_head_gives_the_logprobs_and_entropies_of_the_logits_with_their_gradients(tiny_model_dir):
+    original, lean = _models(tiny_model_dir)
+    tokens_BT = _tokens()
+    next_tokens_BT = tokens_BT.roll(-1, dims=1)
+    logp_BTV = torch.log_softmax(original(tokens_BT).logits / TEMPERATURE, dim=-1)
+    expected_logp_BT = logp_BTV.gather(-1, next_tokens_BT[..., None])[..., 0]
+    expected_entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
+    (expected_logp_BT.sum() + 0.1 * expected_entropy_BT.sum()).backward()
+
+    head = lean.get_output_embeddings()
+    with head.logprobs_of(next_tokens_BT):
+        out_BT1 = lean(tokens_BT).logits
+        entropy_BT = head.entropy_BT
+    assert head.next_tokens_BT is None and head.entropy_BT is None  # nothing kept past the block
+    assert out_BT1.shape == (*tokens_BT.shape, 1)
+    assert_close(out_BT1[..., 0], expected_logp_BT, atol=1e-5, rtol=1e-5)
+    assert_close(entropy_BT, expected_entropy_BT, atol=1e-5, rtol=1e-5)
+    (out_BT1[..., 0].sum() + 0.1 * entropy_BT.sum()).backward()
+    lean_grads = _grads(lean)
+    for name, grad in _grads(original).items():
+        assert_close(lean_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -1,0 +1,263 @@
+"""`molt._objective.step_loss`, the policy's whole per-micro-batch objective, against a hand-written
+reference: per token, in Python floats, from the papers' formulas, with its gradient in closed form.
+
+No Ray, no model: the inputs are made-up tensors. The reference restates each formula rather than calling
+rlestimators, so a change to any term (the surrogate of each loss kind, each correction's weights, the
+entropy bonus, each KL estimator, the one global denominator) shows here.
+
+Legend: B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from molt._objective import step_loss
+from molt.config import KL, Algo, Correction, Loss
+
+# Trainable tokens per row; row 3 is all masked, like the padding rows of a rank's shard.
+MASK_BT = torch.tensor(
+    [
+        [0, 0, 1, 1, 1, 1, 0],
+        [0, 1, 1, 1, 1, 1, 1],
+        [0, 0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0, 0],
+    ],
+    dtype=torch.float32,
+)
+ADVANTAGE_B = torch.tensor([1.5, -1.0, 0.5, 0.0, -2.0])
+NUM_TOKENS = int(MASK_BT.sum()) + 9  # the step's count: other micro-batches and ranks hold 9 more
+
+
+def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """logp, entropy, old, rollout and reference logprobs, advantages; off-policy enough that every clip,
+    cap and mask acts somewhere."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = MASK_BT.shape
+    logp_BT = -0.1 - 3 * torch.rand(shape, generator=gen)
+    old_logp_BT = logp_BT + 0.25 * torch.randn(shape, generator=gen)
+    old_logp_BT[1, 3] = logp_BT[1, 3] - 1.5  # ratio e^1.5 on a negative advantage: the dual clip's case
+    return {
+        "logp_BT": logp_BT,
+        "entropy_BT": 2 * torch.rand(shape, generator=gen),
+        "old_logp_BT": old_logp_BT,
+        "rollout_logp_BT": old_logp_BT + 0.25 * torch.randn(shape, generator=gen),
+        "advantages_BT": ADVANTAGE_B[:, None] * MASK_BT,
+        "mask_BT": MASK_BT,
+        "ref_logp_BT": logp_BT + 0.3 * torch.randn(shape, generator=gen),
+    }
+
+
+def _algo(kind="ppo", dual_clip=None, mode="tis", kl_kind="k3") -> Algo:
+    low, high = (0.02, 0.05) if kind == "gspo" else (0.2, 0.28)  # a sequence's ratio stays nearer 1
+    return Algo(
+        loss=Loss(kind=kind, clip_low=low, clip_high=high, dual_clip=dual_clip),
+        correction=Correction(mode=mode, token_cap=1.5, token_bounds=(0.8, 1.25), seq_bounds=(0.9, 1.1)),
+        kl=KL(coef=0.05, kind=kl_kind),
+        entropy_coef=0.01,
+    )
+
+
+def _weight(mode: str, ratio: float, keep: bool, correction: Correction) -> float:
+    """The rollout correction's weight of one token (ratio: trainer's old policy over the engine's)."""
+    if mode == "none":
+        return 1.0
+    if mode == "mis":  # Liu et al. 2025: the ratio inside the bounds, else 0
+        low, high = correction.token_bounds
+        return ratio if low <= ratio <= high else 0.0
+    # tis (Yao et al. 2025): the ratio capped; seq-mask-tis: that, on kept sequences only
+    return min(ratio, correction.token_cap) if keep else 0.0
+
+
+def _surrogate(kind: str, ratio: float, adv: float, logp: float, loss: Loss) -> tuple[float, float, bool]:
+    """One token's surrogate, its derivative in that token's logp, and whether it counts as clipped.
+    For gspo `ratio` is the sequence's and the derivative is GSPO-token's: ratio x d logp."""
+    low, high = 1 - loss.clip_low, 1 + loss.clip_high
+    if kind == "pg":  # -A r
+        return -adv * ratio, -adv * ratio, False
+    if kind == "cispo":  # -sg(clip(r)) A logp (MiniMax-M1 §3.1): the gradient survives the clip
+        weight = min(max(ratio, low), high)
+        return -weight * adv * logp, -weight * adv, weight != ratio
+    unclipped, clipped = -adv * ratio, -adv * min(max(ratio, low), high)  # PPO, Schulman et al. 2017
+    is_clipped = clipped > unclipped  # the clipped branch is flat in logp
+    value, grad = (clipped, 0.0) if is_clipped else (unclipped, -adv * ratio)
+    if loss.dual_clip is not None and adv < 0 and value > -loss.dual_clip * adv:  # Ye et al. 2020
+        value, grad = -loss.dual_clip * adv, 0.0
+    return value, grad, is_clipped
+
+
+def _kl(kind: str, logp: float, ref: float) -> tuple[float, float]:
+    """Schulman's estimators of KL(policy || reference) with log r = ref - logp, and d / d logp."""
+    log_r = ref - logp
+    if kind == "k1":
+        return -log_r, 1.0
+    if kind == "k2":
+        return log_r**2 / 2, -log_r
+    return math.exp(log_r) - 1 - log_r, 1 - math.exp(log_r)
+
+
+def _reference(x: dict[str, torch.Tensor], algo: Algo, *, with_reference: bool = True) -> dict:
+    """The objective token by token: loss, d loss / d logp, d loss / d entropy, and the numerators."""
+    t = {name: tensor.tolist() for name, tensor in x.items()}
+    num_rows, num_cols = MASK_BT.shape
+    loss, sums = 0.0, dict.fromkeys(["policy", "entropy", "kl", "clipped", "mismatch", "weight", "dev"], 0.0)
+    rows = rows_rejected = 0
+    grad_logp = [[0.0] * num_cols for _ in range(num_rows)]
+    grad_entropy = [[0.0] * num_cols for _ in range(num_rows)]
+    for b in range(num_rows):
+        tokens = [c for c in range(num_cols) if t["mask_BT"][b][c]]
+        if not tokens:
+            continue
+        rows += 1
+        log_mismatch = [t["old_logp_BT"][b][c] - t["rollout_logp_BT"][b][c] for c in tokens]
+        seq_mismatch = math.exp(sum(log_mismatch) / len(tokens))  # the geometric mean of the ratios
+        low, high = algo.correction.seq_bounds
+        keep = algo.correction.mode != "seq-mask-tis" or low <= seq_mismatch <= high
+        rows_rejected += not keep
+        seq_ratio = math.exp(sum(t["logp_BT"][b][c] - t["old_logp_BT"][b][c] for c in tokens) / len(tokens))
+        for c, log_m in zip(tokens, log_mismatch, strict=True):
+            logp, adv = t["logp_BT"][b][c], t["advantages_BT"][b][c]
+            weight = _weight(algo.correction.mode, math.exp(log_m), keep, algo.correction)
+            ratio = seq_ratio if algo.loss.kind == "gspo" else math.exp(logp - t["old_logp_BT"][b][c])
+            value, grad, is_clipped = _surrogate(algo.loss.kind, ratio, adv, logp, algo.loss)
+            entropy = t["entropy_BT"][b][c]
+            loss += weight * value - algo.entropy_coef * entropy
+            grad_logp[b][c] += weight * grad
+            grad_entropy[b][c] = -algo.entropy_coef
+            if with_reference:
+                kl_value, kl_grad = _kl(algo.kl.kind, logp, t["ref_logp_BT"][b][c])
+                loss += algo.kl.coef * kl_value
+                grad_logp[b][c] += algo.kl.coef * kl_grad
+                sums["kl"] += kl_value
+            sums["policy"] += weight * value
+            sums["entropy"] += entropy
+            sums["clipped"] += is_clipped
+            sums["mismatch"] += math.exp(log_m) - 1 - log_m  # k3 of KL(rollout || old)
+            sums["weight"] += weight
+            sums["dev"] += abs(weight - 1)
+    numerators = {
+        "train/policy_loss": sums["policy"],
+        "train/entropy": sums["entropy"],
+        "train/clip_frac": sums["clipped"],
+        "train/mismatch_kl": sums["mismatch"],
+        "train/correction_weight_mean": sums["weight"],
+        "train/correction_weight_dev": sums["dev"],
+        "rows_rejected": rows_rejected,
+        "rows": rows,
+        **({"train/kl": sums["kl"]} if with_reference else {}),
+    }
+    return {
+        "loss": loss / NUM_TOKENS,
+        "grad_logp_BT": torch.tensor(grad_logp) / NUM_TOKENS,
+        "grad_entropy_BT": torch.tensor(grad_entropy) / NUM_TOKENS,
+        "sums": numerators,
+    }
+
+
+def _run(x: dict[str, torch.Tensor], algo: Algo, **overrides):
+    """`step_loss` on `x` (every input tracked by autograd), its value, numerators and the gradient of
+    every input (None: it has no path to the loss)."""
+    leaves = {name: tensor.clone().requires_grad_(name != "mask_BT") for name, tensor in x.items()}
+    args = {**leaves, **overrides}
+    loss, sums = step_loss(
+        args["logp_BT"], args["entropy_BT"], args["old_logp_BT"], args["rollout_logp_BT"],
+        args["advantages_BT"], args["mask_BT"], num_tokens=NUM_TOKENS, algo=algo,
+        ref_logp_BT=args["ref_logp_BT"],
+    )  # fmt: skip
+    tracked = [name for name in leaves if name != "mask_BT"]
+    grads = torch.autograd.grad(loss, [leaves[name] for name in tracked], allow_unused=True)
+    return loss, sums, dict(zip(tracked, grads, strict=True))
+
+
+KINDS = [
+    pytest.param("ppo", None, id="ppo"),
+    pytest.param("ppo", 3.0, id="ppo-dual-clip"),
+    pytest.param("gspo", None, id="gspo"),
+    pytest.param("cispo", None, id="cispo"),
+    pytest.param("pg", None, id="pg"),
+]
+MODES = [pytest.param(mode, id=mode) for mode in ("tis", "mis", "seq-mask-tis", "none")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("kind", "dual_clip"), KINDS)
+def test_step_loss_is_the_hand_written_objective(kind, dual_clip, mode):
+    x, algo = _inputs(), _algo(kind, dual_clip, mode)
+    expected = _reference(x, algo)
+    loss, sums, grads = _run(x, algo)
+    assert_close(loss, torch.tensor(expected["loss"]), rtol=1e-5, atol=1e-6)
+    assert_close(grads["logp_BT"], expected["grad_logp_BT"], rtol=1e-4, atol=1e-7)
+    assert_close(grads["entropy_BT"], expected["grad_entropy_BT"], rtol=1e-5, atol=1e-8)
+    assert sums.keys() == expected["sums"].keys()
+    for name, value in expected["sums"].items():
+        assert sums[name].item() == pytest.approx(value, rel=1e-5, abs=1e-5), name
+    # Gradient reaches the policy's logprobs and entropies only: the rest are data.
+    for name in ("old_logp_BT", "rollout_logp_BT", "advantages_BT", "ref_logp_BT"):
+        assert grads[name] is None or not grads[name].any(), name
+    # The case exercises what it names: the clip binds, the correction weighs, masks and rejects.
+    if kind in ("ppo", "gspo", "cispo"):
+        assert expected["sums"]["train/clip_frac"] > 0
+    if mode != "none":
+        assert expected["sums"]["train/correction_weight_dev"] > 0
+    if mode == "seq-mask-tis":
+        assert 0 < expected["sums"]["rows_rejected"] < expected["sums"]["rows"]
+
+
+def test_the_dual_clip_caps_the_loss_of_a_large_ratio_on_a_negative_advantage():
+    x = _inputs()
+    plain, _, _ = _run(x, _algo("ppo", None, "none"))
+    capped, _, _ = _run(x, _algo("ppo", 3.0, "none"))
+    # token (1, 3): ratio e^1.5 = 4.48, advantage -1: loss 4.48 uncapped, 3.0 capped
+    assert_close(plain - capped, torch.tensor((math.exp(1.5) - 3.0) / NUM_TOKENS), rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kl_kind", [pytest.param("k1", id="k1"), pytest.param("k2", id="k2"), pytest.param("k3", id="k3")]
+)
+def test_each_kl_estimator_adds_its_term(kl_kind):
+    x, algo = _inputs(1), _algo(kl_kind=kl_kind)
+    expected = _reference(x, algo)
+    loss, sums, grads = _run(x, algo)
+    assert_close(loss, torch.tensor(expected["loss"]), rtol=1e-5, atol=1e-6)
+    assert_close(grads["logp_BT"], expected["grad_logp_BT"], rtol=1e-4, atol=1e-7)
+    assert sums["train/kl"].item() == pytest.approx(expected["sums"]["train/kl"], rel=1e-5)
+
+
+def test_without_reference_logprobs_there_is_no_kl_term():
+    x, algo = _inputs(2), _algo()
+    expected = _reference(x, algo, with_reference=False)
+    loss, sums, grads = _run(x, algo, ref_logp_BT=None)
+    assert "train/kl" not in sums
+    assert_close(loss, torch.tensor(expected["loss"]), rtol=1e-5, atol=1e-6)
+    assert_close(grads["logp_BT"], expected["grad_logp_BT"], rtol=1e-4, atol=1e-7)
+
+
+def test_without_old_logprobs_the_ratio_is_one_and_the_gradient_is_the_same():
+    """None takes the old logprobs from this forward, detached: the same as passing them."""
+    x, algo = _inputs(3), _algo("ppo", None, "tis")
+    on_policy = {**x, "old_logp_BT": x["logp_BT"]}
+    loss, sums, grads = _run(x, algo, old_logp_BT=None)
+    expected_loss, expected_sums, expected_grads = _run(on_policy, algo)
+    assert_close(loss, expected_loss)
+    assert_close(grads["logp_BT"], expected_grads["logp_BT"])
+    assert sums["train/clip_frac"].item() == 0.0  # ratio 1: nothing to clip
+    for name, value in expected_sums.items():
+        assert_close(sums[name], value, msg=name)
+
+
+@pytest.mark.parametrize("kind", [pytest.param(kind, id=kind) for kind in ("ppo", "gspo", "cispo", "pg")])
+def test_micro_batches_under_the_one_denominator_add_up_to_the_whole(kind):
+    """Rows split over micro-batches (or ranks), each divided by the step's token count: the losses and
+    their gradients add up to the whole's, whatever the split (DESIGN §6)."""
+    x, algo = _inputs(4), _algo(kind, None, "seq-mask-tis")
+    whole, whole_sums, whole_grads = _run(x, algo)
+    parts = [_run({name: t[rows] for name, t in x.items()}, algo) for rows in (slice(0, 2), slice(2, 5))]
+    assert_close(parts[0][0] + parts[1][0], whole)
+    assert_close(torch.cat([part[2]["logp_BT"] for part in parts]), whole_grads["logp_BT"])
+    for name, value in whole_sums.items():
+        assert_close(parts[0][1][name] + parts[1][1][name], value, msg=name)
