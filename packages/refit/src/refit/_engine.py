@@ -109,7 +109,9 @@ class Engine:
 
     # --- the lifecycle endpoints, in the order a refit calls them ---
     def pause(self) -> None:
-        self._call("POST", "/pause", params={"mode": "keep"})  # in-flight requests freeze, not abort
+        # In-flight requests freeze, not abort. No cache reset here (vLLM's default), which would preempt the
+        # kept requests once now and again at reset_prefix_cache: the one after the new weights is enough.
+        self._call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
 
     def start_weight_update(self) -> None:
         self._call("POST", "/start_weight_update")
