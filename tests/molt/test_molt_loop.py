@@ -132,7 +132,7 @@ class _LosingPolicy:
         self.dead, self.asked = dead, []
 
     def refit(self, urls, version):
-        from molt._actor import EnginesLost
+        from molt._group import EnginesLost
 
         self.asked.append(list(urls))
         failed = {url: "pause: ConnectionRefusedError" for url in urls if url in self.dead}

@@ -19,11 +19,11 @@ import msgspec
 import torch
 
 from asyncpool import GroupPool, PoolExhausted
-from molt._actor import PolicyGroup
 from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
 from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import check_attached, launch_engines, stop_engines
+from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
 from molt._rollout import RolloutRunner
 from molt._runners import launch_hosts

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from asyncpool import GroupPool, PromptStarved
-from molt._actor import EnginesLost, PolicyGroup
 from molt._batch import (
     TrainBatch,
     collate,
@@ -34,6 +33,7 @@ from molt._critic import CriticGroup
 from molt._data import RowStream
 from molt._dumps import write_rollouts
 from molt._eval import evaluate
+from molt._group import EnginesLost, PolicyGroup
 from molt._launch import train
 from molt._log import RunLog, progress
 from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
