@@ -23,7 +23,7 @@ EVAL_SEED_OFFSET = 7_919  # a generated dataset's evaluation rows come from anot
 
 def read_rows(config: Config, agent_module) -> Iterator[dict]:
     """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`."""
-    if not config.data.path:  # the agent module has dataset(seed) (`molt._validate`)
+    if not config.data.path:  # the agent module has dataset(seed) (`molt._checks.check_agent`)
         yield from agent_module.dataset(config.data.seed)
         return
     rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines() if line.strip()]
