@@ -4,7 +4,7 @@ Two processes, one GPU each (or two CPU processes over gloo, to check the logic)
 parameters of a Qwen3 of the given shape (bf16, random; nothing downloaded) and sends them the way refit
 does on GPU: `plan_buckets` splits the parameter list into buckets, `packed_buckets` packs each bucket
 into one of two reused buffers, and each bucket is broadcast as soon as it is packed; the sender waits
-for bucket k-1's broadcast before packing bucket k+1 into its buffer (refit's `_Run._send`). The
+for bucket k-1's broadcast before packing bucket k+1 into its buffer (`refit._run.Run._send`). The
 receiving rank takes each bucket into its own two buffers and views it as named tensors
 (`unpack_bucket`, no copy), as vLLM's packed receiver does. The baseline, in the same run: one torch
 NCCL broadcast of one buffer of the same byte count.

@@ -182,7 +182,7 @@ def groups(tiny_model_dir):
     """The module's three actor groups, started concurrently on one local Ray."""
     import ray
 
-    from molt._actor import PolicyGroup
+    from molt._group import PolicyGroup
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     with ThreadPoolExecutor(len(GROUPS)) as pool:
@@ -321,7 +321,7 @@ def test_reference_logprobs_add_a_kl_term_reported_as_its_token_mean(groups):
 def test_each_loss_kind_gives_its_own_update_once_the_ratio_departs_from_one(groups, tiny_model_dir):
     """--train.mini_batches 2: the second window's ratio is taken against the logprobs before the first
     step, so it departs from 1, the clip binds, and ppo, gspo, cispo and pg update differently."""
-    from molt._actor import PolicyGroup
+    from molt._group import PolicyGroup
     from molt.loop import train_windows
 
     kinds = ("ppo", "gspo", "cispo", "pg")

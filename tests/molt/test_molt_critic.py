@@ -46,8 +46,8 @@ def groups(tiny_model_dir):
     """A 1-rank and a 2-rank critic (different micro-batches), a trainable and a frozen policy."""
     import ray
 
-    from molt._actor import PolicyGroup
     from molt._critic import CriticGroup
+    from molt._group import PolicyGroup
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     starts = {

@@ -8,7 +8,8 @@ import json
 import msgspec
 import pytest
 
-from molt._eval import eval_rows, evaluate
+from molt._data import eval_rows
+from molt._eval import evaluate
 from molt._rollout import Rollout
 from molt.config import Config, Eval
 from tito import Segment

@@ -12,17 +12,12 @@ import pytest
 import torch
 
 from molt._batch import collate, explained_variance, last_token_rewards, whitened
+from molt._data import read_rows
+from molt._launch import _keep_varied
+from molt._metrics import rollout_metrics, staleness_mean
 from molt._rollout import Rollout
 from molt.config import Config, Data
-from molt.loop import (
-    _keep_varied,
-    check_token_identity,
-    read_rows,
-    refit_engines,
-    rollout_metrics,
-    rollout_sums,
-    staleness_mean,
-)
+from molt.loop import check_token_identity, refit_engines, rollout_sums
 from tito import Segment
 
 
@@ -137,7 +132,7 @@ class _LosingPolicy:
         self.dead, self.asked = dead, []
 
     def refit(self, urls, version):
-        from molt._actor import EnginesLost
+        from molt._group import EnginesLost
 
         self.asked.append(list(urls))
         failed = {url: "pause: ConnectionRefusedError" for url in urls if url in self.dead}

@@ -15,8 +15,9 @@ import pytest
 
 from asyncpool import GroupPool, PoolStats
 from molt._flags import resolve
+from molt._metrics import pool_metrics
 from molt.config import ConfigError
-from molt.loop import pool_metrics, take
+from molt.loop import take
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
-"""The FSDP2 policy actor: one `PolicyWorker` per rank, driven from the trainer through a `PolicyGroup`.
+"""One rank of the FSDP2 policy actor: `PolicyWorker`, a Ray actor that `molt._group.PolicyGroup` drives.
 
 Each worker holds its shard of the policy (NeMo AutoModel + FSDP2; gloo on CPU, NCCL on GPU) and its
-AdamW state. It recomputes logprobs, runs one optimizer step over a `TrainBatch` shard, and refits vLLM
-engines. The group shards rows over ranks, fans each call out with Ray and gathers the results in row
-order.
+AdamW state. It recomputes logprobs, runs one optimizer step over its shard of a `TrainBatch` (the
+micro-batch loop the critic shares, `_micro_batch_sums`), and refits vLLM engines. The group shards rows
+over the ranks, fans each call out with Ray and gathers the results in row order.
 
 Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's loss (`molt._objective.step_loss`) is
 divided by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
@@ -16,9 +16,9 @@ with EP groups carved out of them. Rows are sharded by the data-parallel coordin
 DP group see the same rows, and their identical metric sums are counted once. The sizes were checked by
 `molt._validate` before the run started (no context parallelism; data parallelism only on a CPU).
 
-The same workers, built with `trainable=False`, are the frozen groups: the reference policy of
+The same workers, built with `trainable=False`, are the frozen groups' ranks: the reference policy of
 `--algo.kl.coef` and the teacher of on-policy distillation (no optimizer, logprobs only). The PPO
-critic (`molt._critic`) is a subclass.
+critic's worker (`molt._critic`) is a subclass.
 
 Legend: B sequences, T tokens, V vocabulary.
 """
@@ -26,7 +26,6 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,11 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from molt._batch import TrainBatch, shard_rows, shifted_logprobs
+from molt._batch import TrainBatch, shifted_logprobs
 from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._objective import step_loss
-from molt._placement import gpu_share, refit_backend
 from molt._sharding import (
     compute_dtype,
     freeze_moe_routers,
@@ -48,23 +46,12 @@ from molt._sharding import (
     sum_gradients_over_ranks,
 )
 from molt.config import Config
-from molt.vllm_server import free_port
 from rlestimators import entropy_from_logits
 
 if TYPE_CHECKING:
     from refit import RoutingReplay
 
-__all__ = ["EnginesLost", "PolicyGroup", "PolicyWorker"]
-
-
-class EnginesLost(RuntimeError):
-    """A refit failed on some engines. `failed`: url -> what went wrong; `updated`: the engines that
-    took the new weights and were resumed."""
-
-    def __init__(self, failed: dict[str, str], updated: list[str]) -> None:
-        self.failed, self.updated = failed, updated
-        lines = [f"  {url}: {why}" for url, why in failed.items()]
-        super().__init__("refit failed on engine(s):\n" + "\n".join(lines) + f"\n  updated: {updated}")
+__all__ = ["PolicyWorker"]
 
 
 class PolicyWorker:
@@ -363,147 +350,3 @@ class PolicyWorker:
             if self.rank == 0 and (names is None or name in names):
                 state[name] = tensor.detach().to("cpu", copy=True)
         return state if self.rank == 0 else None
-
-
-class PolicyGroup:
-    """The driver's handle on `num_ranks` `PolicyWorker` Ray actors (Ray is initialised by the caller).
-
-    Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
-    the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
-    `wait=False` returns once the ranks are placed; `wait_ready` (or `ready_refs`) then waits for them to
-    load. `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
-    """
-
-    worker_class: type = PolicyWorker
-
-    def __init__(
-        self,
-        model_dir: str | Path,
-        config: Config,
-        num_ranks: int,
-        *,
-        trainable: bool = True,
-        wait: bool = True,
-        log_prefix: str = "",
-    ) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        if num_ranks < 1:
-            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-        self.on_gpu = torch.cuda.is_available()
-        self.backend = refit_backend(config, on_gpu=self.on_gpu)  # how its refits reach the engines
-        self.num_ranks = num_ranks
-        self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
-        self.dp_size = num_ranks // self.replicas
-        self.master_addr = ray.util.get_node_ip_address()
-        port = free_port(self.master_addr)
-        # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
-        # a copy of the working directory, which has no virtual environment. CPU: one thread per rank;
-        # under contention that beat two threads (FACTS).
-        env = {"py_executable": sys.executable}
-        if not self.on_gpu:
-            env["env_vars"] = {"OMP_NUM_THREADS": "1"}
-        # No task events: Ray's GCS keeps one for every call (its dashboard's task table), a few a step.
-        gpus = gpu_share(config) if self.on_gpu else 0  # a whole GPU, or its part of a shared one
-        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(
-            self.worker_class
-        )
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        self.workers = [
-            remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
-                rank,
-                num_ranks,
-                self.master_addr,
-                port,
-                str(model_dir),
-                config,
-                trainable,
-                f"{log_prefix}-{rank}.log" if log_prefix else "",
-            )
-            for rank in range(num_ranks)
-        ]
-        if wait:
-            self.wait_ready()
-
-    def ready_refs(self) -> list:
-        """One Ray object ref per rank, ready once that rank has loaded its shard."""
-        return [w.__ray_ready__.remote() for w in self.workers]
-
-    def wait_ready(self) -> None:
-        """Block until every rank has loaded its shard; raises if one failed to start."""
-        import ray
-
-        ray.get(self.ready_refs())
-
-    def _each(self, method: str, *per_rank_args) -> list:
-        """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""
-        import ray
-
-        return ray.get(
-            [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
-        )
-
-    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> list[tuple]:
-        """Each rank's arguments: its data-parallel shard of `batch` and of each [B, T] tensor (None stays
-        None). The ranks of one data-parallel coordinate get the same rows (module docstring)."""
-        world = self.dp_size
-        return [
-            (batch.shard(dp, world), *(None if t is None else shard_rows(t, dp, world) for t in tensors_BT))
-            for dp in (rank // self.replicas for rank in range(self.num_ranks))
-        ]
-
-    def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
-        """`method`'s [B, T] result for every row of `batch`, gathered in row order."""
-        shards = self._each(method, *self._row_shards(batch))
-        return torch.cat(shards[:: self.replicas])[: batch.num_rows]
-
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Logprobs of every row of `batch`, [B, T], in row order."""
-        return self._rows("logprobs", batch)
-
-    def train_step(
-        self,
-        batch: TrainBatch,
-        old_logp_BT: torch.Tensor | None = None,
-        ref_logp_BT: torch.Tensor | None = None,
-    ) -> dict[str, float]:
-        """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
-        says what the arguments mean)."""
-        batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
-        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)
-        return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
-
-    def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:
-        """Refit the engines with the current weights as `version`; returns rank 0's phase seconds.
-        Raises `EnginesLost` when some engines failed (the others were updated and resumed).
-
-        `trainer_host`: the address the engines reach rank 0 at; default, the driver node's address.
-        """
-        host = trainer_host or self.master_addr
-        report = self._each("refit", *[(list(engine_urls), self.backend, version, host)] * self.num_ranks)[0]
-        failed = report.pop("failed")
-        if failed:
-            raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])
-        return report
-
-    def save(self, path: str | Path) -> None:
-        """Checkpoint the model, optimizer and schedule into `path` (each rank writes its shards)."""
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self._each("save", *[(str(path),)] * self.num_ranks)
-
-    def load(self, path: str | Path) -> None:
-        """Restore the model, optimizer and schedule from a checkpoint written by `save`."""
-        self._each("load", *[(str(path),)] * self.num_ranks)
-
-    def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """Full parameters (all, or `names`) gathered from the shards."""
-        return self._each("full_state", *[(names,)] * self.num_ranks)[0]
-
-    def shutdown(self) -> None:
-        """Kill the workers (their process group and engine connections go with them)."""
-        import ray
-
-        for worker in self.workers:
-            ray.kill(worker)
-        self.workers = []

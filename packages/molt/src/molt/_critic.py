@@ -23,8 +23,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from molt._actor import PolicyGroup, PolicyWorker
+from molt._actor import PolicyWorker
 from molt._batch import TrainBatch
+from molt._group import PolicyGroup
 from molt._sharding import distributed_setup, replicas
 from molt.config import Config
 from rlestimators import masked_sum, value_loss

@@ -3,16 +3,13 @@
 Evaluation samples go through the same `RolloutRunner` as training (the same agent, tito capture and
 sampling settings), so a score means what the reward means in training; they are never trained on. A
 sample that fails (the agent raised or timed out) counts as not passing and is counted in
-`eval/failed`.
+`eval/failed`. The rows are read once, at start (`molt._data.eval_rows`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import math
-from pathlib import Path
 
 import torch
 
@@ -20,30 +17,7 @@ from molt._rollout import Rollout, RolloutRunner
 from molt.config import Config
 from rlestimators import pass_at_k
 
-__all__ = ["eval_rows", "evaluate"]
-
-EVAL_SEED_OFFSET = 7_919  # a generated dataset's evaluation rows come from another seed
-
-
-def eval_rows(config: Config, agent_module) -> list[dict]:
-    """The first `--eval.num_prompts` evaluation rows (see `--eval.path`)."""
-    count = config.eval.num_prompts
-    if config.eval.path:
-        lines = Path(config.eval.path).read_text().splitlines()
-        rows = [json.loads(line) for line in lines if line.strip()][:count]
-        key = config.data.messages_key
-        if not rows or any(key not in row for row in rows):
-            raise ValueError(f"--eval.path {config.eval.path}: every row needs a {key!r} field (and rows)")
-        return [{**row, "messages": row[key]} for row in rows]
-    source = getattr(agent_module, "eval_dataset", None)
-    if source is not None:
-        return list(itertools.islice(source(config.data.seed), count))
-    if hasattr(agent_module, "dataset"):
-        return list(itertools.islice(agent_module.dataset(config.data.seed + EVAL_SEED_OFFSET), count))
-    raise ValueError(
-        f"--eval.every needs evaluation rows: pass --eval.path, or export eval_dataset(seed) from "
-        f"--agent.module {config.agent.module}"
-    )
+__all__ = ["evaluate"]
 
 
 async def evaluate(runner: RolloutRunner, rows: list[dict], config: Config) -> dict[str, float]:

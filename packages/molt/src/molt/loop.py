@@ -1,10 +1,10 @@
-"""The training loop of `molt train`: start the parts, run the steps, stop everything.
+"""The training loop of `molt train`: `run_steps`, the whole algorithm in one function, and the step's parts.
 
-`train(config)` starts Ray, the vLLM engines (Ray actors), the FSDP2 policy actor (Ray actors, one per
-rank) and tito (in this process), then runs `run_steps`: the whole algorithm in one function. Rollouts
-run on this process's event loop the whole time; the actor's blocking calls run in threads, so the
-engines keep generating while the actor trains (asynchrony bounded by `--rollout.queue_depth` and
-`--rollout.max_lag`). Whatever happens (an error, Ctrl-C), every engine, actor and Ray itself is stopped.
+`train(config)` (`molt._launch`) starts the parts (Ray, the vLLM engines, the FSDP2 policy actor, tito)
+and runs `run_steps` over them; it is public here, as `molt.loop.train`. Rollouts run on this process's
+event loop the whole time; the actor's blocking calls run in threads, so the engines keep generating while
+the actor trains (asynchrony bounded by `--rollout.queue_depth` and `--rollout.max_lag`). The step's
+metrics come from `molt._metrics`, its rows from `molt._data`.
 """
 
 from __future__ import annotations
@@ -12,20 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
-import random
-import secrets
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import torch
 
-from asyncpool import GroupPool, PoolExhausted, PoolStats, PromptStarved
-from molt._actor import EnginesLost, PolicyGroup
+from asyncpool import GroupPool, PromptStarved
 from molt._batch import (
     TrainBatch,
     collate,
@@ -35,20 +28,20 @@ from molt._batch import (
     with_images,
     with_routes,
 )
-from molt._checkpoint import latest, restore_rng, step_dir, write_loop_state
+from molt._checkpoint import step_dir, write_loop_state
 from molt._critic import CriticGroup
+from molt._data import RowStream
 from molt._dumps import write_rollouts
-from molt._engines import check_attached, launch_engines, stop_engines
-from molt._eval import eval_rows, evaluate
-from molt._log import RunLog, progress, quiet_console
+from molt._eval import evaluate
+from molt._group import EnginesLost, PolicyGroup
+from molt._launch import train
+from molt._log import RunLog, progress
+from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
 from molt._rollout import Rollout, RolloutRunner
-from molt._runners import launch_hosts
-from molt._startup import StartupClock, allow_bytecode
-from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
-from molt.agent import ChatAgent, load_agent
-from molt.config import Config, with_run_dir
-from rlestimators import ESTIMATORS, dynamic_filter, gae, kl, opd
-from tito import Tito, create_app, serve_on_loop
+from molt._startup import StartupClock
+from molt.config import Config
+from rlestimators import ESTIMATORS, gae, kl, opd
+from tito import Tito
 
 __all__ = ["REQUIRED_METRICS", "run_steps", "train"]
 
@@ -245,22 +238,6 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
         ) from starved
 
 
-def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
-    """The pool's counters (`pool/<name>`, cumulative) and `pool/dropped_stale_rate`: of the groups that
-    left the pool since `before` (the last step's log: returned, dropped as stale, filtered or failed),
-    the share dropped as stale; 0 when none left."""
-
-    def ended(stats: PoolStats) -> int:
-        return stats.returned + stats.dropped_stale + stats.filtered + stats.failed
-
-    num_ended = ended(now) - ended(before)
-    dropped = now.dropped_stale - before.dropped_stale
-    return {
-        **{name: float(value) for name, value in now.metrics().items()},
-        "pool/dropped_stale_rate": dropped / num_ended if num_ended else 0.0,
-    }
-
-
 async def refit_engines(policy: PolicyGroup, tito: Tito, version: int) -> dict[str, float]:
     """Refit every live engine; returns the refit's seconds by phase (none when an engine failed). One
     that fails is dropped for the rest of the run (the rollouts it was serving failed and their groups
@@ -313,35 +290,6 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
             )
 
 
-def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float]:
-    rewards_GS = torch.tensor([r.reward for r in rollouts], dtype=torch.float64).view(-1, group_size)
-    std_in_group = rewards_GS.std(dim=1, unbiased=False).mean() if group_size > 1 else torch.tensor(0.0)
-    infos: dict[str, list[float]] = {}
-    for rollout in rollouts:
-        for key, value in rollout.info.items():
-            infos.setdefault(f"rollout/{key}", []).append(float(value))
-    return {
-        "rollout/reward_mean": rewards_GS.mean().item(),
-        "rollout/reward_std_in_group": std_in_group.item(),
-        "rollout/response_len_mean": sum(len(r.sampled) for r in rollouts) / len(rollouts),
-        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
-        "rollout/segments_mean": sum(len(r.segments) for r in rollouts) / len(rollouts),  # >1: compaction
-        **{key: sum(values) / len(values) for key, values in infos.items()},
-    }
-
-
-def staleness_mean(rollouts: list[Rollout], trainer_version: int) -> float:
-    """Mean over trained tokens of how many versions behind the trainer the weights that sampled them were."""
-    lags = [
-        trainer_version - v
-        for r in rollouts
-        for s in r.segments
-        for v, m in zip(s.versions, s.loss_mask, strict=True)
-        if m
-    ]
-    return sum(lags) / len(lags)
-
-
 @contextlib.asynccontextmanager
 async def _quiesced(pool: GroupPool, *, hold: bool):
     """Without partial rollout, no rollout may span a refit: hold new starts and let running ones finish."""
@@ -354,41 +302,6 @@ async def _quiesced(pool: GroupPool, *, hold: bool):
         yield
 
 
-def read_rows(config: Config, agent_module) -> Iterator[dict]:
-    """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`."""
-    if not config.data.path:  # the agent module has dataset(seed) (`molt._validate`)
-        yield from agent_module.dataset(config.data.seed)
-        return
-    rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines() if line.strip()]
-    key = config.data.messages_key
-    if not rows or any(key not in row for row in rows):
-        raise ValueError(f"--data.path {config.data.path}: every row needs a {key!r} field (and it has rows)")
-    rng = random.Random(config.data.seed)
-    while True:
-        for row in rng.sample(rows, len(rows)):
-            yield {**row, "messages": row[key]}
-
-
-class RowStream:
-    """The dataset rows as the pool draws them. It remembers each drawn row's position in the stream
-    (the pool numbers rows in the order it draws them), so a checkpoint records which rows were trained
-    and a resumed run skips exactly those: rows in flight at the checkpoint are drawn again."""
-
-    def __init__(self, rows: Iterator[dict], *, skip: list[int] = ()) -> None:
-        self.rows, self.skip = rows, set(skip)
-        self.positions: list[int] = []  # pool prompt index -> position in the stream
-        self.trained: list[int] = list(skip)
-
-    def __iter__(self) -> Iterator[dict]:
-        for position, row in enumerate(self.rows):
-            if position not in self.skip:
-                self.positions.append(position)
-                yield row
-
-    def mark_trained(self, groups) -> None:
-        self.trained += [self.positions[group.prompt_index] for group in groups]
-
-
 def save_checkpoint(config: Config, run: Run, step: int) -> None:
     path = step_dir(config.ckpt.dir, step)
     run.policy.save(path)  # every rank writes its shards
@@ -396,164 +309,3 @@ def save_checkpoint(config: Config, run: Run, step: int) -> None:
         run.critic.save(path)
     write_loop_state(path, step, run.rows.trained, run.model_dir)  # last: marks the checkpoint complete
     progress(f"checkpoint of step {step} in {path}")
-
-
-def _keep_varied(group) -> bool:
-    """--algo.dynamic_filter (DAPO): a group whose rewards are all equal has no gradient; backfill it."""
-    rewards_S = torch.tensor([sample.reward for sample in group.samples])
-    return bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all())
-
-
-def train(config: Config, *, resume: bool = False) -> None:
-    """`molt train`: set up, run `run_steps`, and tear everything down on any exit. `resume`: continue
-    from the newest checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
-    import ray
-
-    clock = StartupClock()  # from the command's start: timing/startup_* in step 1's metrics
-    config = with_run_dir(validate(config))  # every refusal before anything starts, whoever calls
-    run_dir = Path(config.logger.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(config.train.seed)
-    random.seed(config.train.seed)
-    checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
-    with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(quiet_console(run_dir / "molt.log", verbose=config.logger.verbose))
-        allow_bytecode()  # before any process starts: they all inherit it
-        for note in start_notes(config):
-            progress(f"note: {note}")
-        agent_module = load_agent(config.agent.module)
-        rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
-        evaluation = eval_rows(config, agent_module) if config.eval.every else []
-        with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
-            building = background.submit(_model_dir, config, run_dir, clock)
-            config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
-            cleanup.callback(ray.shutdown)
-            model_dir = building.result()
-        attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
-        num_new = 0 if attached else config.vllm.num_engines
-        progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
-        logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
-        clock.begin("engines")
-        engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
-        cleanup.callback(stop_engines, engines)
-        if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
-            ray.get([engine.url.remote() for engine in engines])
-        clock.begin("actor")
-        policy = PolicyGroup(
-            model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor"
-        )
-        cleanup.callback(policy.shutdown)
-        groups = start_extra_groups(config, model_dir, clock, logs)  # reference, critic, teacher: if asked
-        for group in groups.values():
-            cleanup.callback(group.shutdown)
-        clock.begin("agent_hosts")
-        hosts, hosts_ready = launch_hosts(
-            config.agent.module, config.agent.num_runners, log_prefix=logs and f"{logs}/agents"
-        )
-        engine_urls = [engine.url.remote() for engine in engines]
-        stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
-        clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
-        first_step = 1
-        if checkpoint is not None:
-            policy.load(checkpoint)
-            if groups.get("critic"):
-                groups["critic"].load(checkpoint)
-            restore_rng(state)
-            first_step = state.step + 1
-            progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
-        urls = attached or ray.get(engine_urls)
-        if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
-            policy.refit(urls, first_step - 1)
-        progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        sinks = dict(tensorboard=config.logger.tensorboard, wandb_project=config.logger.wandb_project)
-        log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
-        cleanup.callback(log.close)
-        chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        parts = dict(policy=policy, rows=rows, log=log, model_dir=model_dir, eval_rows=evaluation,
-                     first_step=first_step, startup=clock, **groups)  # fmt: skip
-        asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
-        progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
-
-
-def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, logs: str) -> dict:
-    """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for.
-    Returns once their ranks are placed (`ready_refs` are ready once they have loaded). `logs`: the
-    directory their ranks write their output into (empty: Ray's worker logs)."""
-    num_ranks, algo, groups = config.actor.num_ranks, config.algo, {}
-    frozen = dict(trainable=False, wait=False)
-    if "reference" in extra_groups(config):  # the initial weights, frozen (a resumed run reloads them)
-        progress("starting the reference policy (--algo.kl.coef)")
-        groups["reference"] = PolicyGroup(
-            model_dir, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/reference"
-        )
-    if "critic" in extra_groups(config):
-        progress("starting the critic (--algo.advantage.estimator gae)")
-        critic_dir = algo.critic.model or model_dir
-        groups["critic"] = CriticGroup(
-            critic_dir, config, num_ranks, wait=False, log_prefix=logs and f"{logs}/critic"
-        )
-    if "teacher" in extra_groups(config):
-        progress(f"starting the teacher {algo.teacher.model} (--algo.advantage.estimator opd)")
-        groups["teacher"] = PolicyGroup(
-            algo.teacher.model, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/teacher"
-        )
-    for name in groups:
-        clock.begin(name)
-    return groups
-
-
-def _start_ray(config: Config, clock: StartupClock) -> Config:
-    """Join `--ray.address`, or start a fresh local Ray (never one found running here); returns the config
-    placed on the joined cluster's GPUs. Ray workers' own output reaches the console only with
-    --logger.verbose (each worker writes into the run directory)."""
-    import ray
-
-    progress("starting Ray")
-    clock.begin("ray")
-    quiet = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
-    if config.ray.address:
-        ray.init(address=config.ray.address, **quiet)
-        config = check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
-    else:
-        ray.init(address="local", num_cpus=config.ray.num_cpus, **quiet)
-    clock.end("ray")
-    return config
-
-
-async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool) -> None:
-    """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
-    (the `Run` fields started by `train`)."""
-    rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
-    fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
-    parts["startup"].begin("tito")
-    tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed)
-    api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
-    try:
-        async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
-            parts["startup"].end("tito")
-            runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
-            keep = _keep_varied if config.algo.dynamic_filter else None
-            pool = GroupPool(runner, parts["rows"], group_size=rollout.group_size, depth=rollout.queue_depth,
-                             max_lag=rollout.max_lag, keep=keep, retry_delay=0.5, stale=rollout.stale,
-                             max_requeues=rollout.max_stale_requeues)  # fmt: skip
-            pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
-            async with pool:
-                await run_steps(config, Run(tito=tito, pool=pool, runner=runner, **parts))
-    except PoolExhausted as end:
-        if end.__cause__ is not None:  # the dataset itself failed
-            raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
-        progress("the dataset is used up; stopping early")
-    finally:
-        await tito.aclose()
-
-
-def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
-    if config.model.path:
-        return Path(config.model.path)
-    from molt.tiny import build_tiny_model
-
-    progress("no --model.path: building the seeded tiny model into the run directory")
-    clock.begin("model")
-    model_dir = build_tiny_model(run_dir / "model", seed=config.train.seed)
-    clock.end("model")
-    return model_dir

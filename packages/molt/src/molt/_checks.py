@@ -1,0 +1,333 @@
+"""The checks of `molt._validate.validate` that read the config alone, with the files it names: every
+numeric field against its range (`RANGES`: a finite number in the stated interval; `0` never means
+unbounded), the files and addresses the run reads, the combinations of flags (asynchrony without importance
+correction, DESIGN invariant 2; a group baseline over groups of one; a sampler the trainer does not
+reproduce, invariant 3), the model's shape against the parallel sizes, a teacher's or critic's tokenizer,
+and the agent module against the data settings. What this machine can run is `molt._validate`'s; the order
+of the pass is `validate`'s. Every message names the flags and what to do.
+
+Imports transformers only for a teacher or critic model.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, NamedTuple, get_args
+
+import msgspec
+
+from molt.config import Config, ConfigError, OutcomeEstimator
+
+__all__ = [
+    "RANGES",
+    "Range",
+    "check_agent",
+    "check_algorithm",
+    "check_companions",
+    "check_model",
+    "check_paths",
+    "check_ranges",
+    "check_sampling",
+    "field_value",
+    "num_experts",
+    "on_policy",
+]
+
+
+class Range(NamedTuple):
+    """A numeric field's allowed values: `low <= v <= high`, strict where `open_low` / `open_high`."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    open_low: bool = False
+    open_high: bool = False
+
+    def holds(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        above = value > self.low if self.open_low else value >= self.low
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below and abs(value) != math.inf
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
+        return f"in {left}{self.low:g}, {self.high:g}{right}"
+
+
+_POSITIVE, _AT_LEAST_0, _AT_LEAST_1 = Range(0, open_low=True), Range(0), Range(1)
+_UNIT, _FRACTION = Range(0, 1), Range(0, 1, open_low=True)
+
+# Every int and float field of `Config`, by dotted path (a test checks the two agree). `None`, where a
+# field allows it, is not checked.
+RANGES: dict[str, Range] = {
+    "data.seed": _AT_LEAST_0,
+    "agent.timeout": _POSITIVE, "agent.max_turns": _AT_LEAST_1, "agent.num_runners": _AT_LEAST_0,
+    "algo.loss.clip_low": Range(0, 1, open_high=True), "algo.loss.clip_high": _AT_LEAST_0,
+    "algo.loss.dual_clip": Range(1, open_low=True),
+    "algo.correction.token_cap": _POSITIVE,
+    "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
+    "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
+    "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
+    "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
+    "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
+    "actor.micro_batch_size": _AT_LEAST_1, "actor.warmup_steps": _AT_LEAST_0, "actor.num_ranks": _AT_LEAST_1,
+    "fsdp.tp_size": _AT_LEAST_1, "fsdp.ep_size": _AT_LEAST_1, "fsdp.cp_size": _AT_LEAST_1,
+    "vllm.num_engines": _AT_LEAST_1, "vllm.tensor_parallel_size": _AT_LEAST_1,
+    "vllm.data_parallel_size": _AT_LEAST_1, "vllm.max_num_batched_tokens": _AT_LEAST_1,
+    "vllm.mtp_num_speculative_tokens": _AT_LEAST_0, "vllm.max_model_len": Range(2),
+    "vllm.gpu_memory_utilization": _FRACTION,
+    "rollout.group_size": _AT_LEAST_1, "rollout.prompts_per_step": _AT_LEAST_1,
+    "rollout.max_new_tokens": _AT_LEAST_1, "rollout.temperature": _POSITIVE, "rollout.top_p": _FRACTION,
+    "rollout.queue_depth": _AT_LEAST_0, "rollout.max_lag": _AT_LEAST_0,
+    "rollout.max_stale_requeues": _AT_LEAST_1,
+    "train.num_steps": _AT_LEAST_1, "train.seed": _AT_LEAST_0, "train.mini_batches": _AT_LEAST_1,
+    "eval.every": _AT_LEAST_0, "eval.num_prompts": _AT_LEAST_1, "eval.n": _AT_LEAST_1, "eval.k": _AT_LEAST_1,
+    "eval.pass_reward": Range(),
+    "ckpt.every": _AT_LEAST_0,
+    "ray.num_cpus": _AT_LEAST_1,
+}  # fmt: skip
+
+
+# Where Hugging Face configs keep the number of routed experts: Qwen-MoE, DeepSeek, Mixtral.
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def field_value(config: Config, path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), config)
+
+
+def check_ranges(config: Config) -> None:
+    for path, allowed in RANGES.items():
+        value = field_value(config, path)
+        for item in value if isinstance(value, tuple) else (value,):
+            if item is not None and not allowed.holds(item):  # None: an optional field left unset
+                raise ConfigError(f"--{path} must be a number {allowed}, got {value}")
+    correction = config.algo.correction
+    for flag in ("token_bounds", "seq_bounds"):
+        low, high = getattr(correction, flag)
+        if not low < high:
+            raise ConfigError(f"--algo.correction.{flag} is (low, high) with low < high, got ({low}, {high})")
+    if config.eval.k > config.eval.n:
+        raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
+    if config.rollout.max_new_tokens >= config.vllm.max_model_len:
+        raise ConfigError(
+            f"--rollout.max_new_tokens {config.rollout.max_new_tokens} leaves no room for a prompt in "
+            f"--vllm.max_model_len {config.vllm.max_model_len}: raise the one or lower the other"
+        )
+
+
+def check_paths(config: Config) -> None:
+    """Files the run reads exist; directories it writes are not files; engine URLs are URLs."""
+    for flag, path in (("--data.path", config.data.path), ("--eval.path", config.eval.path)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such file (a JSONL file of rows)")
+    models = {"--model.path": config.model.path, "--algo.teacher.model": config.algo.teacher.model,
+              "--algo.critic.model": config.algo.critic.model}  # fmt: skip
+    for flag, path in models.items():
+        if path and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"{flag} {path} is not a Hugging Face model directory (no config.json)")
+    for flag, path in (("--logger.run_dir", config.logger.run_dir), ("--ckpt.dir", config.ckpt.dir),
+                       ("--train.rollout_dump_dir", config.train.rollout_dump_dir)):  # fmt: skip
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"{flag} {path} is a file; it names a directory the run writes into")
+    for url in config.vllm.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--vllm.urls {url!r}: each is a running vLLM server's http:// address")
+    project = config.logger.wandb_project
+    if project and (len(project) > 128 or any(c in project for c in "/\\#?%:")):  # W&B's own rule
+        raise ConfigError(
+            f"--logger.wandb_project {project!r}: a W&B project name has at most 128 characters and none of "
+            "/ \\ # ? % :"
+        )
+    if config.logger.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--logger.wandb_project {config.logger.wandb_project} needs the wandb package, which is not "
+            "installed: run `uv sync --extra wandb` (or `pip install 'molt[wandb]'`), or drop the flag"
+        )
+    if not config.data.messages_key:
+        raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
+    address = config.ray.address
+    if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
+        raise ConfigError(
+            f"--ray.address {address!r}: pass HOST:PORT of a Ray head, ray://HOST:PORT, or auto"
+        )
+    if config.ray.address and config.ray.num_cpus is not None:
+        raise ConfigError(
+            "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
+            "drop one of the two"
+        )
+
+
+def on_policy(config: Config) -> Config:
+    """Apply --train.force_on_policy and fill --rollout.queue_depth 0 (derived values)."""
+    rollout = config.rollout
+    if config.train.force_on_policy:
+        if rollout.queue_depth not in (0, rollout.prompts_per_step):
+            raise ConfigError(
+                "--train.force_on_policy keeps exactly one step of groups in flight, but "
+                f"--rollout.queue_depth is {rollout.queue_depth} (!= --rollout.prompts_per_step "
+                f"{rollout.prompts_per_step}): drop --rollout.queue_depth or --train.force_on_policy"
+            )
+        rollout = msgspec.structs.replace(
+            rollout, max_lag=0, partial_rollout=False, queue_depth=rollout.prompts_per_step
+        )
+    elif rollout.queue_depth == 0:
+        rollout = msgspec.structs.replace(rollout, queue_depth=2 * rollout.prompts_per_step)
+    if rollout.queue_depth < rollout.prompts_per_step:
+        raise ConfigError(
+            f"--rollout.queue_depth {rollout.queue_depth} is below --rollout.prompts_per_step "
+            f"{rollout.prompts_per_step}: a step could never fill; raise it, or pass 0 (2 x prompts_per_step)"
+        )
+    return msgspec.structs.replace(config, rollout=rollout)
+
+
+def check_algorithm(config: Config) -> None:
+    rollout, algo = config.rollout, config.algo
+    # DESIGN invariant 2: tokens from an older policy, or mixed versions, need the importance correction.
+    if (rollout.max_lag >= 1 or rollout.partial_rollout) and algo.correction.mode == "none":
+        raise ConfigError(
+            "--algo.correction.mode none needs on-policy rollouts, but "
+            f"--rollout.max_lag is {rollout.max_lag} and --rollout.partial_rollout is "
+            f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
+            "or pass --train.force_on_policy"
+        )
+    if rollout.stale == "keep" and algo.correction.mode == "none":  # invariant 2 again
+        raise ConfigError(
+            "--rollout.stale keep trains groups sampled by older policies, which needs the importance "
+            "correction, but --algo.correction.mode is none: pick tis, mis or seq-mask-tis, or pass "
+            "--rollout.stale drop"
+        )
+    if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
+        raise ConfigError(
+            f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
+            "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
+        )
+    if algo.advantage.estimator == "opd" and not algo.teacher.model:
+        raise ConfigError(
+            "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
+        )
+    if algo.advantage.estimator == "opd" and algo.kl.coef and algo.kl.in_reward:
+        raise ConfigError(
+            "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
+            "drop --algo.kl.in_reward (the KL then is a loss term)"
+        )
+    rows = rollout.prompts_per_step * rollout.group_size
+    if config.train.mini_batches > rows:
+        raise ConfigError(
+            f"--train.mini_batches {config.train.mini_batches} is more than the step's {rows} sequences "
+            f"(--rollout.prompts_per_step x --rollout.group_size): each optimizer step needs one"
+        )
+
+
+def check_sampling(config: Config) -> None:
+    """DESIGN invariant 3: the trainer computes the full softmax at the sampling temperature."""
+    if config.rollout.top_p < 1:
+        raise ConfigError(
+            f"--rollout.top_p {config.rollout.top_p}: the engine would renormalise each logprob over the "
+            "nucleus, which the trainer's full softmax does not reproduce, so every ratio and correction "
+            "weight would be off; sample with --rollout.top_p 1 (shape the distribution with "
+            "--rollout.temperature)"
+        )
+
+
+def num_experts(model_config: dict) -> int:
+    """Routed experts per MoE layer; 0 for a dense model."""
+    return next((int(model_config[key]) for key in _EXPERT_KEYS if model_config.get(key)), 0)
+
+
+def check_model(config: Config, model_dir: str | Path) -> None:
+    """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
+    vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
+    if model_dir:
+        model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    else:
+        from molt.tiny import TINY_SHAPE
+
+        model_dir, model_config = "(the tiny model)", dict(TINY_SHAPE)
+    fsdp, algo = config.fsdp, config.algo
+    if "vision_config" in model_config and (fsdp.tp_size > 1 or fsdp.cp_size > 1):
+        raise ConfigError(
+            f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
+            f"now: --fsdp.tp_size 1 --fsdp.cp_size 1 (got {fsdp.tp_size}, {fsdp.cp_size})"
+        )
+    if "vision_config" in model_config and algo.advantage.estimator == "gae":
+        raise ConfigError(
+            f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
+            "pick an outcome estimator"
+        )
+    model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
+    experts = num_experts(model_config)
+    if config.train.routing_replay and not experts:
+        raise ConfigError(
+            f"--train.routing_replay replays MoE routing, but --model.path {model_dir} is dense (its "
+            f"config.json has none of {', '.join(_EXPERT_KEYS)}): drop --train.routing_replay"
+        )
+    if fsdp.ep_size > 1 and (not experts or experts % fsdp.ep_size):
+        raise ConfigError(
+            f"--fsdp.ep_size {fsdp.ep_size} must divide the model's {experts} experts (config.json of "
+            f"--model.path {model_dir}): pick a divisor, or 1 for a dense model"
+        )
+    heads = int(model_config["num_attention_heads"])
+    kv_heads = int(model_config.get("num_key_value_heads") or heads)
+    if heads % fsdp.tp_size or kv_heads % fsdp.tp_size:
+        raise ConfigError(
+            f"--fsdp.tp_size {fsdp.tp_size} must divide the model's {heads} attention heads and {kv_heads} "
+            f"key-value heads (config.json of --model.path {model_dir})"
+        )
+    tp = config.vllm.tensor_parallel_size
+    if not config.vllm.urls and (heads % tp or (kv_heads % tp and tp % kv_heads)):
+        raise ConfigError(
+            f"--vllm.tensor_parallel_size {tp} must divide the model's {heads} attention heads, and divide "
+            f"or be a multiple of its {kv_heads} key-value heads (config.json of --model.path {model_dir})"
+        )
+
+
+def check_companions(config: Config) -> None:
+    """A teacher or critic reads the policy's token ids, so it must tokenize exactly as the policy does."""
+    algo = config.algo
+    others = {}
+    if algo.advantage.estimator == "opd":
+        others["--algo.teacher.model"] = algo.teacher.model
+    if algo.advantage.estimator == "gae" and algo.critic.model:
+        others["--algo.critic.model"] = algo.critic.model
+    if not others:
+        return
+    if not config.model.path:
+        raise ConfigError(
+            f"{', '.join(others)} needs --model.path: the seeded tiny policy has its own tokenizer, which no "
+            "other model shares"
+        )
+    from transformers import AutoTokenizer
+
+    policy = AutoTokenizer.from_pretrained(config.model.path).get_vocab()
+    for flag, path in others.items():
+        if AutoTokenizer.from_pretrained(path).get_vocab() != policy:
+            raise ConfigError(
+                f"{flag} {path} has another tokenizer than the policy ({config.model.path}): it would read "
+                "the policy's token ids as other tokens; pick a model of the policy's family"
+            )
+
+
+def check_agent(config: Config) -> None:
+    """The agent module exports an AgentRunner that the data settings can serve."""
+    from molt.agent import ChatAgent, load_agent
+
+    try:
+        module = load_agent(config.agent.module)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if issubclass(module.AgentRunner, ChatAgent) and not config.data.apply_chat_template:
+        raise ConfigError(
+            f"--agent.module {config.agent.module} is a ChatAgent: it sends chat messages, which tito "
+            "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
+            "text) serves only Env agents"
+        )
+    if not config.data.path and not hasattr(module, "dataset"):
+        raise ConfigError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")

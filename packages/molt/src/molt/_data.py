@@ -1,0 +1,77 @@
+"""The dataset rows a run trains and evaluates on (`--data.*`, `--eval.path`).
+
+Training rows stream without end: a `--data.path` JSONL file reshuffled every epoch, or the agent module's
+`dataset(seed)`. `RowStream` hands them to the pool and remembers which were trained, so a resumed run
+skips exactly those. Evaluation rows (`eval_rows`) are a fixed list, never trained on. A JSONL row's chat
+messages are read from its `--data.messages_key` field into `messages`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from molt.config import Config
+
+__all__ = ["RowStream", "eval_rows", "read_rows"]
+
+EVAL_SEED_OFFSET = 7_919  # a generated dataset's evaluation rows come from another seed
+
+
+def read_rows(config: Config, agent_module) -> Iterator[dict]:
+    """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`."""
+    if not config.data.path:  # the agent module has dataset(seed) (`molt._checks.check_agent`)
+        yield from agent_module.dataset(config.data.seed)
+        return
+    rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines() if line.strip()]
+    key = config.data.messages_key
+    if not rows or any(key not in row for row in rows):
+        raise ValueError(f"--data.path {config.data.path}: every row needs a {key!r} field (and it has rows)")
+    rng = random.Random(config.data.seed)
+    while True:
+        for row in rng.sample(rows, len(rows)):
+            yield {**row, "messages": row[key]}
+
+
+class RowStream:
+    """The dataset rows as the pool draws them. It remembers each drawn row's position in the stream
+    (the pool numbers rows in the order it draws them), so a checkpoint records which rows were trained
+    and a resumed run skips exactly those: rows in flight at the checkpoint are drawn again."""
+
+    def __init__(self, rows: Iterator[dict], *, skip: list[int] = ()) -> None:
+        self.rows, self.skip = rows, set(skip)
+        self.positions: list[int] = []  # pool prompt index -> position in the stream
+        self.trained: list[int] = list(skip)
+
+    def __iter__(self) -> Iterator[dict]:
+        for position, row in enumerate(self.rows):
+            if position not in self.skip:
+                self.positions.append(position)
+                yield row
+
+    def mark_trained(self, groups) -> None:
+        self.trained += [self.positions[group.prompt_index] for group in groups]
+
+
+def eval_rows(config: Config, agent_module) -> list[dict]:
+    """The first `--eval.num_prompts` evaluation rows (see `--eval.path`)."""
+    count = config.eval.num_prompts
+    if config.eval.path:
+        lines = Path(config.eval.path).read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()][:count]
+        key = config.data.messages_key
+        if not rows or any(key not in row for row in rows):
+            raise ValueError(f"--eval.path {config.eval.path}: every row needs a {key!r} field (and rows)")
+        return [{**row, "messages": row[key]} for row in rows]
+    source = getattr(agent_module, "eval_dataset", None)
+    if source is not None:
+        return list(itertools.islice(source(config.data.seed), count))
+    if hasattr(agent_module, "dataset"):
+        return list(itertools.islice(agent_module.dataset(config.data.seed + EVAL_SEED_OFFSET), count))
+    raise ValueError(
+        f"--eval.every needs evaluation rows: pass --eval.path, or export eval_dataset(seed) from "
+        f"--agent.module {config.agent.module}"
+    )

@@ -1,0 +1,181 @@
+"""The driver's handle on the FSDP2 policy actor: a `PolicyGroup` of `PolicyWorker` Ray actors, one per rank.
+
+The group starts the ranks (`molt._actor.PolicyWorker` under `ray.remote`), shards each batch's rows over
+them by their data-parallel coordinate, fans each call out and gathers the results in row order: the TP
+ranks of one DP group get the same rows, and the group reads one result per DP group. Built with
+`trainable=False` it is a frozen group (the reference policy of `--algo.kl.coef`, the teacher of on-policy
+distillation); the PPO critic's group (`molt._critic`) is a subclass. A refit that fails on some engines
+raises `EnginesLost`, naming them; the loop drops those and trains on.
+
+Legend: B sequences, T tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from molt._actor import PolicyWorker
+from molt._batch import TrainBatch, shard_rows
+from molt._placement import gpu_share, refit_backend
+from molt._sharding import replicas
+from molt.config import Config
+from molt.vllm_server import free_port
+
+__all__ = ["EnginesLost", "PolicyGroup"]
+
+
+class EnginesLost(RuntimeError):
+    """A refit failed on some engines. `failed`: url -> what went wrong; `updated`: the engines that
+    took the new weights and were resumed."""
+
+    def __init__(self, failed: dict[str, str], updated: list[str]) -> None:
+        self.failed, self.updated = failed, updated
+        lines = [f"  {url}: {why}" for url, why in failed.items()]
+        super().__init__("refit failed on engine(s):\n" + "\n".join(lines) + f"\n  updated: {updated}")
+
+
+class PolicyGroup:
+    """The driver's handle on `num_ranks` `PolicyWorker` Ray actors (Ray is initialised by the caller).
+
+    Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
+    the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
+    `wait=False` returns once the ranks are placed; `wait_ready` (or `ready_refs`) then waits for them to
+    load. `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
+    """
+
+    worker_class: type = PolicyWorker
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: Config,
+        num_ranks: int,
+        *,
+        trainable: bool = True,
+        wait: bool = True,
+        log_prefix: str = "",
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        self.on_gpu = torch.cuda.is_available()
+        self.backend = refit_backend(config, on_gpu=self.on_gpu)  # how its refits reach the engines
+        self.num_ranks = num_ranks
+        self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
+        self.dp_size = num_ranks // self.replicas
+        self.master_addr = ray.util.get_node_ip_address()
+        port = free_port(self.master_addr)
+        # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
+        # a copy of the working directory, which has no virtual environment. CPU: one thread per rank;
+        # under contention that beat two threads (FACTS).
+        env = {"py_executable": sys.executable}
+        if not self.on_gpu:
+            env["env_vars"] = {"OMP_NUM_THREADS": "1"}
+        # No task events: Ray's GCS keeps one for every call (its dashboard's task table), a few a step.
+        gpus = gpu_share(config) if self.on_gpu else 0  # a whole GPU, or its part of a shared one
+        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(
+            self.worker_class
+        )
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.workers = [
+            remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
+                rank,
+                num_ranks,
+                self.master_addr,
+                port,
+                str(model_dir),
+                config,
+                trainable,
+                f"{log_prefix}-{rank}.log" if log_prefix else "",
+            )
+            for rank in range(num_ranks)
+        ]
+        if wait:
+            self.wait_ready()
+
+    def ready_refs(self) -> list:
+        """One Ray object ref per rank, ready once that rank has loaded its shard."""
+        return [w.__ray_ready__.remote() for w in self.workers]
+
+    def wait_ready(self) -> None:
+        """Block until every rank has loaded its shard; raises if one failed to start."""
+        import ray
+
+        ray.get(self.ready_refs())
+
+    def _each(self, method: str, *per_rank_args) -> list:
+        """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""
+        import ray
+
+        return ray.get(
+            [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
+        )
+
+    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> list[tuple]:
+        """Each rank's arguments: its data-parallel shard of `batch` and of each [B, T] tensor (None stays
+        None). The ranks of one data-parallel coordinate get the same rows (module docstring)."""
+        world = self.dp_size
+        return [
+            (batch.shard(dp, world), *(None if t is None else shard_rows(t, dp, world) for t in tensors_BT))
+            for dp in (rank // self.replicas for rank in range(self.num_ranks))
+        ]
+
+    def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
+        """`method`'s [B, T] result for every row of `batch`, gathered in row order."""
+        shards = self._each(method, *self._row_shards(batch))
+        return torch.cat(shards[:: self.replicas])[: batch.num_rows]
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Logprobs of every row of `batch`, [B, T], in row order."""
+        return self._rows("logprobs", batch)
+
+    def train_step(
+        self,
+        batch: TrainBatch,
+        old_logp_BT: torch.Tensor | None = None,
+        ref_logp_BT: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
+        says what the arguments mean)."""
+        batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
+        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)
+        return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
+
+    def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:
+        """Refit the engines with the current weights as `version`; returns rank 0's phase seconds.
+        Raises `EnginesLost` when some engines failed (the others were updated and resumed).
+
+        `trainer_host`: the address the engines reach rank 0 at; default, the driver node's address.
+        """
+        host = trainer_host or self.master_addr
+        report = self._each("refit", *[(list(engine_urls), self.backend, version, host)] * self.num_ranks)[0]
+        failed = report.pop("failed")
+        if failed:
+            raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])
+        return report
+
+    def save(self, path: str | Path) -> None:
+        """Checkpoint the model, optimizer and schedule into `path` (each rank writes its shards)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._each("save", *[(str(path),)] * self.num_ranks)
+
+    def load(self, path: str | Path) -> None:
+        """Restore the model, optimizer and schedule from a checkpoint written by `save`."""
+        self._each("load", *[(str(path),)] * self.num_ranks)
+
+    def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Full parameters (all, or `names`) gathered from the shards."""
+        return self._each("full_state", *[(names,)] * self.num_ranks)[0]
+
+    def shutdown(self) -> None:
+        """Kill the workers (their process group and engine connections go with them)."""
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []

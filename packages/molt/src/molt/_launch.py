@@ -1,0 +1,200 @@
+"""`molt train`'s launch: start every part of a run, hand them to `molt.loop.run_steps`, stop them all.
+
+`train(config)` starts Ray, the vLLM engines (Ray actors), the FSDP2 policy actor (Ray actors, one per
+rank), the optional reference, critic and teacher groups, the agent hosts and tito (in this process), then
+runs `run_steps` on this process's event loop. Whatever happens (an error, Ctrl-C), every engine, actor
+and Ray itself is stopped. It is public as `molt.loop.train`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import torch
+
+from asyncpool import GroupPool, PoolExhausted
+from molt._checkpoint import latest, restore_rng
+from molt._critic import CriticGroup
+from molt._data import RowStream, eval_rows, read_rows
+from molt._engines import check_attached, launch_engines, stop_engines
+from molt._group import PolicyGroup
+from molt._log import RunLog, progress, quiet_console
+from molt._rollout import RolloutRunner
+from molt._runners import launch_hosts
+from molt._startup import StartupClock, allow_bytecode
+from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
+from molt.agent import ChatAgent, load_agent
+from molt.config import Config, with_run_dir
+from rlestimators import dynamic_filter
+from tito import Tito, create_app, serve_on_loop
+
+__all__ = ["start_extra_groups", "train"]
+
+
+def train(config: Config, *, resume: bool = False) -> None:
+    """`molt train`: set up, run `run_steps`, and tear everything down on any exit. `resume`: continue
+    from the newest checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
+    import ray
+
+    clock = StartupClock()  # from the command's start: timing/startup_* in step 1's metrics
+    config = with_run_dir(validate(config))  # every refusal before anything starts, whoever calls
+    run_dir = Path(config.logger.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.train.seed)
+    random.seed(config.train.seed)
+    checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(quiet_console(run_dir / "molt.log", verbose=config.logger.verbose))
+        allow_bytecode()  # before any process starts: they all inherit it
+        for note in start_notes(config):
+            progress(f"note: {note}")
+        agent_module = load_agent(config.agent.module)
+        rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
+        evaluation = eval_rows(config, agent_module) if config.eval.every else []
+        with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
+            building = background.submit(_model_dir, config, run_dir, clock)
+            config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
+            cleanup.callback(ray.shutdown)
+            model_dir = building.result()
+        attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
+        num_new = 0 if attached else config.vllm.num_engines
+        progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
+        logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
+        clock.begin("engines")
+        engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
+        cleanup.callback(stop_engines, engines)
+        if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
+            ray.get([engine.url.remote() for engine in engines])
+        clock.begin("actor")
+        policy = PolicyGroup(
+            model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor"
+        )
+        cleanup.callback(policy.shutdown)
+        groups = start_extra_groups(config, model_dir, clock, logs)  # reference, critic, teacher: if asked
+        for group in groups.values():
+            cleanup.callback(group.shutdown)
+        clock.begin("agent_hosts")
+        hosts, hosts_ready = launch_hosts(
+            config.agent.module, config.agent.num_runners, log_prefix=logs and f"{logs}/agents"
+        )
+        engine_urls = [engine.url.remote() for engine in engines]
+        stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
+        clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
+        first_step = 1
+        if checkpoint is not None:
+            policy.load(checkpoint)
+            if groups.get("critic"):
+                groups["critic"].load(checkpoint)
+            restore_rng(state)
+            first_step = state.step + 1
+            progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
+        urls = attached or ray.get(engine_urls)
+        if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
+            policy.refit(urls, first_step - 1)
+        progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
+        sinks = dict(tensorboard=config.logger.tensorboard, wandb_project=config.logger.wandb_project)
+        log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
+        cleanup.callback(log.close)
+        chat = issubclass(agent_module.AgentRunner, ChatAgent)
+        parts = dict(policy=policy, rows=rows, log=log, model_dir=model_dir, eval_rows=evaluation,
+                     first_step=first_step, startup=clock, **groups)  # fmt: skip
+        asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
+        progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
+
+
+def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, logs: str) -> dict:
+    """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for.
+    Returns once their ranks are placed (`ready_refs` are ready once they have loaded). `logs`: the
+    directory their ranks write their output into (empty: Ray's worker logs)."""
+    num_ranks, algo, groups = config.actor.num_ranks, config.algo, {}
+    frozen = dict(trainable=False, wait=False)
+    if "reference" in extra_groups(config):  # the initial weights, frozen (a resumed run reloads them)
+        progress("starting the reference policy (--algo.kl.coef)")
+        groups["reference"] = PolicyGroup(
+            model_dir, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/reference"
+        )
+    if "critic" in extra_groups(config):
+        progress("starting the critic (--algo.advantage.estimator gae)")
+        critic_dir = algo.critic.model or model_dir
+        groups["critic"] = CriticGroup(
+            critic_dir, config, num_ranks, wait=False, log_prefix=logs and f"{logs}/critic"
+        )
+    if "teacher" in extra_groups(config):
+        progress(f"starting the teacher {algo.teacher.model} (--algo.advantage.estimator opd)")
+        groups["teacher"] = PolicyGroup(
+            algo.teacher.model, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/teacher"
+        )
+    for name in groups:
+        clock.begin(name)
+    return groups
+
+
+def _start_ray(config: Config, clock: StartupClock) -> Config:
+    """Join `--ray.address`, or start a fresh local Ray (never one found running here); returns the config
+    placed on the joined cluster's GPUs. Ray workers' own output reaches the console only with
+    --logger.verbose (each worker writes into the run directory)."""
+    import ray
+
+    progress("starting Ray")
+    clock.begin("ray")
+    quiet = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
+    if config.ray.address:
+        ray.init(address=config.ray.address, **quiet)
+        config = check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
+    else:
+        ray.init(address="local", num_cpus=config.ray.num_cpus, **quiet)
+    clock.end("ray")
+    return config
+
+
+async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool) -> None:
+    """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
+    (the `Run` fields started by `train`)."""
+    from molt.loop import Run, run_steps  # not at the top: `molt.loop` imports this module for `train`
+
+    rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
+    fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
+    parts["startup"].begin("tito")
+    tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed)
+    api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
+    try:
+        async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
+            parts["startup"].end("tito")
+            runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
+            keep = _keep_varied if config.algo.dynamic_filter else None
+            pool = GroupPool(runner, parts["rows"], group_size=rollout.group_size, depth=rollout.queue_depth,
+                             max_lag=rollout.max_lag, keep=keep, retry_delay=0.5, stale=rollout.stale,
+                             max_requeues=rollout.max_stale_requeues)  # fmt: skip
+            pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
+            async with pool:
+                await run_steps(config, Run(tito=tito, pool=pool, runner=runner, **parts))
+    except PoolExhausted as end:
+        if end.__cause__ is not None:  # the dataset itself failed
+            raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
+        progress("the dataset is used up; stopping early")
+    finally:
+        await tito.aclose()
+
+
+def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
+    if config.model.path:
+        return Path(config.model.path)
+    from molt.tiny import build_tiny_model
+
+    progress("no --model.path: building the seeded tiny model into the run directory")
+    clock.begin("model")
+    model_dir = build_tiny_model(run_dir / "model", seed=config.train.seed)
+    clock.end("model")
+    return model_dir
+
+
+def _keep_varied(group) -> bool:
+    """--algo.dynamic_filter (DAPO): a group whose rewards are all equal has no gradient; backfill it."""
+    rewards_S = torch.tensor([sample.reward for sample in group.samples])
+    return bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all())

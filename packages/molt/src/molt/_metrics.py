@@ -1,0 +1,59 @@
+"""The step's rollout and pool metrics (`rollout/*`, `train/staleness_mean`, `pool/*`), from what the
+step took. The training metrics come from the actor (`molt._objective.step_loss`), the evaluation ones from
+`molt._eval`; `molt.loop.REQUIRED_METRICS` names those every step logs."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncpool import PoolStats
+from molt._rollout import Rollout
+
+__all__ = ["pool_metrics", "rollout_metrics", "staleness_mean"]
+
+
+def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float]:
+    """`rollout/*`: the reward's mean and spread within groups, lengths, truncation, segments per
+    rollout, and the mean of each number the agents returned in their `info`."""
+    rewards_GS = torch.tensor([r.reward for r in rollouts], dtype=torch.float64).view(-1, group_size)
+    std_in_group = rewards_GS.std(dim=1, unbiased=False).mean() if group_size > 1 else torch.tensor(0.0)
+    infos: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for key, value in rollout.info.items():
+            infos.setdefault(f"rollout/{key}", []).append(float(value))
+    return {
+        "rollout/reward_mean": rewards_GS.mean().item(),
+        "rollout/reward_std_in_group": std_in_group.item(),
+        "rollout/response_len_mean": sum(len(r.sampled) for r in rollouts) / len(rollouts),
+        "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
+        "rollout/segments_mean": sum(len(r.segments) for r in rollouts) / len(rollouts),  # >1: compaction
+        **{key: sum(values) / len(values) for key, values in infos.items()},
+    }
+
+
+def staleness_mean(rollouts: list[Rollout], trainer_version: int) -> float:
+    """Mean over trained tokens of how many versions behind the trainer the weights that sampled them were."""
+    lags = [
+        trainer_version - v
+        for r in rollouts
+        for s in r.segments
+        for v, m in zip(s.versions, s.loss_mask, strict=True)
+        if m
+    ]
+    return sum(lags) / len(lags)
+
+
+def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
+    """The pool's counters (`pool/<name>`, cumulative) and `pool/dropped_stale_rate`: of the groups that
+    left the pool since `before` (the last step's log: returned, dropped as stale, filtered or failed),
+    the share dropped as stale; 0 when none left."""
+
+    def ended(stats: PoolStats) -> int:
+        return stats.returned + stats.dropped_stale + stats.filtered + stats.failed
+
+    num_ended = ended(now) - ended(before)
+    dropped = now.dropped_stale - before.dropped_stale
+    return {
+        **{name: float(value) for name, value in now.metrics().items()},
+        "pool/dropped_stale_rate": dropped / num_ended if num_ended else 0.0,
+    }
