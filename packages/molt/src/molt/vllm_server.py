@@ -61,7 +61,6 @@ def engine_args(
         "--host", "127.0.0.1",
         "--port", str(port),
         "--max-model-len", str(max_model_len),
-        "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
