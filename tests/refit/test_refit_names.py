@@ -12,7 +12,10 @@ class PrefixMapper:
     PREFIXES = {"model.language_model.": "language_model.model.", "model.visual.": "visual.",
                 "lm_head.": "language_model.lm_head.", "model.": "language_model.model."}  # fmt: skip
 
-    def map_name(self, name: str) -> str:
+    def apply_list(self, names: list[str]) -> list[str]:
+        return [self._map(name) for name in names]
+
+    def _map(self, name: str) -> str:
         for old, new in self.PREFIXES.items():
             if name.startswith(old):
                 name = new + name[len(old) :]

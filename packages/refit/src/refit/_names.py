@@ -17,10 +17,17 @@ def in_trainer_names(specs: list[list], trainer_names: list[str], mapper) -> lis
     unmatched: dict[str | None, list[str]] = {}
     for name in trainer_names:
         if name not in checkpoint_names:
-            unmatched.setdefault(mapper.map_name(name), []).append(name)
+            unmatched.setdefault(_mapped(mapper, name), []).append(name)
     translated = []
     for name, dtype, shape in specs:
         ending = name.split(".")[-2:]
-        alike = [t for t in unmatched.get(mapper.map_name(name), []) if t.split(".")[-2:] == ending]
+        alike = [t for t in unmatched.get(_mapped(mapper, name), []) if t.split(".")[-2:] == ending]
         translated.append([alike[0] if len(alike) == 1 else name, dtype, shape])
     return translated
+
+
+def _mapped(mapper, name: str) -> str | None:
+    """The parameter `name` loads into (None: the engine drops it). `apply_list` is the mapper's public
+    name-only call (vLLM's `WeightsMapper`); it leaves out the names it drops."""
+    mapped = mapper.apply_list([name])
+    return mapped[0] if mapped else None
