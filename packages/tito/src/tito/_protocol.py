@@ -96,7 +96,8 @@ def check_role_order(roles: list[str], has_tool_calls: list[bool]) -> None:
         raise ValueError(f"the last message must be from the user or a tool, not {roles[-1]!r}")
 
 
-_SCALAR = r'("[^"\\\n]{0,64}"|-?[0-9]{1,9}(\.[0-9]{1,6})?|true|false|null)'
+# JSON scalars only: no leading zero in a number, no control character in a string.
+_SCALAR = r'("[^"\\\x00-\x1f]{0,64}"|-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?|true|false|null)'
 _FLAT_OBJECT = rf'\{{("[A-Za-z0-9_]{{1,32}}": {_SCALAR}(, "[A-Za-z0-9_]{{1,32}}": {_SCALAR}){{0,15}})?\}}'
 
 
