@@ -12,7 +12,7 @@ class PrefixMapper:
     PREFIXES = {"model.language_model.": "language_model.model.", "model.visual.": "visual.",
                 "lm_head.": "language_model.lm_head.", "model.": "language_model.model."}  # fmt: skip
 
-    def apply_list(self, names: list[str]) -> list[str]:  # vLLM's public method; 0.26 has no map_name
+    def apply_list(self, names: list[str]) -> list[str]:
         return [self._map(name) for name in names]
 
     def _map(self, name: str) -> str:

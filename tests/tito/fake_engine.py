@@ -2,8 +2,9 @@
 
 It stands in for a real engine only where a test must choose exactly which tokens are "sampled" (a
 reply that is not the canonical tokenization of its text, a well-formed tool call); everything else
-runs against a real vLLM server in test_real_engine.py. Replies follow vLLM's wire format: tokens
-and logprobs per chunk, weight-version spans over the whole output in the last chunk only.
+runs against a real vLLM server in test_real_engine.py. Replies follow the wire format of vLLM 0.26
+with refit's middleware: tokens, logprobs and weight-version spans per chunk (no stop reason). Images
+come as processed features, which a test's `render` hook makes (vLLM's `/v1/chat/completions/render`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class FakeEngine:
         self.script: list[list[int]] = []  # replies to give, in order; then a default reply
         self.prompts: list[list[int]] = []  # every prompt received
         self.requests: list[dict] = []  # every request body received
-        self.prompt_fields = None  # body -> top-level reply fields for a prompt with images (expansion)
+        self.render = None  # render body -> its reply (features of the images it was sent)
+        self.rendered: list[dict] = []  # every render request body received
         self.route_shape: tuple[int, int] | None = None  # (layers, top_k): reply with MoE routes
         self.fail_next = 0  # answer this many of the next generate requests with a 503
         self.break_after: int | None = None  # a stream drops its connection after this many tokens
@@ -64,6 +66,12 @@ class FakeEngine:
         async def models():
             return {"data": [{"id": "fake", "max_model_len": self.max_model_len}]}
 
+        @app.post("/v1/chat/completions/render")
+        async def render(request: Request):
+            body = await request.json()
+            self.rendered.append(body)
+            return JSONResponse(self.render(body))
+
         @app.post("/inference/v1/generate")
         async def generate(request: Request):
             body = await request.json()
@@ -73,33 +81,28 @@ class FakeEngine:
                 return JSONResponse({"error": "engine overloaded"}, status_code=503)
             self.prompts.append(body["token_ids"])
             tokens, finish = self.reply_for(body["token_ids"], body["sampling_params"].get("max_tokens", 16))
-            spans = [{"version": self.version, "start": 0, "end": len(tokens)}]
-            stop = self.eos_id if finish == "stop" else None
             start = body["sampling_params"].get("routed_experts_prompt_start", 0)
             routes = self.routes(body["token_ids"] + tokens, start) if self.route_shape else None
 
-            def choice(ids, last):
+            def choice(ids, start, last):
                 return {
                     "index": 0,
                     "token_ids": ids,
                     "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
                     "finish_reason": finish if last else None,
-                    "stop_reason": stop if last else None,
-                    "weight_versions": spans if last else None,
+                    "weight_versions": [{"version": self.version, "start": start, "end": start + len(ids)}],
                     "routed_experts": routes if last else None,
                 }
 
-            extra = self.prompt_fields(body) if body.get("content_parts") and self.prompt_fields else {}
             if not body.get("stream"):
-                return JSONResponse({"choices": [choice(tokens, True)], **extra})
+                return JSONResponse({"choices": [choice(tokens, 0, True)]})
 
             async def events():
                 for position, token in enumerate(tokens):
                     if position == self.break_after:
                         raise ConnectionResetError("the fake engine dropped the stream")
                     await asyncio.sleep(self.token_delay)
-                    data = {"choices": [choice([token], position == len(tokens) - 1)]}
-                    data.update(extra if position == 0 else {})
+                    data = {"choices": [choice([token], position, position == len(tokens) - 1)]}
                     yield f"data: {json.dumps(data)}\n\n"
                 yield "data: [DONE]\n\n"
 

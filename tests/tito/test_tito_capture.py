@@ -188,8 +188,18 @@ def test_text_stream_never_sends_a_stop_string_or_a_tool_call(tokenizer):
     stream = TextStream(tokenizer, stops=["STOP"], hold_tool_calls=True)
     sent = "".join(stream.push([token]) for token in ids)
     assert sent == "ab "
-    assert stream.finish("STOP") == "ab "
+    assert stream.finish() == "ab " and stream.stop == "STOP"
 
     stream = TextStream(tokenizer, stops=None, hold_tool_calls=True)
     sent = "".join(stream.push([token]) for token in ids)
     assert sent == "ab STOP cd"
+
+
+def test_the_first_stop_string_in_the_text_ends_the_reply(tokenizer):
+    ids = tokenizer("one END two HALT three", add_special_tokens=False)["input_ids"]
+    stream = TextStream(tokenizer, stops=["HALT", "END"], hold_tool_calls=False)
+    stream.push(ids)
+    assert stream.finish() == "one " and stream.stop == "END"
+    plain = TextStream(tokenizer, stops=["NEVER"], hold_tool_calls=False)
+    plain.push(ids)
+    assert plain.finish() == "one END two HALT three" and plain.stop is None

@@ -1,8 +1,9 @@
 """Images through tito: loaded from data URLs and files, expanded once with the model's processor, sent to
-the engine with the token ids, checked against the engine's own expansion, and kept in the trajectory.
+the engine with the token ids as the engine's own processed features, checked against the engine's own
+expansion, and kept in the trajectory.
 
-The fast tests run over a fake engine that expands placeholders the way vLLM does (with the model's
-processor); `test_tito_images_real_engine.py` runs the same path against a real vLLM server."""
+The fast tests run over a fake engine that renders images the way vLLM does (placeholder lengths from the
+model's processor); `test_tito_images_real_engine.py` runs the same path against a real vLLM server."""
 
 from __future__ import annotations
 
@@ -52,31 +53,29 @@ def vl_renderer(processor):
 
 
 class ExpandingEngine(FakeEngine):
-    """The fake engine, expanding each image placeholder as vLLM does: with the model's processor, from
-    the image bytes it was sent. `extra_tokens` makes it disagree with tito on purpose."""
+    """The fake engine, rendering images as vLLM does: each placeholder's length from the model's
+    processor, from the image bytes it was sent. `extra_tokens` makes it disagree with tito on purpose."""
 
     def __init__(self, processor, extra_tokens: int = 0) -> None:
         super().__init__(eos_id=processor.tokenizer.convert_tokens_to_ids("<|im_end|>"))
         self.processor, self.extra_tokens = processor, extra_tokens
-        self.prompt_fields = self.expansion
+        self.render = self.features
 
-    def expansion(self, body: dict) -> dict:
+    def features(self, body: dict) -> dict:
         from PIL import Image
 
-        images = [Image.open(io.BytesIO(load_image(part["url"]).data)) for part in body["content_parts"]]
+        (turn,) = body["messages"]
+        urls = [part["image_url"]["url"] for part in turn["content"]]
+        images = [Image.open(io.BytesIO(load_image(url).data)) for url in urls]
         grid = self.processor.image_processor(images=images)["image_grid_thw"]
-        pad = self.processor.image_token_id
         lengths = [int(thw.prod()) // 4 + self.extra_tokens for thw in grid]
-        expanded, spans = [], []
-        pending = iter(lengths)
-        for token in body["token_ids"]:
-            if token == pad:
-                length = next(pending)
-                spans.append({"offset": len(expanded), "length": length})
-                expanded += [pad] * length
-            else:
-                expanded.append(token)
-        return {"prompt_token_ids": expanded, "mm_placeholders": {"image": spans}}
+        return {
+            "features": {
+                "mm_hashes": {"image": [f"hash-{load_image(url).sha256}" for url in urls]},
+                "mm_placeholders": {"image": [{"offset": 0, "length": length} for length in lengths]},
+                "kwargs_data": {"image": [f"tensors-{i}" for i in range(len(urls))]},
+            }
+        }
 
 
 @pytest.fixture
@@ -226,8 +225,12 @@ async def test_openai_and_anthropic_images_reach_the_engine_once_and_the_traject
     reply = await client.post(f"/s/{session['id']}/v1/chat/completions", json=openai_body)
     assert reply.status_code == 200, reply.text
     sent = vl_engine.requests[-1]
-    assert sent["token_ids"].count(pad) == 1 and sent["return_token_ids"] is True
-    assert sent["content_parts"] == [{"type": "image_url", "url": url}]
+    assert _runs(sent["token_ids"], pad) == [(4, 6)]  # tito's expanded prompt, as it is
+    assert sent["features"] == {
+        "mm_hashes": {"image": [f"hash-{load_image(url).sha256}"]},
+        "mm_placeholders": {"image": [{"offset": 4, "length": 6}]},
+        "kwargs_data": {"image": ["tensors-0"]},
+    }
 
     first_image = {"type": "image", "source": {"type": "url", "url": url}}
     second_data = png_data_url(112, 56).split(",")[1]
@@ -247,7 +250,14 @@ async def test_openai_and_anthropic_images_reach_the_engine_once_and_the_traject
     }
     reply = await client.post(f"/s/{session['id']}/v1/messages", json=anthropic_body)
     assert reply.status_code == 200, reply.text
-    assert vl_engine.requests[-1]["token_ids"].count(pad) == 2
+    second = vl_engine.requests[-1]
+    assert [p["length"] for p in second["features"]["mm_placeholders"]["image"]] == [6, 8]
+    assert second["features"]["kwargs_data"] == {"image": ["tensors-0", "tensors-0"]}
+    # The first image was processed once, for the first turn; the second turn rendered only the new one.
+    rendered = [
+        [p["image_url"]["url"] for p in body["messages"][0]["content"]] for body in vl_engine.rendered
+    ]
+    assert rendered == [[url], [f"data:image/png;base64,{second_data}"]]
     trajectory = (await client.delete(f"/sessions/{session['id']}")).json()
     (segment,) = trajectory["segments"]
     spans = [(image["offset"], image["length"]) for image in segment["images"]]

@@ -2,7 +2,7 @@
 
 The multimodal tests need a real vision-language model that transformers, vLLM and the actor all load,
 small enough to run on a 2-core CPU. Qwen2-VL is the Qwen-VL generation that both transformers 5.18
-and vLLM 0.32 implement without extras (no window attention, no deepstack features): a ViT whose
+and vLLM 0.26 implement without extras (no window attention, no deepstack features): a ViT whose
 patches are merged 2 x 2 into one language-model token, and M-RoPE positions in the language model.
 
 The tokenizer is the tiny text model's (`molt.tiny`: characters, ChatML and task words) plus Qwen-VL's

@@ -1,8 +1,8 @@
 """Start one vLLM OpenAI-compatible server as a subprocess, with the flags Molt's engines need.
 
 An engine for Molt must offer the token-level interface (`/inference/v1/generate`, which vLLM 0.26
-registers for every generating model), return processed (post-temperature) logprobs so they match the
-trainer's recomputation, and expose the RL endpoints (pause, weight transfer, prefix-cache reset), which vLLM
+serves with no flag), return processed (post-temperature) logprobs so they match the trainer's
+recomputation, and expose the RL endpoints (pause, weight transfer, prefix-cache reset), which vLLM
 only registers with `VLLM_SERVER_DEV_MODE=1`. On a CPU the fast-start settings below bring a tiny model
 up in well under a minute. This module does not place engines (Ray does that); it only starts and
 stops one server process and waits until it answers `/health`.

@@ -37,10 +37,12 @@ BACKENDS = (GLOO_BACKEND, NCCL_BACKEND, IPC_BACKEND)
 
 def engine_flags(backend: str = GLOO_BACKEND) -> list[str]:
     """The vLLM server flags an engine needs for refit (besides `VLLM_SERVER_DEV_MODE=1`)."""
-    # The extension registers refit_gloo and answers the checkpoint-spec query every backend uses.
+    # The extension registers refit_gloo and answers the checkpoint-spec query every backend uses; the
+    # middleware keeps the weight version that vLLM 0.26 does not (refit.vllm_versions).
     return [
         "--worker-extension-cls", "refit.vllm_worker.RefitWorkerExtension",
         "--weight-transfer-config", json.dumps({"backend": backend}),
+        "--middleware", "refit.vllm_versions.WeightVersions",
     ]  # fmt: skip
 
 
@@ -82,7 +84,7 @@ class Engine:
         self.trainer_host = trainer_host
         self.timeout_s = timeout_s
         self.channel: GlooChannel | NcclChannel | IpcChannel | None = None
-        self.bucket_bytes: int | None = None  # fixed at connect for NCCL (vLLM reads it at init)
+        self.bucket_bytes: int | None = None  # the bucket size asked for when the group opened
         self.delta_base: str | None = None  # token of the delta refit whose bytes it holds (refit._delta)
         self._checkpoint_specs: list[ParamSpec] | None = None
         import httpx  # here, not at module top: the sender's pack path must import without it
@@ -182,11 +184,8 @@ class Engine:
         host, world_size = self.trainer_host, 1 + self.world_size()
         if self.backend == NCCL_BACKEND:  # vLLM's NCCL group binds the port itself: find a free one
             port = _free_port(host)
-            init_info = {
-                "master_address": host, "master_port": port, "rank_offset": 1,
-                "world_size": world_size, "packed": True,
-                "packed_buffer_size_bytes": bucket_bytes, "packed_num_buffers": 2,
-            }  # fmt: skip
+            init_info = {"master_address": host, "master_port": port, "rank_offset": 1}
+            init_info["world_size"] = world_size
             opener = partial(NcclChannel, host, port, world_size)
         else:  # the trainer's store listens before the engine is told its port
             store, timeout_s = host_store(host, self.timeout_s), self.timeout_s
@@ -207,11 +206,6 @@ class Engine:
         """The `/update_weights` payload: the parameter list both ends plan buckets from; on gloo also
         the `token` naming the bytes the engine keeps after this refit and, for a delta stream, the
         token of the bytes it is patched against (`refit._delta`)."""
-        if self.backend == NCCL_BACKEND and bucket_bytes != self.bucket_bytes:
-            raise ValueError(
-                f"{self.url}: vLLM's NCCL engine fixed its bucket size at {self.bucket_bytes} bytes when it "
-                f"connected; pass the same bucket_bytes every refit (got {bucket_bytes})"
-            )
         info = {
             "names": [s.name for s in specs],
             "dtype_names": [str(s.dtype).removeprefix("torch.") for s in specs],
@@ -219,6 +213,8 @@ class Engine:
         }
         if self.backend == GLOO_BACKEND:
             info.update(bucket_bytes=bucket_bytes, token=token, delta_base=delta_base)
+        else:  # vLLM 0.26's NCCL engine reads the packing per update (its init info has none)
+            info.update(packed=True, packed_buffer_size_bytes=bucket_bytes, packed_num_buffers=2)
         return info
 
     def close(self) -> None:

@@ -27,5 +27,7 @@ def in_trainer_names(specs: list[list], trainer_names: list[str], mapper) -> lis
 
 
 def _mapped(mapper, name: str) -> str | None:
-    """`name` under vLLM's `WeightsMapper` (None: the mapper drops it), through its public `apply_list`."""
-    return next(iter(mapper.apply_list([name])), None)
+    """The parameter `name` loads into (None: the engine drops it). `apply_list` is the mapper's public
+    name-only call (vLLM's `WeightsMapper`); it leaves out the names it drops."""
+    mapped = mapper.apply_list([name])
+    return mapped[0] if mapped else None

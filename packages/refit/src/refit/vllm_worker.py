@@ -178,6 +178,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def shutdown(self) -> None:
         self.group = None
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        raise NotImplementedError("refit_gloo's trainer end is refit.update_weights, not vLLM's trainer API")
+
 
 def _repack_tied(model: torch.nn.Module) -> None:
     """Re-run weight processing on every layer that shares its weight with another (tied lm_head)."""

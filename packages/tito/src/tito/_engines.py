@@ -1,17 +1,18 @@
 """vLLM engines spoken to through their token-level interface, and session-sticky routing.
 
-An engine is a vLLM server started with `--enable-scale-out` (for `POST /inference/v1/generate`) and,
-for training, `--logprobs-mode processed_logprobs`. tito sends token ids and receives token ids, the
-logprob of each sampled token and the weight version that sampled it; it never asks an engine to
-apply a chat template. An engine that stops answering fails only the requests sent to it
-(`EngineUnavailable`), and new sessions stop going to it.
+An engine is a vLLM server (it serves `POST /inference/v1/generate` as it is) started, for training,
+with `--logprobs-mode processed_logprobs`. tito sends token ids and receives token ids, the logprob of
+each sampled token and, from an engine with refit's flags (`refit.engine_flags`: vLLM 0.26 keeps no
+weight version itself), the weight version that sampled it; it never asks an engine to apply a chat
+template. An engine that stops answering fails only the requests sent to it (`EngineUnavailable`), and
+new sessions stop going to it.
 
-Images: tito's prompt holds each image's placeholder expanded (the token layout the trainer sees). The
-engine expands placeholders itself when it processes the image bytes, so it is sent the prompt with
-each image's span collapsed back to one placeholder, the images as `content_parts` (data URLs), and
-`return_token_ids`; its reply's expanded prompt and placeholder ranges must equal tito's, or the turn
-fails with `ExpansionMismatch` (tito and the engine would otherwise train and sample on different
-token layouts).
+Images: tito's prompt holds each image's placeholder expanded (the token layout the trainer sees), and
+goes to the engine as it is, with the images as vLLM's processed features (`features`: their tensors
+and hashes, placed at tito's placeholder ranges). The features are the engine's own: its render
+endpoint (`/v1/chat/completions/render`) processes the images alone, once per image (kept by hash).
+The length it gives each image's placeholder must be tito's, or the turn fails with `ExpansionMismatch`
+(tito and the engine would otherwise train and sample on different token layouts).
 
 Engine traffic goes over aiohttp: per request its client costs about a tenth of the CPU of httpx's,
 whose connection pool scans every connection for each queued request. Tests that hand `Router` an httpx
@@ -59,7 +60,9 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (version, start, end)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop token id or stop string, when one ended the turn
+    # The stop string that ended the turn: found by the chat turn in its text (`TextStream.finish`), as
+    # vLLM 0.26's token interface does not say.
+    stop_reason: str | None = None
     routed_experts: str | None = None  # MoE routes of the whole request, last chunk only (`_Choice`)
 
     @property
@@ -76,7 +79,6 @@ class Generation:
         self.logprobs += chunk.logprobs
         self.spans += chunk.spans
         self.finish_reason = chunk.finish_reason or self.finish_reason
-        self.stop_reason = chunk.stop_reason if chunk.stop_reason is not None else self.stop_reason
         self.routed_experts = chunk.routed_experts or self.routed_experts
 
 
@@ -99,25 +101,33 @@ class _Choice(msgspec.Struct):
     token_ids: list[int] | None = None
     logprobs: _Logprobs | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    weight_versions: list[_Span] | None = None
+    weight_versions: list[_Span] | None = None  # per chunk, from refit's middleware (refit.vllm_versions)
     # An engine started with `--enable-return-routed-experts`: base64 `.npy`, (tokens, layers, top_k),
     # the experts every forwarded token of the request went to, from `routed_experts_prompt_start` on.
     routed_experts: str | None = None
 
 
+class _Reply(msgspec.Struct):
+    choices: list[_Choice] = []
+
+
 class _Placeholder(msgspec.Struct):
-    offset: int
     length: int
 
 
-class _Reply(msgspec.Struct):
-    choices: list[_Choice] = []
-    prompt_token_ids: list[int] | None = None  # asked for with images: the engine's expanded prompt
-    mm_placeholders: dict[str, list[_Placeholder]] | None = None
+class _Features(msgspec.Struct):
+    mm_hashes: dict[str, list[str]]
+    mm_placeholders: dict[str, list[_Placeholder]]
+    kwargs_data: dict[str, list[str]]
+
+
+class _Rendered(msgspec.Struct):
+    features: _Features
 
 
 _decode_reply = msgspec.json.Decoder(_Reply).decode
+_decode_rendered = msgspec.json.Decoder(_Rendered).decode
+_MAX_KEPT_IMAGES = 64  # processed images an engine client keeps, by hash (each up to a few MB)
 
 
 def _version(label: str | int) -> int:
@@ -136,7 +146,6 @@ def _generation(reply: _Reply) -> Generation | None:
         logprobs=[entry.logprob for entry in (choice.logprobs and choice.logprobs.content) or ()],
         spans=[(_version(s.version), s.start, s.end) for s in choice.weight_versions or ()],
         finish_reason=choice.finish_reason,
-        stop_reason=choice.stop_reason,
         routed_experts=choice.routed_experts,
     )
 
@@ -152,6 +161,7 @@ class Engine:
         self.num_in_flight = 0
         self.alive = True
         self._max_model_len: int | None = None
+        self._features: dict[str, tuple[str, int, str]] = {}  # image sha256 -> (hash, length, tensors)
 
     async def generate(
         self,
@@ -171,26 +181,21 @@ class Engine:
             params["routed_experts_prompt_start"] = routes_from
         body = {"token_ids": token_ids, "sampling_params": params, "stream": stream}
         if images:
-            body["token_ids"] = _collapsed(token_ids, images)
-            body["content_parts"] = [{"type": "image_url", "url": image.data_url} for image in images]
-            body["return_token_ids"] = True
-        expected = (token_ids, images) if images else None
-        return self._stream(body, expected) if stream else await self._whole(body, expected)
+            body["features"] = await self._image_features(images)
+        return self._stream(body) if stream else await self._whole(body)
 
-    async def _whole(self, body: dict, expected: tuple | None) -> Generation:
+    async def _whole(self, body: dict) -> Generation:
         with self._serving():
             try:
                 status, data = await self.wire.request("POST", self.generate_url, msgspec.json.encode(body))
             except _BROKEN as error:
                 raise await self._failed(error) from error
             self._check(status, data)
-            reply = _decode_reply(data)
-            _check_expansion(reply, expected)
-            generation = _generation(reply)
+            generation = _generation(_decode_reply(data))
             assert generation is not None, "the engine's reply has no choices"
             return generation
 
-    async def _stream(self, body: dict, expected: tuple | None) -> AsyncIterator[Generation]:
+    async def _stream(self, body: dict) -> AsyncIterator[Generation]:
         with self._serving():
             try:
                 async with self.wire.stream(self.generate_url, msgspec.json.encode(body)) as (status, lines):
@@ -199,13 +204,44 @@ class Engine:
                     async for line in lines:
                         if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                             continue
-                        reply = _decode_reply(line[len(b"data: ") :])
-                        _check_expansion(reply, expected)  # the first chunk carries the prompt
-                        expected = None
-                        if (chunk := _generation(reply)) is not None:
+                        if (chunk := _generation(_decode_reply(line[len(b"data: ") :]))) is not None:
                             yield chunk
             except _BROKEN as error:
                 raise await self._failed(error) from error
+
+    async def _image_features(self, images: list) -> dict:
+        """`features` for the prompt's images (module docstring), their placeholders where tito's are."""
+        if new := list({i.sha256: i for i in images if i.sha256 not in self._features}.values()):
+            await self._render(new)
+        kept = [self._features[image.sha256] for image in images]
+        theirs, ours = [length for _, length, _ in kept], [image.length for image in images]
+        if theirs != ours:
+            raise ExpansionMismatch(
+                f"the engine expands this prompt's images to {theirs} placeholder tokens; tito's processor "
+                f"gave {ours}: serve the engine and tito from the same model directory"
+            )
+        return {
+            "mm_hashes": {"image": [digest for digest, _, _ in kept]},
+            "mm_placeholders": {"image": [{"offset": i.offset, "length": i.length} for i in images]},
+            "kwargs_data": {"image": [tensors for _, _, tensors in kept]},
+        }
+
+    async def _render(self, images: list) -> None:
+        """Have the engine process `images` (alone, in one user turn) and keep what it made of each."""
+        content = [{"type": "image_url", "image_url": {"url": image.data_url}} for image in images]
+        body = msgspec.json.encode({"messages": [{"role": "user", "content": content}]})
+        try:
+            status, data = await self.wire.request("POST", f"{self.url}/v1/chat/completions/render", body)
+        except _BROKEN as error:
+            raise await self._failed(error) from error
+        self._check(status, data)
+        made = _decode_rendered(data).features
+        lengths = [place.length for place in made.mm_placeholders["image"]]
+        kept = zip(made.mm_hashes["image"], lengths, made.kwargs_data["image"], strict=True)
+        for image, features in zip(images, kept, strict=True):
+            self._features[image.sha256] = features
+        while len(self._features) > _MAX_KEPT_IMAGES:
+            del self._features[next(iter(self._features))]  # the oldest first
 
     @contextlib.contextmanager
     def _serving(self):
@@ -246,30 +282,6 @@ class Engine:
             self._check(status, data)
             self._max_model_len = int(msgspec.json.decode(data)["data"][0]["max_model_len"])
         return self._max_model_len
-
-
-def _collapsed(token_ids: list[int], images: list) -> list[int]:
-    """The prompt with each image's placeholder span reduced to its first token, as the engine takes it."""
-    collapsed, start = [], 0
-    for image in images:
-        collapsed += token_ids[start : image.offset + 1]
-        start = image.offset + image.length
-    return collapsed + token_ids[start:]
-
-
-def _check_expansion(reply: _Reply, expected: tuple | None) -> None:
-    """The engine's expanded prompt and image ranges must be tito's (module docstring)."""
-    if expected is None:
-        return
-    token_ids, images = expected
-    ours = [(image.offset, image.length) for image in images]
-    theirs = [(p.offset, p.length) for p in (reply.mm_placeholders or {}).get("image", [])]
-    if reply.prompt_token_ids != token_ids or theirs != ours:
-        raise ExpansionMismatch(
-            f"the engine expanded this prompt's images to (offset, length) {theirs} and "
-            f"{len(reply.prompt_token_ids or [])} prompt tokens; tito's processor gave {ours} and "
-            f"{len(token_ids)}: serve the engine and tito from the same model directory"
-        )
 
 
 class _AiohttpWire:

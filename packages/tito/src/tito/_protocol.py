@@ -96,7 +96,8 @@ def check_role_order(roles: list[str], has_tool_calls: list[bool]) -> None:
         raise ValueError(f"the last message must be from the user or a tool, not {roles[-1]!r}")
 
 
-_SCALAR = r'("[^"\\\n]{0,64}"|-?[0-9]{1,9}(\.[0-9]{1,6})?|true|false|null)'
+# JSON scalars only: no leading zero in a number, no control character in a string.
+_SCALAR = r'("[^"\\\x00-\x1f]{0,64}"|-?(0|[1-9][0-9]{0,8})(\.[0-9]{1,6})?|true|false|null)'
 _FLAT_OBJECT = rf'\{{("[A-Za-z0-9_]{{1,32}}": {_SCALAR}(, "[A-Za-z0-9_]{{1,32}}": {_SCALAR}){{0,15}})?\}}'
 
 
@@ -138,6 +139,7 @@ class TextStream:
         self._hold_all = hold_all  # a tool-call form without one opening marker: send all at the end
         self.text = ""
         self.sent = 0
+        self.stop: str | None = None  # the stop string that ended the reply, once `finish` has run
 
     def push(self, token_ids: list[int]) -> str:
         """Add sampled tokens; return the text that may be sent now."""
@@ -150,11 +152,13 @@ class TextStream:
         self.sent += len(delta)
         return delta
 
-    def finish(self, stop_reason: int | str | None) -> str:
-        """The whole reply text; vLLM counts a stop string's tokens as sampled but the text ends before it."""
-        if isinstance(stop_reason, str) and stop_reason in self._stops:
-            cut = self.text.find(stop_reason)
-            self.text = self.text[:cut] if cut >= 0 else self.text
+    def finish(self) -> str:
+        """The whole reply text, ending before the first stop string in it (`stop`: that string). vLLM
+        ends a reply at the first stop string its text holds and counts the string's tokens as sampled."""
+        found = [(self.text.find(stop), stop) for stop in self._stops if stop in self.text]
+        if found:
+            cut, self.stop = min(found)
+            self.text = self.text[:cut]
         return self.text
 
     def _safe_end(self, marker: str) -> int:

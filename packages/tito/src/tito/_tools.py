@@ -79,7 +79,7 @@ class ToolCalls:
         raw = self._decode_keeping_markers(token_ids) if self._kept else text
         request = ChatCompletionRequest(model="tito", messages=[{"role": "user", "content": ""}], tools=tools)
         found = self._parser_class(self.tokenizer, request.tools).extract_tool_calls(raw, request)
-        if not found.tools_called:
+        if not found.tools_called or not found.tool_calls:  # vLLM's Mistral parser may claim calls, give none
             began = any(marker in raw for marker in self.markers)
             return ParsedReply(text, [], failures=int(began))
         offered = {tool["function"]["name"] for tool in tools or ()}

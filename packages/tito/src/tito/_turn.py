@@ -104,7 +104,8 @@ class ChatTurn:
             if delta := self.text.push(chunk.token_ids):
                 yield delta
             chunk = await anext(self._chunks, None)
-        text = self.text.finish(self.generation.stop_reason)
+        text = self.text.finish()
+        self.generation.stop_reason = self.text.stop
         if self.parse_tools:
             self.parsed = self.tito.tool_calls.parse(
                 text, self.generation.token_ids, self.tools, self.id_prefix
