@@ -391,6 +391,7 @@ _BAD_TEXT = {  # the string fields' bad values (tmp_path -> value)
     "logger.run_dir": _file,
     "ray.address": lambda tmp: "not an address",
     "logger.wandb_project": lambda tmp: "team/project",
+    "actor.lora.target_modules": lambda tmp: "qkv_proj",
 }
 
 
@@ -463,6 +464,8 @@ _CHANGED = {  # a valid value other than the default, where flipping or nudging 
     "algo.gae.gamma": "0.9",
     "algo.gae.lam": "0.95",
     "logger.wandb_project": "molt-runs",
+    "actor.lora.target_modules": "q_proj,v_proj",
+    "actor.lora.dropout": "0.1",
 }
 
 
@@ -489,7 +492,9 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
     needs = {"algo.critic.model": ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir)],
              "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
              "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
-             "ray.num_cpus": [], "train.mini_batches": []}  # fmt: skip
+             "ray.num_cpus": [], "train.mini_batches": [],
+             **{f"actor.lora.{name}": ["--actor.lora.rank", "8"]
+                for name in ("alpha", "target_modules", "dropout")}}  # fmt: skip
     value = _changed_value(path, tmp_path, tiny_model_dir)
     args = [*needs.get(path, []), f"--{path}", value]
     if path in _CUDA_ONLY or path == "fsdp.cp_size":  # context parallelism runs nowhere yet
@@ -554,3 +559,39 @@ def test_delta_refit_is_refused_with_cuda_engines(with_cuda):
 
 def test_delta_refit_is_accepted_on_a_cpu(cpu_only):
     assert resolve(["--refit.delta"]).refit.delta is True
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        pytest.param(
+            ["--actor.lora.alpha", "32"], "--actor.lora.alpha is set but --actor.lora.rank is 0", id="off"
+        ),
+        pytest.param(["--actor.lora.rank", "32"], "--actor.lora.rank 32 does not fit k_proj", id="kv-heads"),
+        pytest.param(
+            ["--actor.lora.rank", "8", "--actor.lora.target_modules", ""],
+            "target_modules is empty",
+            id="empty",
+        ),
+    ],
+)
+def test_lora_that_cannot_run_is_refused(args, says):
+    with pytest.raises(ConfigError, match=says):
+        resolve(args)
+
+
+def test_lora_rank_below_every_projection_is_accepted():
+    """The tiny model's smallest projection side is its one key-value head of 32 (k_proj, v_proj)."""
+    assert resolve(["--actor.lora.rank", "31"]).actor.lora.rank == 31
+    assert resolve(
+        ["--actor.lora.rank", "32", "--actor.lora.target_modules", "q_proj,o_proj"]
+    ).actor.lora.rank
+
+
+def test_lora_on_an_moe_model_is_refused(tmp_path, tiny_model_dir):
+    model = tmp_path / "moe"
+    model.mkdir()
+    fields = json.loads((tiny_model_dir / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**fields, "num_experts": 4}))
+    with pytest.raises(ConfigError, match="an MoE model"):
+        resolve(["--model.path", str(model), "--actor.lora.rank", "8"])

@@ -84,6 +84,8 @@ class PolicyWorker:
             rank=rank,
             world_size=world_size,
         )
+        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) has none.
+        self.lora = config.actor.lora if trainable and config.actor.lora.rank else None
         self.model = self._load(str(model_dir), world_size)
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
         self._logprob_head = head if isinstance(head, LogprobHead) else None
@@ -113,7 +115,7 @@ class PolicyWorker:
         )
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
-        return load_model(model_dir, self.config, world_size, self.device)
+        return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)
 
     def _learning_rate(self) -> float:
         return self.config.actor.lr
@@ -203,9 +205,12 @@ class PolicyWorker:
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
         logp_BT = []
+        training = self.model.training
+        self.model.eval()  # no --actor.lora.dropout: these are the policy's own logprobs
         for mb in batch.micro_batches(self.config.actor.micro_batch_size):
             with self._routes(mb):
                 logp_BT.append(self._token_stats(mb)[0])
+        self.model.train(training)
         return torch.cat(logp_BT).cpu()
 
     def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
@@ -333,7 +338,9 @@ class PolicyWorker:
         """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""
         from molt._checkpoint import save_actor
 
-        save_actor(self.model, self.optimizer, self.scheduler, Path(path) / self.name, rank=self.rank)
+        save_actor(
+            self.model, self.optimizer, self.scheduler, Path(path) / self.name, rank=self.rank, lora=self.lora
+        )
 
     def load(self, path: str) -> None:
         """Read the model, optimizer and schedule from a checkpoint (any number of ranks wrote it)."""

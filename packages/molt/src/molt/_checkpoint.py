@@ -3,7 +3,9 @@
 A checkpoint is a directory `<ckpt.dir>/step_000010/` holding:
 - `actor/`: the policy's model and optimizer as a torch.distributed.checkpoint (every rank writes its own
   shards, and a run with another number of ranks can load it), and `actor/scheduler.pt`, the learning-rate
-  schedule's state;
+  schedule's state; under --actor.lora.rank the model holds the frozen base and the adapters (`lora_A`,
+  `lora_B` beside each wrapped weight), the optimizer only the adapters', and `actor/lora.json` their
+  rank and alpha, which `molt export` needs to merge them;
 - `critic/`: the same for the PPO critic, when the run has one (the frozen reference and teacher are not
   saved: a resumed run loads them again from the initial weights and `--algo.teacher.model`);
 - `loop.json`: the loop's state (`LoopState`: the step, which rows were trained, the driver's RNG);
@@ -26,6 +28,7 @@ import torch
 __all__ = ["LoopState", "export", "latest", "load_actor", "save_actor", "write_loop_state"]
 
 LATEST = "latest"
+LORA = "lora.json"  # in <step>/actor of a LoRA policy
 
 
 class LoopState(msgspec.Struct):
@@ -39,9 +42,10 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
     return Path(ckpt_dir) / f"step_{step:06d}"
 
 
-def save_actor(model, optimizer, scheduler, path: Path, *, rank: int) -> None:
+def save_actor(model, optimizer, scheduler, path: Path, *, rank: int, lora=None) -> None:
     """Every rank: write its shards of the model and optimizer into `path` (`<step>/actor` or
-    `<step>/critic`); rank 0 also the scheduler."""
+    `<step>/critic`); rank 0 also the scheduler and, for a LoRA policy (`lora`: its `molt.config.LoRA`),
+    `lora.json`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -49,6 +53,8 @@ def save_actor(model, optimizer, scheduler, path: Path, *, rank: int) -> None:
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
     if rank == 0:
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
+        if lora is not None:
+            (path / LORA).write_bytes(msgspec.json.encode({"rank": lora.rank, "alpha": lora.alpha}))
 
 
 def load_actor(model, optimizer, scheduler, path: Path) -> None:
@@ -120,13 +126,40 @@ def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
     vision = hasattr(config, "vision_config")  # loaded as the actor loads it (`molt._sharding.load_model`)
     loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = loader.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
-    state = {"model": model.state_dict()}
+    weights = model.state_dict()
+    adapters = _adapters(checkpoint / "actor", weights)
+    state = {"model": {**weights, **adapters}}
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(checkpoint / "actor"), no_dist=True)
+    if adapters:  # a LoRA policy: each wrapped weight merged, W + alpha / rank * B @ A
+        lora = msgspec.json.decode((checkpoint / "actor" / LORA).read_bytes())
+        scale = lora["alpha"] / lora["rank"]
+        for name in {key.rsplit(".lora_", 1)[0] for key in adapters}:
+            a, b = (state["model"].pop(f"{name}.lora_{part}.weight").float() for part in "AB")
+            weight = state["model"][f"{name}.weight"]
+            state["model"][f"{name}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
     model.load_state_dict(state["model"])
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True)
     preprocessing = AutoProcessor if vision else AutoTokenizer
     preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
     return out_dir
+
+
+def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty tensors to load a LoRA policy's adapters into: each `lora_A` / `lora_B` weight the
+    checkpoint holds beside one of `weights` (none for a policy trained whole)."""
+    import torch.distributed.checkpoint as dcp
+
+    stored = dcp.FileSystemReader(str(actor_dir)).read_metadata().state_dict_metadata
+    adapters = {}
+    for key, meta in stored.items():
+        name = key.removeprefix("model.")
+        if (
+            key.startswith("model.")
+            and ".lora_" in name
+            and f"{name.rsplit('.lora_', 1)[0]}.weight" in weights
+        ):
+            adapters[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    return adapters

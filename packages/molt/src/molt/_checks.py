@@ -90,6 +90,8 @@ RANGES: dict[str, Range] = {
     "train.num_steps": _AT_LEAST_1, "train.seed": _AT_LEAST_0, "train.mini_batches": _AT_LEAST_1,
     "eval.every": _AT_LEAST_0, "eval.num_prompts": _AT_LEAST_1, "eval.n": _AT_LEAST_1, "eval.k": _AT_LEAST_1,
     "eval.pass_reward": Range(),
+    "actor.lora.rank": _AT_LEAST_0, "actor.lora.alpha": _POSITIVE,
+    "actor.lora.dropout": Range(0, 1, open_high=True),
     "ckpt.every": _AT_LEAST_0,
     "ray.num_cpus": _AT_LEAST_1,
 }  # fmt: skip
@@ -281,12 +283,58 @@ def check_model(config: Config, model_dir: str | Path) -> None:
             f"--fsdp.tp_size {fsdp.tp_size} must divide the model's {heads} attention heads and {kv_heads} "
             f"key-value heads (config.json of --model.path {model_dir})"
         )
+    _check_lora(config, model_dir, model_config, heads, kv_heads)
     tp = config.vllm.tensor_parallel_size
     if not config.vllm.urls and (heads % tp or (kv_heads % tp and tp % kv_heads)):
         raise ConfigError(
             f"--vllm.tensor_parallel_size {tp} must divide the model's {heads} attention heads, and divide "
             f"or be a multiple of its {kv_heads} key-value heads (config.json of --model.path {model_dir})"
         )
+
+
+def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads: int, kv_heads: int) -> None:
+    """LoRA's flags are set only with a rank, the rank is below every wrapped projection's smaller side
+    (else the adapter is no low-rank update and costs more than the weight), and the model is dense: the
+    merge that refits and exports carry (`refit.full_params`) covers linear layers, not grouped experts."""
+    lora, default = config.actor.lora, Config().actor.lora
+    if not lora.rank:
+        changed = [
+            name
+            for name in ("alpha", "target_modules", "dropout")
+            if getattr(lora, name) != getattr(default, name)
+        ]
+        if changed:
+            raise ConfigError(
+                f"--actor.lora.{changed[0]} is set but --actor.lora.rank is 0 (LoRA off): pass a rank, or "
+                "drop it"
+            )
+        return
+    if num_experts(model_config):
+        raise ConfigError(
+            f"--actor.lora.rank with --model.path {model_dir}, an MoE model: its experts' adapters would not "
+            "be merged into the weights the engines serve; LoRA runs on dense models for now"
+        )
+    if not lora.target_modules:
+        raise ConfigError(
+            "--actor.lora.target_modules is empty: name at least one projection, or --actor.lora.rank 0"
+        )
+    hidden = int(model_config.get("hidden_size", 0))
+    head_dim = int(model_config.get("head_dim") or (hidden // heads if hidden else 0))
+    sides = {  # each projection's (input, output) size; a size the config does not state is 0 (unchecked)
+        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, int(model_config.get("intermediate_size", 0))),
+        "up_proj": (hidden, int(model_config.get("intermediate_size", 0))),
+        "down_proj": (int(model_config.get("intermediate_size", 0)), hidden),
+    }  # fmt: skip
+    for name in lora.target_modules:
+        smaller = min((side for side in sides[name] if side), default=0)
+        if smaller and lora.rank >= smaller:
+            raise ConfigError(
+                f"--actor.lora.rank {lora.rank} does not fit {name}, whose smaller side is {smaller} "
+                f"(config.json of --model.path {model_dir}): a rank-{smaller} update is the full weight; "
+                "pass a rank below it"
+            )
 
 
 def check_companions(config: Config) -> None:

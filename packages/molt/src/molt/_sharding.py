@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from molt._lean import use_lean_modules
-from molt.config import Config
+from molt.config import Config, LoRA
 
 __all__ = [
-    "compile_layers", "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model",
+    "compile_layers", "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "peft_config",
     "params_by_mesh", "replicas", "sum_gradients_over_ranks",
 ]  # fmt: skip
 
@@ -55,11 +55,32 @@ def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gp
     )
 
 
-def load_model(model_dir: str, config: Config, world_size: int, device: torch.device) -> torch.nn.Module:
+def peft_config(lora: LoRA):
+    """AutoModel's PEFT config for --actor.lora.*: an adapter on each named projection of every layer."""
+    from nemo_automodel.components._peft.lora import PeftConfig
+
+    return PeftConfig(
+        target_modules=[f"*.{name}" for name in lora.target_modules],  # AutoModel matches full module paths
+        dim=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        use_triton=False,  # its kernels need CUDA and the adapter's dtype to equal the input's
+        # Its fused LoRA MLP would replace each MLP's forward on the instance, shadowing `molt._lean`'s
+        # LeanMLP (the same silu recompute); LeanMLP calls the wrapped projections, so one MLP path runs.
+        use_memory_efficient_lora=False,
+    )
+
+
+def load_model(
+    model_dir: str, config: Config, world_size: int, device: torch.device, lora: LoRA | None = None
+) -> torch.nn.Module:
     """The policy, sharded over the ranks: AutoModel's own loader on GPU (it needs CUDA), a transformers
     model parallelized by AutoModel on CPU (FACTS: both shard with `parallelize_model`). A model whose
     config has a vision tower (Qwen-VL) loads as an image-text-to-text model, the class that takes
-    `pixel_values` (`TrainBatch.model_inputs`); AutoModelForCausalLM refuses its config."""
+    `pixel_values` (`TrainBatch.model_inputs`); AutoModelForCausalLM refuses its config.
+
+    `lora` (a rank > 0): AutoModel's PEFT wraps the target projections before sharding (`LinearLoRA`:
+    `weight` stays at its checkpoint name, `lora_A` / `lora_B` beside it) and freezes everything else."""
     from transformers import AutoConfig
 
     vision = hasattr(AutoConfig.from_pretrained(model_dir), "vision_config")
@@ -71,7 +92,11 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
         # No Liger kernels: the trainer needs the logits themselves (chunked logprobs, entropy).
         loader = NeMoAutoModelForImageTextToText if vision else NeMoAutoModelForCausalLM
         model = loader.from_pretrained(
-            model_dir, dtype=dtype, distributed_setup=setup, use_liger_kernel=False
+            model_dir,
+            dtype=dtype,
+            distributed_setup=setup,
+            use_liger_kernel=False,
+            peft_config=None if lora is None else peft_config(lora),
         )
     else:
         from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
@@ -79,6 +104,11 @@ def load_model(model_dir: str, config: Config, world_size: int, device: torch.de
 
         loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = loader.from_pretrained(model_dir, dtype=dtype)
+        if lora is not None:  # as AutoModel's GPU loader does it: wrap and freeze, then shard
+            from nemo_automodel.components._peft.lora import apply_lora_to_linear_modules
+
+            if not apply_lora_to_linear_modules(model, peft_config(lora)):
+                raise ValueError(f"--actor.lora.target_modules {lora.target_modules}: none in {model_dir}")
         model = parallelize_model(model, setup.mesh_context)
     use_lean_modules(model, config)  # the same function in less memory (`molt._lean`)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):

@@ -12,7 +12,7 @@ rlestimators' names instead of importing them (rlestimators imports torch); a te
 
 import datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
@@ -22,6 +22,7 @@ __all__ = [
     "CorrectionMode",
     "EstimatorName",
     "KLKind",
+    "LoRATarget",
     "OutcomeEstimator",
     "PolicyLossKind",
     "with_run_dir",
@@ -170,6 +171,24 @@ class Algo(_Group):
     critic: Critic = Critic()
 
 
+LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The projections of a dense decoder layer (Qwen, Llama) that LoRA can wrap, by their checkpoint names."""
+
+
+class LoRA(_Group):
+    """LoRA adapters on the policy (NeMo AutoModel's PEFT): only the adapters train; refits and exports
+    carry the merged weights W + alpha / rank * B @ A under the checkpoint names."""
+
+    rank: int = 0
+    """Rank of each adapter; 0 = LoRA off (the whole policy trains)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's update is alpha / rank * B @ A."""
+    target_modules: list[LoRATarget] = msgspec.field(default_factory=lambda: list(get_args(LoRATarget)))
+    """Linear layers that get an adapter, by name (comma-separated); the attention and MLP projections."""
+    dropout: float = 0.0
+    """Dropout on the adapter's output in the loss's forward (not in the logprob passes)."""
+
+
 class Actor(_Group):
     """The FSDP2 policy actor and its optimizer."""
 
@@ -197,6 +216,7 @@ class Actor(_Group):
     """Linear learning-rate warm-up over this many optimizer steps."""
     num_ranks: int = 1
     """Data-parallel ranks of the actor: processes on CPU, GPUs on GPU."""
+    lora: LoRA = LoRA()
 
 
 class FSDP(_Group):

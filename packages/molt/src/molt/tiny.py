@@ -102,7 +102,7 @@ def _build_tokenizer(
 
 
 # The tiny model's attention shape, which the config checks read before the model is built.
-TINY_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1}
+TINY_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
 
 def build_tiny_model(
@@ -131,7 +131,6 @@ def build_tiny_model(
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         **TINY_SHAPE,
-        head_dim=32,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         bos_token_id=None,

@@ -2,10 +2,16 @@
 
 `full_params(module)` is the sender's source: its `specs` (name, dtype, full shape) are known without
 any communication (a DTensor knows its global shape), and iterating it all-gathers one parameter at
-a time with `DTensor.full_tensor()`, so a rank never holds more than one gathered parameter beyond
-its own shards. Every rank of the FSDP group must iterate it in the same order (the gather is a
-collective); only rank 0 sends. Names are the module's own `named_parameters()` names, which for a
-transformers model under `fully_shard` are the Hugging Face checkpoint names vLLM loads.
+a time with `DTensor.full_tensor()`, so a rank never holds more than one gathered parameter (or one
+LoRA layer's three, below) beyond its own shards. Every rank of the FSDP group must iterate it in the
+same order (the gather is a collective); only rank 0 sends. Names are the module's own
+`named_parameters()` names, which for a transformers model under `fully_shard` are the Hugging Face
+checkpoint names vLLM loads.
+
+A LoRA-wrapped linear layer (NeMo AutoModel's `LinearLoRA`: `weight` W at its checkpoint name, `lora_A`
+and `lora_B` linear children, a `scale` of alpha / rank) streams as one merged weight,
+W + scale * B @ A (computed in float32, then cast), under W's name; its adapters are not sent. Engines
+that serve the base model thus serve the trained one, and a delta refit diffs the merged values.
 
 It refuses nothing and renames nothing: a model whose trainer names differ from its checkpoint names
 (e.g. transformers' fused MoE experts) is caught by the name check in `update_weights`.
@@ -30,22 +36,48 @@ class FullParams:
         self.module = module
         self.dtype = dtype
         self.specs = [
-            ParamSpec(checkpoint_name(name), dtype or param.dtype, tuple(param.shape))
-            for name, param in module.named_parameters()
+            ParamSpec(name, dtype or param.dtype, tuple(param.shape)) for name, param, _ in self._sources()
         ]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in self.module.named_parameters():
-            yield checkpoint_name(name), self._materialize(param)
+        for name, param, lora in self._sources():
+            tensor = _gather(param)
+            if lora is not None:
+                tensor = _merged(tensor, lora)
+            yield name, tensor if self.dtype is None else tensor.to(self.dtype)
 
-    def _materialize(self, param: torch.Tensor) -> torch.Tensor:
-        tensor = param.detach()
-        gather = getattr(tensor, "full_tensor", None)  # a DTensor shard: all-gather (a collective)
-        if callable(gather):
-            tensor = gather()
-        if self.dtype is not None:
-            tensor = tensor.to(self.dtype)
-        return tensor
+    def _sources(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
+        """(checkpoint name, parameter, the LoRA layer whose merge it is or None), in `named_parameters`
+        order, a shared (tied) parameter once, the adapters' own parameters left out."""
+        modules = list(self.module.named_modules())
+        adapters = {id(child) for _, m in modules if _is_lora(m) for child in (m.lora_A, m.lora_B)}
+        seen = set()
+        for prefix, module in modules:
+            if id(module) in adapters:
+                continue
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                lora = module if name == "weight" and _is_lora(module) else None
+                yield checkpoint_name(f"{prefix}.{name}" if prefix else name), param, lora
+
+
+def _is_lora(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, name) for name in ("lora_A", "lora_B", "scale"))
+
+
+def _gather(param: torch.Tensor) -> torch.Tensor:
+    tensor = param.detach()
+    gather = getattr(tensor, "full_tensor", None)  # a DTensor shard: all-gather (a collective)
+    return gather() if callable(gather) else tensor
+
+
+def _merged(weight: torch.Tensor, lora: torch.nn.Module) -> torch.Tensor:
+    """W + scale * B @ A of one LoRA layer ([out, in] + [out, r] @ [r, in]), in W's dtype."""
+    a = _gather(lora.lora_A.weight).float()
+    b = _gather(lora.lora_B.weight).float()
+    return (weight.float() + lora.scale * (b @ a)).to(weight.dtype)
 
 
 _WRAPPED = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper adds it to every name
@@ -58,5 +90,6 @@ def checkpoint_name(name: str) -> str:
 
 
 def full_params(module: torch.nn.Module, *, dtype: torch.dtype | None = None) -> FullParams:
-    """The full parameters of `module` under their names, optionally cast to `dtype` for the wire."""
+    """The full parameters of `module` under their names, optionally cast to `dtype` for the wire; a
+    LoRA layer's weight merged with its adapter (module docstring)."""
     return FullParams(module, dtype=dtype)
