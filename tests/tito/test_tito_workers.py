@@ -85,9 +85,13 @@ def test_sessions_land_whole_on_their_worker_and_dump_complete(two_workers, toke
         messages = []
         for turn in range(NUM_TURNS):
             messages.append({"role": "user", "content": f"copy the word: <<{index}>> {turn}"})
-            sdk = shared if turn == 1 else direct  # the middle turn through the shared port
-            reply = sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
-            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if turn == 1:  # the middle turn through the shared port, streamed
+                chunks = shared.chat.completions.create(model="tiny", messages=messages, stream=True)
+                text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+            else:
+                reply = direct.chat.completions.create(model="tiny", messages=messages, max_tokens=8)
+                text = reply.choices[0].message.content
+            messages.append({"role": "assistant", "content": text})
         so_far = http.get(f"{url}/sessions/{session['id']}/trajectory").raise_for_status()
         deleted = http.delete(f"{url}/sessions/{session['id']}").raise_for_status()
         assert so_far.content == deleted.content
