@@ -296,28 +296,66 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-def start(command: list[str], url: str, log: Path, timeout: float, env: dict | None = None):
+def launch(command: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     with log.open("wb") as out:
-        process = subprocess.Popen(
+        return subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
-    wait_healthy(url, process, timeout, log)
-    return process
 
 
-def start_tito(engine_url: str, model_dir: Path, num_workers: int, work: Path) -> tuple:
+def launch_tito(engine_url: str, model_dir: Path, num_workers: int, work: Path) -> dict:
     port = free_port(num_workers + 1)
     command = [
         sys.executable, "-m", "tito", "serve", "--engine", engine_url, "--model", str(model_dir),
-        "--served-model-name", MODEL, "--port", str(port),
+        "--served-model-name", MODEL, "--port", str(port), "--workers", str(num_workers),
     ]  # fmt: skip
-    if num_workers > 1:
-        command += ["--workers", str(num_workers)]
-    log = work / f"tito-{num_workers}.log"
-    process = start(command, f"http://127.0.0.1:{port}", log, 120.0)
-    for index in range(num_workers if num_workers > 1 else 0):
-        wait_healthy(f"http://127.0.0.1:{port + 1 + index}", process, 120.0, log)
-    return process, port
+    log = work / f"tito-{num_workers}-{port}.log"
+    urls = [f"http://127.0.0.1:{port}"] + [f"http://127.0.0.1:{port + 1 + i}" for i in range(num_workers)]
+    return {
+        "process": launch(command, log),
+        "port": port,
+        "log": log,
+        "urls": urls[: 1 + num_workers * (num_workers > 1)],
+    }
+
+
+def launch_vllm(model_dir: Path, version: str, work: Path) -> dict:
+    """vLLM's OpenAI server with its engine core in a child process (V1 multiprocessing), so that the
+    API server's own CPU can be told from the engine's."""
+    import torch
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "2048",
+        "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log", "--enforce-eager",
+    ]  # fmt: skip
+    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= (0, 27):
+        command.append("--enable-scale-out")  # the token route; vLLM 0.26 serves it unasked
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
+    if torch.cuda.is_available():
+        command += ["--gpu-memory-utilization", "0.3"]
+    else:
+        command += ["--distributed-executor-backend", "uni", "--dtype", "float32"]
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    log = work / "vllm.log"
+    return {
+        "process": launch(command, log, env),
+        "port": port,
+        "log": log,
+        "urls": [f"http://127.0.0.1:{port}"],
+    }
+
+
+def ready(server: dict, timeout: float) -> None:
+    for url in server["urls"]:
+        wait_healthy(url, server["process"], timeout, server["log"])
+
+
+def prime(pool, target: str, port: int) -> None:
+    """A few turns before any are measured: a vLLM engine's first request on a route takes seconds."""
+    now = time.time()
+    pool.apply(drive, (target, port, 4, 4, now, now + 4.0))
 
 
 # ---- one row -----------------------------------------------------------------------------------------
@@ -349,7 +387,7 @@ def measure(
     }
 
 
-# ---- the vLLM baseline -------------------------------------------------------------------------------
+# ---- the vLLM baseline and the report ---------------------------------------------------------------
 
 
 def vllm_version() -> str | None:
@@ -364,55 +402,6 @@ def vllm_version() -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return "?"
-
-
-def start_vllm(model_dir: Path, version: str, work: Path):
-    """vLLM's OpenAI server with its engine core in a child process (V1 multiprocessing), so that the
-    API server's own CPU can be told from the engine's."""
-    import torch
-
-    port = free_port()
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--port", str(port), "--served-model-name", MODEL, "--max-model-len", "2048",
-        "--logprobs-mode", "processed_logprobs", "--disable-uvicorn-access-log", "--enforce-eager",
-    ]  # fmt: skip
-    if tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) >= (0, 27):
-        command.append("--enable-scale-out")  # the token route; vLLM 0.26 serves it unasked
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1", HF_HUB_OFFLINE="1")
-    if torch.cuda.is_available():
-        command += ["--gpu-memory-utilization", "0.3"]
-    else:
-        command += ["--distributed-executor-backend", "uni", "--dtype", "float32"]
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    log = work / "vllm.log"
-    return start(command, f"http://127.0.0.1:{port}", log, 600.0, env=env), port, log
-
-
-def prime(pool, target: str, port: int) -> None:
-    """A few turns before any are measured: a vLLM engine's first request on a route takes seconds."""
-    now = time.time()
-    pool.apply(drive, (target, port, 4, 4, now, now + 4.0))
-
-
-def vllm_rows(pool, model_dir: Path, version: str, work: Path, args) -> dict:
-    process, port, log = start_vllm(model_dir, version, work)
-    try:
-        front, engine_core = [process.pid], [p for p in descendants(process.pid) if p != process.pid]
-        conversations = args.per_worker
-        prime(pool, "vllm", port)
-        direct = measure(pool, "vllm", port, {"vllm": front, "core": engine_core}, args,
-                         conversations=conversations, clients=1)  # fmt: skip
-        tito, tito_port = start_tito(f"http://127.0.0.1:{port}", model_dir, 1, work)
-        try:
-            parts = {"tito": descendants(tito.pid), "vllm": front, "core": engine_core}
-            prime(pool, "tito", tito_port)
-            through = measure(pool, "tito", tito_port, parts, args, conversations=conversations, clients=1)
-        finally:
-            stop(tito)
-    finally:
-        stop(process)
-    return {"direct": direct, "through": through, "log": log}
 
 
 def print_vllm(rows: dict, version: str, fake: dict | None) -> None:
@@ -433,7 +422,10 @@ def print_vllm(rows: dict, version: str, fake: dict | None) -> None:
         print(f"tito at saturation (engine stand-in, 1 worker) / vLLM API server: {fake_ms / baseline:.2f}")
 
 
-def fake_rows(pool, model_dir: Path, reply_ids: list[int], work: Path, args) -> list[dict]:
+def run(pool, model_dir: Path, reply_ids: list[int], work: Path, args) -> None:
+    """Start every server at once (their start-up would be most of the run otherwise) and wait for all,
+    then measure one row at a time while the others sit idle (their CPU in each window: `idle`)."""
+    version = None if args.no_vllm else vllm_version()
     engine_port = free_port()
     spawn = mp.get_context("spawn")
     stand_ins = [
@@ -442,37 +434,68 @@ def fake_rows(pool, model_dir: Path, reply_ids: list[int], work: Path, args) -> 
     ]
     for process in stand_ins:
         process.start()
-    rows = []
+    vllm = launch_vllm(model_dir, version, work) if version else None
+    titos = {n: launch_tito(f"http://127.0.0.1:{engine_port}", model_dir, n, work) for n in args.workers}
+    over_vllm = launch_tito(f"http://127.0.0.1:{vllm['port']}", model_dir, 1, work) if vllm else None
+    servers = [*titos.values(), *([vllm, over_vllm] if vllm else [])]
     try:
-        time.sleep(0.5)
-        for num_workers in args.workers:
-            process, port = start_tito(f"http://127.0.0.1:{engine_port}", model_dir, num_workers, work)
-            try:
-                parts = {"tito": descendants(process.pid), "engine": [p.pid for p in stand_ins]}
-                clients = args.clients or max(1, math.ceil(num_workers / args.workers_per_client))
-                row = measure(
-                    pool,
-                    "tito",
-                    port,
-                    parts,
-                    args,
-                    conversations=args.per_worker * num_workers,
-                    clients=clients,
-                )
-                rows.append(row | {"workers": num_workers, "clients": clients})
-                print_row(rows[-1], rows[0])
-            finally:
-                stop(process)
+        for server in servers:  # all up before any row: a server starting up would take cores
+            ready(server, 600.0)
+        rows, stand_in_pids = [], [process.pid for process in stand_ins]
+        print("engine stand-in (answers at once):")
+        print_header()
+        for n, server in titos.items():
+            idle = [
+                pid for other in servers if other is not server for pid in descendants(other["process"].pid)
+            ]
+            parts = {"tito": descendants(server["process"].pid), "engine": stand_in_pids, "idle": idle}
+            clients = args.clients or max(1, math.ceil(n / args.workers_per_client))
+            row = measure(
+                pool, "tito", server["port"], parts, args, conversations=args.per_worker * n, clients=clients
+            )
+            rows.append(row | {"workers": n, "clients": clients})
+            print_row(rows[-1], rows[0])
+        if vllm is None:
+            print("\nno vLLM baseline rows" + ("" if args.no_vllm else ": vllm does not import here"))
+            return
+        print(
+            f"\nvLLM {version} on the same tiny Qwen3 (greedy, max_tokens 32), its API server's process"
+            " measured apart\nfrom its engine core's; the same conversations straight to it, and through"
+            " tito:"
+        )
+        front = [vllm["process"].pid]
+        core = [pid for pid in descendants(vllm["process"].pid) if pid not in front]
+        prime(pool, "vllm", vllm["port"])
+        direct = measure(
+            pool,
+            "vllm",
+            vllm["port"],
+            {"vllm": front, "core": core},
+            args,
+            conversations=args.per_worker,
+            clients=1,
+        )
+        prime(pool, "tito", over_vllm["port"])
+        parts = {"tito": descendants(over_vllm["process"].pid), "vllm": front, "core": core}
+        through = measure(
+            pool, "tito", over_vllm["port"], parts, args, conversations=args.per_worker, clients=1
+        )
+        print_vllm(
+            {"direct": direct, "through": through},
+            version,
+            next((r for r in rows if r["workers"] == 1), None),
+        )
     finally:
+        for server in servers:
+            stop(server["process"])
         for process in stand_ins:
             process.terminate()
-    return rows
 
 
 def print_header() -> None:
     print(
         f"{'workers':>7}{'load procs':>11}{'turns/s':>9}{'speed-up':>9}{'per worker':>11}"
-        f"{'tito ms/turn':>13}{'cores: tito':>12}{'engine':>7}{'load':>6}{'p50 ms':>8}"
+        f"{'tito ms/turn':>13}{'cores: tito':>12}{'engine':>7}{'load':>6}{'idle':>6}{'p50 ms':>8}"
     )
 
 
@@ -483,6 +506,7 @@ def print_row(row: dict, first: dict) -> None:
         f"{row['workers']:>7}{row['clients']:>11}{row['rate']:>9.0f}{speedup:>9.2f}"
         f"{speedup / (row['workers'] / first['workers']):>11.2f}{1e3 * cpu['tito'] / row['turns']:>13.3f}"
         f"{cpu['tito'] / seconds:>12.2f}{cpu['engine'] / seconds:>7.2f}{cpu['load'] / seconds:>6.2f}"
+        f"{cpu['idle'] / seconds:>6.2f}"
         f"{1e3 * row['p50']:>8.1f}",
         flush=True,
     )
@@ -541,20 +565,7 @@ def main() -> None:
     spawn = mp.get_context("spawn")
     num_clients = max(args.clients, *(math.ceil(n / args.workers_per_client) for n in args.workers), 1)
     with spawn.Pool(num_clients) as pool:
-        print("engine stand-in (answers at once):")
-        print_header()
-        rows = fake_rows(pool, model_dir, reply_ids, work, args)
-        version = None if args.no_vllm else vllm_version()
-        if version is not None:
-            print(
-                f"\nvLLM {version} on the same tiny Qwen3 (greedy, max_tokens 32), its API server's process"
-                " measured apart\nfrom its engine core's; the same conversations straight to it, and through"
-                " tito:"
-            )
-            first = next((row for row in rows if row["workers"] == 1), None)
-            print_vllm(vllm_rows(pool, model_dir, version, work, args), version, first)
-        elif not args.no_vllm:
-            print("\nvllm does not import here: no vLLM baseline rows")
+        run(pool, model_dir, reply_ids, work, args)
     print(f"(logs in {work})")
 
 
