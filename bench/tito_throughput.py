@@ -537,7 +537,7 @@ def main() -> None:
         default=0,
         help="load processes (default: one per --workers-per-client workers)",
     )
-    parser.add_argument("--workers-per-client", type=int, default=3)
+    parser.add_argument("--workers-per-client", type=int, default=4)
     parser.add_argument("--engines", type=int, default=1, help="engine stand-in processes")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline rows")
     ARGS = args = parser.parse_args()
