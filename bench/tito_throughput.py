@@ -29,8 +29,6 @@ or `PYTHONPATH=packages/tito/src:packages/molt/src`).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import multiprocessing as mp
 import os
@@ -43,187 +41,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-MODEL = "tiny"
-WORDS = ("fox", "cat", "dog", "owl", "bee")
-# The headers the openai SDK (AsyncOpenAI) sends with each request, so tito parses what it would.
-SDK_HEADERS = (
-    "Accept: application/json\r\nAccept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\n"
-    "Content-Type: application/json\r\nUser-Agent: AsyncOpenAI/Python 2.8.0\r\nX-Stainless-Lang: python\r\n"
-    "X-Stainless-Package-Version: 2.8.0\r\nX-Stainless-OS: Linux\r\nX-Stainless-Arch: x64\r\n"
-    "X-Stainless-Runtime: CPython\r\nX-Stainless-Runtime-Version: 3.12.1\r\nAuthorization: Bearer x\r\n"
-    "X-Stainless-Async: async:asyncio\r\nx-stainless-retry-count: 0\r\nx-stainless-read-timeout: 600\r\n"
-)
-
-
-def run_loop(main) -> object:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
-# ---- the engine stand-in -----------------------------------------------------------------------------
-
-
-def _http_reply(body: bytes, status: str = "200 OK") -> bytes:
-    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-    return head.encode() + body
-
-
-class _EngineProtocol(asyncio.Protocol):
-    """HTTP/1.1 keep-alive, one canned reply per path, sent as soon as a request's body is in."""
-
-    def __init__(self, replies: dict[bytes, bytes]) -> None:
-        self.replies, self.buffer, self.transport = replies, b"", None
-
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
-            head = self.buffer[:end]
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                if line[:15].lower() == b"content-length:":
-                    length = int(line[15:])
-            if len(self.buffer) < end + 4 + length:
-                return
-            self.buffer = self.buffer[end + 4 + length :]
-            path = head.split(b" ", 2)[1]
-            self.transport.write(self.replies.get(path) or _http_reply(b"{}", "404 Not Found"))
-
-
-def serve_engine(port: int, reply_ids: list[int]) -> None:
-    """The engine stand-in's process: vLLM's token-route reply shape, the same tokens every time."""
-    choice = {
-        "index": 0,
-        "token_ids": reply_ids,
-        "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in reply_ids]},
-        "finish_reason": "stop",
-        "stop_reason": reply_ids[-1],
-        "weight_versions": [{"version": "default", "start": 0, "end": len(reply_ids)}],
-    }
-    models = {"data": [{"id": "stand-in", "max_model_len": 4096}]}
-    replies = {
-        b"/inference/v1/generate": _http_reply(json.dumps({"choices": [choice]}).encode()),
-        b"/v1/models": _http_reply(json.dumps(models).encode()),
-        b"/health": _http_reply(b"{}"),
-    }
-
-    async def main() -> None:
-        listening = socket.socket()
-        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        listening.bind(("127.0.0.1", port))
-        listening.listen(4096)
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _EngineProtocol(replies), sock=listening)
-        await server.serve_forever()
-
-    run_loop(main())
-
-
-# ---- the load generator ------------------------------------------------------------------------------
-
-
-class _Connection:
-    """One keep-alive HTTP/1.1 connection; requests one at a time, as an SDK client sends them."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port, self.reader, self.writer = host, port, None, None
-
-    async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{SDK_HEADERS}"
-        if body is not None:
-            head += f"Content-Length: {len(body)}\r\n"
-        self.writer.write(head.encode() + b"\r\n" + (body or b""))
-        lines = (await self.reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
-        length, close = 0, False
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"connection":
-                close = value.strip().lower() == b"close"
-        data = await self.reader.readexactly(length)
-        if close:
-            self.close()
-        return int(lines[0].split(b" ", 2)[1]), data
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.reader = self.writer = None
-
-
-def drive(target: str, port: int, num_conversations: int, num_turns: int, begin: float, end: float) -> dict:
-    """One load process: conversations back to back until `end`; what completed in [begin, end]."""
-    return run_loop(_drive(target, port, num_conversations, num_turns, begin, end))
-
-
-async def _drive(target: str, port: int, num_conversations: int, num_turns: int, begin: float, end: float):
-    import msgspec
-
-    decode = msgspec.json.decode
-    window = {"turns": 0, "errors": 0, "latencies": [], "prompt_tokens": 0, "completion_tokens": 0}
-
-    async def conversation(index: int, front: _Connection) -> None:
-        if target == "tito":  # a session per conversation; its turns go to its base_url
-            status, data = await front.request("POST", "/sessions")
-            assert status == 200, data
-            session = decode(data)
-            host_port, path = session["base_url"].removeprefix("http://").split("/", 1)
-            chat = _Connection("127.0.0.1", int(host_port.rsplit(":", 1)[1]))
-            prefix = f"/{path}"
-        else:
-            chat, prefix = front, "/v1"
-        messages = [{"role": "system", "content": "answer with one word"}]
-        for turn in range(num_turns):
-            messages.append({"role": "user", "content": f"copy the word: {WORDS[(index + turn) % 5]}"})
-            body = {"messages": messages, "model": MODEL, "max_tokens": 32, "temperature": 0.0}
-            began = time.time()
-            status, data = await chat.request("POST", f"{prefix}/chat/completions", msgspec.json.encode(body))
-            now = time.time()
-            if status != 200:
-                raise RuntimeError(f"chat completion answered {status}: {data[:300]!r}")
-            reply = decode(data)
-            if begin <= now <= end:
-                window["turns"] += 1
-                window["latencies"].append(now - began)
-                window["prompt_tokens"] += reply["usage"]["prompt_tokens"]
-                window["completion_tokens"] += reply["usage"]["completion_tokens"]
-            messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
-        if target == "tito":
-            status, data = await chat.request("DELETE", f"/sessions/{session['id']}")
-            assert status == 200, data
-            chat.close()
-
-    async def slot(index: int) -> None:
-        front = _Connection("127.0.0.1", port)
-        while time.time() < end:
-            await conversation(index, front)
-            index += num_conversations
-
-    async def clock(at: float, key: str) -> None:
-        await asyncio.sleep(max(0.0, at - time.time()))
-        window[key] = time.process_time()
-
-    clocks = [asyncio.create_task(clock(begin, "cpu_begin")), asyncio.create_task(clock(end, "cpu_end"))]
-    slots = [asyncio.create_task(slot(index)) for index in range(num_conversations)]
-    await asyncio.wait(slots, timeout=max(0.0, end - time.time()) + 0.05)
-    for task in slots:
-        task.cancel()
-    results = await asyncio.gather(*slots, *clocks, return_exceptions=True)
-    failures = [r for r in results if isinstance(r, Exception) and not isinstance(r, asyncio.CancelledError)]
-    if failures:
-        raise RuntimeError(f"{len(failures)} conversations failed, the first with {failures[0]!r}")
-    window["cpu"] = window.pop("cpu_end") - window.pop("cpu_begin")
-    return window
-
+from tito_load import MODEL, drive, serve_engine
 
 # ---- processes and their CPU -------------------------------------------------------------------------
 
@@ -404,28 +222,59 @@ def vllm_version() -> str | None:
     return "?"
 
 
-def print_vllm(rows: dict, version: str, fake: dict | None) -> None:
-    direct, through = rows["direct"], rows["through"]
+def print_vllm(arms: dict, fake: dict | None) -> None:
     print(f"{'arm':<28}{'turns/s':>9}{'CPU ms per turn: vLLM API server':>34}{'tito':>7}{'engine core':>13}")
-    for name, row in (("vLLM's own chat completions", direct), ("tito (1 worker) -> vLLM", through)):
+    names = {"direct": "vLLM's own chat completions", "through": "tito (1 worker) -> vLLM"}
+    for key, row in arms.items():
         cpu, turns = row["cpu"], max(row["turns"], 1)
         tito = f"{1e3 * cpu['tito'] / turns:.3f}" if "tito" in cpu else "-"
         print(
-            f"{name:<28}{row['rate']:>9.0f}{1e3 * cpu['vllm'] / turns:>34.3f}{tito:>7}"
+            f"{names[key]:<28}{row['rate']:>9.0f}{1e3 * cpu['vllm'] / turns:>34.3f}{tito:>7}"
             f"{1e3 * cpu['core'] / turns:>13.3f}"
         )
-    baseline = 1e3 * direct["cpu"]["vllm"] / max(direct["turns"], 1)
-    same_engine = 1e3 * through["cpu"]["tito"] / max(through["turns"], 1)
-    print(f"tito / vLLM API server, CPU per turn, over the same engine: {same_engine / baseline:.2f}")
+    baseline = 1e3 * arms["direct"]["cpu"]["vllm"] / max(arms["direct"]["turns"], 1)
+    if "through" in arms:
+        same_engine = 1e3 * arms["through"]["cpu"]["tito"] / max(arms["through"]["turns"], 1)
+        print(f"tito / vLLM API server, CPU per turn, over the same engine: {same_engine / baseline:.2f}")
     if fake is not None:
         fake_ms = 1e3 * fake["cpu"]["tito"] / fake["turns"]
         print(f"tito at saturation (engine stand-in, 1 worker) / vLLM API server: {fake_ms / baseline:.2f}")
+
+
+def started(vllm: dict, over_vllm: dict) -> dict | None:
+    """`vllm` once it and tito in front of it are up; None (saying why) if vLLM did not start."""
+    try:
+        ready(vllm, 600.0)
+    except (RuntimeError, TimeoutError) as error:
+        print(f"vLLM did not start, so no baseline rows: {str(error)[-1500:]}")
+        return None
+    ready(over_vllm, 120.0)
+    return vllm
+
+
+def vllm_arms(pool, vllm: dict, over_vllm: dict, args) -> dict:
+    front = [vllm["process"].pid]  # the API server; its engine core runs in processes below it
+    parts = {"vllm": front, "core": [pid for pid in descendants(front[0]) if pid not in front]}
+    prime(pool, "vllm", vllm["port"])
+    direct = measure(pool, "vllm", vllm["port"], parts, args, conversations=args.per_worker, clients=1)
+    arms = {"direct": direct}
+    try:
+        prime(pool, "tito", over_vllm["port"])
+        parts = parts | {"tito": descendants(over_vllm["process"].pid)}
+        arms["through"] = measure(
+            pool, "tito", over_vllm["port"], parts, args, conversations=args.per_worker, clients=1
+        )
+    except Exception as error:  # this vLLM's token route may not be what tito speaks: say so, go on
+        print(f"tito over this vLLM failed: {error!r} (log: {over_vllm['log']})")
+    return arms
 
 
 def run(pool, model_dir: Path, reply_ids: list[int], work: Path, args) -> None:
     """Start every server at once (their start-up would be most of the run otherwise) and wait for all,
     then measure one row at a time while the others sit idle (their CPU in each window: `idle`)."""
     version = None if args.no_vllm else vllm_version()
+    if version is None and not args.no_vllm:
+        print("(vllm does not import here: no baseline rows)")
     engine_port = free_port()
     spawn = mp.get_context("spawn")
     stand_ins = [
@@ -439,8 +288,9 @@ def run(pool, model_dir: Path, reply_ids: list[int], work: Path, args) -> None:
     over_vllm = launch_tito(f"http://127.0.0.1:{vllm['port']}", model_dir, 1, work) if vllm else None
     servers = [*titos.values(), *([vllm, over_vllm] if vllm else [])]
     try:
-        for server in servers:  # all up before any row: a server starting up would take cores
+        for server in titos.values():  # all up before any row: a server starting up would take cores
             ready(server, 600.0)
+        vllm = vllm and started(vllm, over_vllm)
         rows, stand_in_pids = [], [process.pid for process in stand_ins]
         print("engine stand-in (answers at once):")
         print_header()
@@ -455,36 +305,14 @@ def run(pool, model_dir: Path, reply_ids: list[int], work: Path, args) -> None:
             )
             rows.append(row | {"workers": n, "clients": clients})
             print_row(rows[-1], rows[0])
-        if vllm is None:
-            print("\nno vLLM baseline rows" + ("" if args.no_vllm else ": vllm does not import here"))
-            return
-        print(
-            f"\nvLLM {version} on the same tiny Qwen3 (greedy, max_tokens 32), its API server's process"
-            " measured apart\nfrom its engine core's; the same conversations straight to it, and through"
-            " tito:"
-        )
-        front = [vllm["process"].pid]
-        core = [pid for pid in descendants(vllm["process"].pid) if pid not in front]
-        prime(pool, "vllm", vllm["port"])
-        direct = measure(
-            pool,
-            "vllm",
-            vllm["port"],
-            {"vllm": front, "core": core},
-            args,
-            conversations=args.per_worker,
-            clients=1,
-        )
-        prime(pool, "tito", over_vllm["port"])
-        parts = {"tito": descendants(over_vllm["process"].pid), "vllm": front, "core": core}
-        through = measure(
-            pool, "tito", over_vllm["port"], parts, args, conversations=args.per_worker, clients=1
-        )
-        print_vllm(
-            {"direct": direct, "through": through},
-            version,
-            next((r for r in rows if r["workers"] == 1), None),
-        )
+        if vllm:
+            print(
+                f"\nvLLM {version} on the same tiny Qwen3 (greedy, max_tokens 32), its API server's process"
+                " measured apart\nfrom its engine core's; the same conversations straight to it, and"
+                " through tito:"
+            )
+            first = next((row for row in rows if row["workers"] == 1), None)
+            print_vllm(vllm_arms(pool, vllm, over_vllm, args), first)
     finally:
         for server in servers:
             stop(server["process"])
