@@ -8,6 +8,7 @@ trajectory must hold that turn once.
 from __future__ import annotations
 
 import anthropic
+import anyio
 import httpx
 import msgspec
 import openai
@@ -174,3 +175,46 @@ def test_an_engine_that_drops_a_stream_halfway_leaves_the_trajectory_as_it_was(
             pass
     assert live_trajectory(url, session) == before
     sdk.close()
+
+
+async def asgi_chat(app, session: dict, messages: list[dict], *, client_leaves: bool) -> int:
+    """One chat completion straight through ASGI; with `client_leaves`, the server hears `http.disconnect`
+    as soon as it asks after the body (the client left while the engine sampled). Returns the status."""
+    body = msgspec.json.encode({"model": "tiny", "messages": messages, "max_tokens": 8})
+    path = f"/s/{session['id']}/v1/chat/completions"
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"tito"), (b"content-type", b"application/json")],
+        "server": ("tito", 80), "client": ("127.0.0.1", 1),
+    }  # fmt: skip
+    messages_in = [{"type": "http.request", "body": body, "more_body": False}]
+    still_there = anyio.Event()
+
+    async def receive():
+        if messages_in:
+            return messages_in.pop(0)
+        if client_leaves:
+            return {"type": "http.disconnect"}
+        await still_there.wait()
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"]
+
+
+async def test_a_whole_reply_is_committed_only_if_the_client_is_still_there(client, fake_engine, tokenizer):
+    app = client._transport.app
+    session = await new_session(client)
+    fake_engine.script = [[5, tokenizer.eos_token_id]]
+    messages = [{"role": "user", "content": "copy the word: owl"}]
+    assert await asgi_chat(app, session, messages, client_leaves=True) == 200
+    assert (await trajectory(client, session)).segments == []
+    fake_engine.script = [[6, tokenizer.eos_token_id]]
+    assert await asgi_chat(app, session, messages, client_leaves=False) == 200
+    (segment,) = (await trajectory(client, session)).segments
+    assert segment.token_ids == fake_engine.prompts[-1] + [6, tokenizer.eos_token_id]

@@ -37,8 +37,17 @@ def serve(
         ),
     ] = None,
     max_sessions: Annotated[
-        int | None, typer.Option(help="Live sessions at most; POST /sessions past it answers 429.")
+        int | None,
+        typer.Option(help="Live sessions at most (per worker); POST /sessions past it answers 429."),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Processes that share the sessions, each owning the sessions it creates; worker i also "
+            "listens on port + 1 + i, which its sessions' URLs name.",
+        ),
+    ] = 1,
 ) -> None:
     """Serve OpenAI chat completions and responses and Anthropic messages, capturing token-exact
     trajectories."""
@@ -51,9 +60,16 @@ def serve(
     from ._service import Tito
 
     name = served_model_name or engine_model_name(engine[0])
-    tito = Tito(
-        engine, model, served_model_name=name, dump=dump, idle_timeout=idle_timeout, max_sessions=max_sessions
-    )
+    tito_args = {
+        "engines": engine, "model": model, "served_model_name": name, "dump": dump,
+        "idle_timeout": idle_timeout, "max_sessions": max_sessions,
+    }  # fmt: skip
+    if workers > 1:
+        from ._workers import serve_workers
+
+        serve_workers(workers, host, port, tito_args, api_key)
+        return
+    tito = Tito(**tito_args)
     app = create_app(tito, api_key=api_key)
     freeze_startup_objects()
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)

@@ -14,9 +14,10 @@ endpoint (`/v1/chat/completions/render`) processes the images alone, once per im
 The length it gives each image's placeholder must be tito's, or the turn fails with `ExpansionMismatch`
 (tito and the engine would otherwise train and sample on different token layouts).
 
-Engine traffic goes over aiohttp: per request its client costs about a tenth of the CPU of httpx's,
-whose connection pool scans every connection for each queued request. Tests that hand `Router` an httpx
-transport (a fake engine in the same process) are served through httpx instead, behind the same calls.
+Engine traffic goes over tito's own keep-alive HTTP/1.1 client (`_wire.py`): per request it costs
+less than half of aiohttp's CPU, and a small fraction of httpx's, whose connection pool scans every
+connection for each queued request. Tests that hand `Router` an httpx transport (a fake engine in the same
+process) are served through httpx instead, behind the same calls.
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import httpx
 import msgspec
 
+from ._wire import Http1Wire
+
 __all__ = ["Engine", "EngineRejected", "EngineUnavailable", "ExpansionMismatch", "Generation", "Router"]
 
-# What a request that broke off raises, from either client (aiohttp's timeouts are `TimeoutError`s).
-_BROKEN = (aiohttp.ClientError, TimeoutError, httpx.TransportError)
+# What a request that broke off raises, from either client (`TimeoutError` is an `OSError`).
+_BROKEN = (OSError, EOFError, httpx.TransportError)
 _JSON = {"content-type": "application/json"}
 
 
@@ -153,7 +155,7 @@ def _generation(reply: _Reply) -> Generation | None:
 class Engine:
     """One vLLM server. Counts the sessions bound to it and the requests it is serving."""
 
-    def __init__(self, url: str, wire: _AiohttpWire | _HttpxWire) -> None:
+    def __init__(self, url: str, wire: Http1Wire | _HttpxWire) -> None:
         self.url = url.rstrip("/")
         self.generate_url = f"{self.url}/inference/v1/generate"
         self.wire = wire
@@ -284,41 +286,6 @@ class Engine:
         return self._max_model_len
 
 
-class _AiohttpWire:
-    """Engine traffic over aiohttp. The session is made on first use, on the event loop that serves."""
-
-    def __init__(self, timeout: float) -> None:
-        self.timeout = aiohttp.ClientTimeout(sock_connect=5.0, sock_read=timeout)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # Idle connections are dropped before vLLM's server closes them (its keep-alive is 5 s):
-            # reusing one the server is closing at that moment breaks the request off.
-            # A streamed line may be up to twice `read_bufsize` long.
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self.timeout, read_bufsize=1 << 20
-            )
-        return self._session
-
-    async def request(
-        self, method: str, url: str, body: bytes | None = None, *, timeout: float | None = None
-    ) -> tuple[int, bytes]:
-        # aiohttp reads `timeout=None` as no limit at all: pass one only when asked.
-        limit = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
-        headers = _JSON if body is not None else None
-        async with self._open().request(method, url, data=body, headers=headers, **limit) as reply:
-            return reply.status, await reply.read()
-
-    @contextlib.asynccontextmanager
-    async def stream(self, url: str, body: bytes) -> AsyncIterator[tuple[int, AsyncIterator[bytes]]]:
-        async with self._open().post(url, data=body, headers=_JSON) as reply:
-            yield reply.status, aiter(reply.content)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
 
 class _HttpxWire:
@@ -351,7 +318,7 @@ class Router:
     ) -> None:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
-        self.wire = _AiohttpWire(timeout) if transport is None else _HttpxWire(timeout, transport)
+        self.wire = Http1Wire(timeout) if transport is None else _HttpxWire(timeout, transport)
         self.engines = [Engine(url, self.wire) for url in urls]
 
     def assign(self) -> Engine:

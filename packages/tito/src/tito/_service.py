@@ -25,6 +25,7 @@ from ._images import ImageLayout
 from ._responses import History
 from ._tools import ToolCalls
 from ._trajectory import Capture, ImageSpan, Trajectory, Turn
+from ._workers import session_owner
 
 __all__ = ["Session", "Tito", "TooManySessions"]
 
@@ -62,7 +63,8 @@ class Tito:
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
     there). `idle_timeout`: seconds after its last request at which a session not in a request is
     ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live sessions at
-    most; a new one past it raises `TooManySessions`.
+    most; a new one past it raises `TooManySessions`. `worker`: (index, count) of this process among
+    `tito serve --workers` processes; its sessions get the ids `_workers.session_owner` maps to it.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class Tito:
         engine_transport: httpx.AsyncBaseTransport | None = None,
         idle_timeout: float | None = None,
         max_sessions: int | None = None,
+        worker: tuple[int, int] = (0, 1),
     ) -> None:
         from transformers import AutoProcessor
 
@@ -94,6 +97,7 @@ class Tito:
         self.fixed_sampling = dict(fixed_sampling or {})
         self.max_tokens_cap = self.fixed_sampling.pop("max_tokens", None)
         self.idle_timeout, self.max_sessions = idle_timeout, max_sessions
+        self.worker = worker
         # Why recent sessions ended, so that a late request hears it (bounded: memory stays flat).
         self.ended: OrderedDict[str, str] = OrderedDict()
 
@@ -105,6 +109,8 @@ class Tito:
                 "(DELETE /sessions/{id}) or retry later"
             )
         session_id = secrets.token_hex(16)
+        while self.worker[1] > 1 and session_owner(session_id, self.worker[1]) != self.worker[0]:
+            session_id = secrets.token_hex(16)
         session = Session(session_id, self.router.assign(), Capture(session_id))
         self.sessions[session_id] = session
         return session
@@ -119,7 +125,7 @@ class Tito:
         self.router.release(session.engine)
         trajectory = session.capture.trajectory()
         if self.dump_path is not None:
-            with self.dump_path.open("ab") as dump:
+            with self.dump_path.open("ab", buffering=0) as dump:  # one write: workers share the file
                 dump.write(msgspec.json.encode(trajectory) + b"\n")
         return trajectory
 
