@@ -119,3 +119,57 @@ def test_a_workers_session_ids_name_it(tiny_model_dir):
     assert {session_owner(session_id, 3) for session_id in ids} == {1}
     assert all(re.fullmatch(r"[0-9a-f]{32}", session_id) for session_id in ids)  # still 128-bit hex
     assert session_owner("not-a-session", 3) is None
+
+
+@pytest.fixture
+def worker_pair(tiny_model_dir, fake_engine):
+    """Two workers' apps in this process, each on its own loopback port, over the fake engine on
+    loopback too (a real stream, which a client can leave): (url 0, url 1)."""
+    from molt.vllm_server import free_port
+    from tito import Tito, create_app
+    from tito._workers import Workers
+
+    ports = (free_port(), free_port())
+    with LiveServer(fake_engine.app) as engine:
+        apps = []
+        for index in range(2):
+            tito = Tito([engine.url], tiny_model_dir, served_model_name="tiny", worker=(index, 2))
+            apps.append(create_app(tito, workers=Workers(index, "127.0.0.1", ports)))
+        with LiveServer(apps[0], port=ports[0]) as first, LiveServer(apps[1], port=ports[1]) as second:
+            yield first.url, second.url
+
+
+def test_a_turn_sent_to_another_worker_reaches_the_owner(worker_pair, fake_engine, tokenizer):
+    here, owner = worker_pair
+    session = httpx.post(f"{owner}/sessions").raise_for_status().json()
+    assert session_owner(session["id"], 2) == 1 and session["base_url"].startswith(owner)
+    elsewhere = openai.OpenAI(base_url=f"{here}/s/{session['id']}/v1", api_key="unused")
+    fake_engine.script = [[5, tokenizer.eos_token_id], [6, 7, tokenizer.eos_token_id]]
+    messages = [{"role": "user", "content": "copy the word: owl"}]
+    first = elsewhere.chat.completions.create(model="tiny", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "more"}]
+    chunks = elsewhere.chat.completions.create(model="tiny", messages=messages, stream=True)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    reply = httpx.get(f"{here}/sessions/{session['id']}/trajectory").raise_for_status()
+    (segment,) = msgspec.json.decode(reply.content, type=Trajectory).segments
+    assert segment.token_ids == fake_engine.prompts[-1] + [6, 7, tokenizer.eos_token_id]
+    assert segment.loss_mask.count(1) == 5
+    elsewhere.close()
+
+
+def test_a_client_that_leaves_a_forwarded_stream_leaves_no_turn(worker_pair, fake_engine, tokenizer):
+    here, owner = worker_pair
+    session = httpx.post(f"{owner}/sessions").raise_for_status().json()
+    elsewhere = openai.OpenAI(base_url=f"{here}/s/{session['id']}/v1", api_key="unused")
+    fake_engine.script = [tokenizer.encode("a b c d e f g h i j k l", add_special_tokens=False)]
+    fake_engine.token_delay = 0.05
+    stream = elsewhere.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "copy"}], stream=True, max_tokens=64
+    )
+    next(iter(stream))
+    stream.close()  # the client leaves the worker that forwards; the owner's request must end too
+    time.sleep(1.5)  # past the stream's end, had it gone on
+    reply = httpx.get(f"{owner}/sessions/{session['id']}/trajectory").raise_for_status()
+    assert msgspec.json.decode(reply.content, type=Trajectory).segments == []
+    elsewhere.close()

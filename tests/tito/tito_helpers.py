@@ -10,12 +10,12 @@ import time
 class LiveServer:
     """tito served by uvicorn on loopback in a background thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, port: int | None = None) -> None:
         import uvicorn
 
         from molt.vllm_server import free_port
 
-        self.url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{port or free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

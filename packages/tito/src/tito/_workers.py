@@ -28,8 +28,9 @@ import httpx
 
 __all__ = ["Forward", "Workers", "serve_workers", "session_owner"]
 
-# Headers that describe one connection, not the request or reply: never passed on.
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade"}
+# Headers that describe one connection, not the request or reply: never passed on (and those the
+# relaying server writes itself).
+_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade", b"date", b"server"}
 
 
 def session_owner(session_id: str, num_workers: int) -> int | None:
@@ -64,11 +65,22 @@ class Forward:
         self.client: httpx.AsyncClient | None = None  # made on the serving loop, on first use
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":  # the forwarding connections close with the server
+            await self.app(scope, receive, self._closing(send))
+            return
         owner = self._owner(scope)
         if owner is None or owner == self.workers.index:
             await self.app(scope, receive, send)
         else:
             await self._forward(owner, scope, receive, send)
+
+    def _closing(self, send):
+        async def closing(message) -> None:
+            if message["type"] == "lifespan.shutdown.complete" and self.client is not None:
+                await self.client.aclose()
+            await send(message)
+
+        return closing
 
     def _owner(self, scope) -> int | None:
         if scope["type"] != "http":
