@@ -286,8 +286,6 @@ class Engine:
         return self._max_model_len
 
 
-
-
 class _HttpxWire:
     """Engine traffic over httpx, for an httpx transport (tests: a fake engine in the same process)."""
 
