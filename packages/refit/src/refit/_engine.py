@@ -111,9 +111,9 @@ class Engine:
 
     # --- the lifecycle endpoints, in the order a refit calls them ---
     def pause(self) -> None:
-        # In-flight requests freeze, not abort. No cache reset here (vLLM's default), which would preempt the
-        # kept requests once now and again at reset_prefix_cache: the one after the new weights is enough.
-        self._call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
+        # In-flight requests freeze, not abort. vLLM's pause also clears its caches (clear_cache, default
+        # true), the image encoder's among them: kept, it would serve image embeddings of the old weights.
+        self._call("POST", "/pause", params={"mode": "keep"})
 
     def start_weight_update(self) -> None:
         self._call("POST", "/start_weight_update")
