@@ -95,7 +95,7 @@ def test_compiled_layers_train_as_the_eager_ones(tiny_model_dir):
         )
         worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
         layers = worker.model.model.layers
-        assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") == compiled for layer in layers)
+        assert all((layer._compiled_call_impl is not None) == compiled for layer in layers)
         runs = []
         for batch in batches:
             logp_BT = worker.logprobs(batch)

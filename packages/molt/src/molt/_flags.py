@@ -5,7 +5,8 @@ TOML key (`[algo.kl]` table, `coef = 0.1`). Flag values are strings that msgspec
 to the field's type, so msgspec checks every type; before that, booleans accept true/false/1/0/yes/no (a
 bare boolean flag means true), optional fields accept `none`, and tuples are comma separated (`0.5,2.0`).
 An unknown flag or key fails naming it and the closest known flag; an ill-typed one fails naming the flag
-as the user wrote it. Help text is each field's docstring, read from `molt/config.py`'s source.
+as the user wrote it. Help text is each field's docstring, read from the source of `molt/config.py`
+(and `molt/_config_algo.py`).
 
 This module imports nothing heavy: `molt train --help` runs it.
 """
@@ -24,6 +25,7 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
+from molt import _config_algo
 from molt import config as config_module
 from molt._validate import validate
 from molt.config import Config, ConfigError
@@ -42,9 +44,9 @@ class _Leaf(NamedTuple):
 @functools.cache
 def _field_docs() -> dict[tuple[str, str], str]:
     """`(class name, field name) -> docstring`: the string literal right under each annotated field."""
-    tree = ast.parse(inspect.getsource(config_module))
+    trees = [ast.parse(inspect.getsource(module)) for module in (config_module, _config_algo)]
     docs = {}
-    for node in tree.body:
+    for node in (node for tree in trees for node in tree.body):
         if not isinstance(node, ast.ClassDef):
             continue
         for stmt, after in itertools.pairwise(node.body):

@@ -125,16 +125,18 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def compile_layers(model: torch.nn.Module) -> int:
-    """--actor.compile: each decoder layer's forward through torch.compile; returns how many.
+    """--actor.compile: each decoder layer through torch.compile (`Module.compile`, torch's own in-place
+    form: names and hooks stay); returns how many.
 
-    Only the layer's own computation is compiled: FSDP2's hooks (gathering the weights, reducing the
-    gradients) run around it as before. The layers share one code object and, with their weights as
-    inputs, one compiled graph; a new row length compiles again once, then shapes are dynamic.
+    Only the layer's own computation is compiled: Dynamo skips FSDP2's hooks (gathering the weights,
+    reducing the gradients; `torch._dynamo.config.skip_fsdp_hooks`), which run around it as before. The
+    layers share one code object and, with their weights as inputs, one compiled graph; a new row length
+    compiles again once, then shapes are dynamic.
     """
     layers = decoder_layers(model)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
     for layer in layers:
-        layer.forward = torch.compile(layer.forward)
+        layer.compile()
     return len(layers)
 
 

@@ -6,8 +6,8 @@ is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults <
 flags (`molt._flags.resolve`).
 
 What may be set to what, and which combinations run here, is checked in one place: `molt._validate`.
-This module imports nothing heavy: it is loaded by `molt --help`, so the Literal types below restate
-rlestimators' names instead of importing them (rlestimators imports torch); a test checks the two agree.
+This module imports nothing heavy: it is loaded by `molt --help`. The algorithm's groups (`--algo.*`)
+live in `molt._config_algo`; they are re-exported here.
 """
 
 import datetime
@@ -16,33 +16,46 @@ from typing import Literal, get_args
 
 import msgspec
 
+from molt._config_algo import (
+    GAE,
+    KL,
+    Advantage,
+    Algo,
+    Correction,
+    CorrectionMode,
+    Critic,
+    EstimatorName,
+    KLKind,
+    Loss,
+    OutcomeEstimator,
+    PolicyLossKind,
+    Teacher,
+)
+from molt._config_algo import Group as _Group
+
 __all__ = [
+    "GAE",
+    "KL",
+    "Advantage",
+    "Algo",
     "Config",
     "ConfigError",
+    "Correction",
     "CorrectionMode",
+    "Critic",
     "EstimatorName",
     "KLKind",
     "LoRATarget",
+    "Loss",
     "OutcomeEstimator",
     "PolicyLossKind",
+    "Teacher",
     "with_run_dir",
 ]
-
-OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", "maxrl"]
-"""`rlestimators.EstimatorName`: the keys of `rlestimators.ESTIMATORS`; each baselines against its group."""
-EstimatorName = Literal[OutcomeEstimator, "gae", "opd"]
-"""An outcome estimator, or one of the token-level `rlestimators.gae` / `rlestimators.opd`."""
-PolicyLossKind = Literal["ppo", "gspo", "cispo", "pg"]
-KLKind = Literal["k1", "k2", "k3"]
-CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message names the flags involved and what to do."""
-
-
-class _Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
-    """Base of every flag group: keyword-only, immutable, and an unknown key is an error."""
 
 
 class Model(_Group):
@@ -80,95 +93,6 @@ class Agent(_Group):
     num_runners: int = 1
     """Ray actors hosting the agents (each runs many episodes concurrently); 0 runs them in the trainer's
     process, without a Ray call per reset and step (for cheap agents)."""
-
-
-class Advantage(_Group):
-    """How rewards become advantages."""
-
-    estimator: EstimatorName = "reinforce_pp"
-    """Outcome estimator from rlestimators.ESTIMATORS, or gae (starts a critic) or opd (starts a teacher)."""
-
-
-class Loss(_Group):
-    """The clipped policy loss (rlestimators.policy_loss)."""
-
-    kind: PolicyLossKind = "ppo"
-    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight), pg (no clip)."""
-    clip_low: float = 0.2
-    """Lower clip range: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.28
-    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
-    dual_clip: float | None = None
-    """Dual-clip bound c > 1 for negative advantages; none disables it."""
-
-
-class Correction(_Group):
-    """Importance correction of engine-vs-trainer mismatch and staleness (rlestimators.rollout_correction)."""
-
-    mode: CorrectionMode = "tis"
-    """tis (truncated token weights), mis (masked token weights), seq-mask-tis, or none (on-policy only)."""
-    token_cap: float = 2.0
-    """Cap on token importance weights under tis and seq-mask-tis."""
-    token_bounds: tuple[float, float] = (0.5, 2.0)
-    """Token ratios outside (low, high) get weight 0 under mis."""
-    seq_bounds: tuple[float, float] = (0.99, 1.01)
-    """Sequences whose geometric-mean ratio lies outside (low, high) are masked under seq-mask-tis."""
-
-
-class KL(_Group):
-    """KL penalty against the reference policy."""
-
-    coef: float = 0.0
-    """KL coefficient; 0 disables the penalty and loads no reference model."""
-    kind: KLKind = "k3"
-    """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
-    in_reward: bool = False
-    """true: subtract the KL from the reward; false: add it to the loss."""
-
-
-class Teacher(_Group):
-    """The teacher of on-policy distillation."""
-
-    model: str = ""
-    """Hugging Face directory of the teacher; required by --algo.advantage.estimator opd."""
-
-
-class GAE(_Group):
-    """Generalised Advantage Estimation (with a critic)."""
-
-    gamma: float = 1.0
-    """Discount per token."""
-    lam: float = 1.0
-    """GAE lambda."""
-    whiten: bool = True
-    """Normalise the step's advantages to mean 0, std 1 over its trainable tokens."""
-
-
-class Critic(_Group):
-    """The PPO critic started by --algo.advantage.estimator gae: a value head on a causal LM."""
-
-    model: str = ""
-    """Hugging Face directory the critic starts from; empty = the policy's initial weights."""
-    lr: float = 1e-3
-    """The critic's AdamW learning rate."""
-    value_clip: float = 0.2
-    """Clip range of the value loss around the values before the step."""
-
-
-class Algo(_Group):
-    """The RL algorithm: estimator, loss, correction, KL, and the critic and teacher groups."""
-
-    advantage: Advantage = Advantage()
-    loss: Loss = Loss()
-    correction: Correction = Correction()
-    kl: KL = KL()
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient; 0 disables it."""
-    dynamic_filter: bool = False
-    """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
-    teacher: Teacher = Teacher()
-    gae: GAE = GAE()
-    critic: Critic = Critic()
 
 
 LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,0 +1,111 @@
+"""The algorithm's flag groups (`--algo.*`: estimator, loss, correction, KL, critic, teacher) and the base
+of every flag group. `molt.config` re-exports them; `molt --help` reads these field docstrings too.
+
+The Literal types restate rlestimators' names instead of importing them (rlestimators imports torch, and
+`molt --help` loads this module); a test checks the two agree.
+"""
+
+from typing import Literal
+
+import msgspec
+
+OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", "maxrl"]
+"""`rlestimators.EstimatorName`: the keys of `rlestimators.ESTIMATORS`; each baselines against its group."""
+EstimatorName = Literal[OutcomeEstimator, "gae", "opd"]
+"""An outcome estimator, or one of the token-level `rlestimators.gae` / `rlestimators.opd`."""
+PolicyLossKind = Literal["ppo", "gspo", "cispo", "pg"]
+KLKind = Literal["k1", "k2", "k3"]
+CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
+
+
+class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """Base of every flag group: keyword-only, immutable, and an unknown key is an error."""
+
+
+class Advantage(Group):
+    """How rewards become advantages."""
+
+    estimator: EstimatorName = "reinforce_pp"
+    """Outcome estimator from rlestimators.ESTIMATORS, or gae (starts a critic) or opd (starts a teacher)."""
+
+
+class Loss(Group):
+    """The clipped policy loss (rlestimators.policy_loss)."""
+
+    kind: PolicyLossKind = "ppo"
+    """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight), pg (no clip)."""
+    clip_low: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - clip_low."""
+    clip_high: float = 0.28
+    """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
+    dual_clip: float | None = None
+    """Dual-clip bound c > 1 for negative advantages; none disables it."""
+
+
+class Correction(Group):
+    """Importance correction of engine-vs-trainer mismatch and staleness (rlestimators.rollout_correction)."""
+
+    mode: CorrectionMode = "tis"
+    """tis (truncated token weights), mis (masked token weights), seq-mask-tis, or none (on-policy only)."""
+    token_cap: float = 2.0
+    """Cap on token importance weights under tis and seq-mask-tis."""
+    token_bounds: tuple[float, float] = (0.5, 2.0)
+    """Token ratios outside (low, high) get weight 0 under mis."""
+    seq_bounds: tuple[float, float] = (0.99, 1.01)
+    """Sequences whose geometric-mean ratio lies outside (low, high) are masked under seq-mask-tis."""
+
+
+class KL(Group):
+    """KL penalty against the reference policy."""
+
+    coef: float = 0.0
+    """KL coefficient; 0 disables the penalty and loads no reference model."""
+    kind: KLKind = "k3"
+    """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    in_reward: bool = False
+    """true: subtract the KL from the reward; false: add it to the loss."""
+
+
+class Teacher(Group):
+    """The teacher of on-policy distillation."""
+
+    model: str = ""
+    """Hugging Face directory of the teacher; required by --algo.advantage.estimator opd."""
+
+
+class GAE(Group):
+    """Generalised Advantage Estimation (with a critic)."""
+
+    gamma: float = 1.0
+    """Discount per token."""
+    lam: float = 1.0
+    """GAE lambda."""
+    whiten: bool = True
+    """Normalise the step's advantages to mean 0, std 1 over its trainable tokens."""
+
+
+class Critic(Group):
+    """The PPO critic started by --algo.advantage.estimator gae: a value head on a causal LM."""
+
+    model: str = ""
+    """Hugging Face directory the critic starts from; empty = the policy's initial weights."""
+    lr: float = 1e-3
+    """The critic's AdamW learning rate."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the values before the step."""
+
+
+class Algo(Group):
+    """The RL algorithm: estimator, loss, correction, KL, and the critic and teacher groups."""
+
+    advantage: Advantage = Advantage()
+    loss: Loss = Loss()
+    correction: Correction = Correction()
+    kl: KL = KL()
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient; 0 disables it."""
+    dynamic_filter: bool = False
+    """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
+    teacher: Teacher = Teacher()
+    gae: GAE = GAE()
+    critic: Critic = Critic()
