@@ -9,8 +9,9 @@ the entry points, then every workspace module (under `packages/*/src`) that a re
 import statement, wherever the statement is (heavy imports sit inside functions), with the packages whose
 `__init__.py` an import runs; imports under `if TYPE_CHECKING:` never run and do not count. Modules the
 user picks by name at run time (agent modules, recipes, the `molt.integrations` adapters) are not counted.
-Physical lines: every line of the file, comments, docstrings and blank lines included (`wc -l`). The
-README quotes the total.
+Physical lines: every line of the file, comments, docstrings and blank lines included (`wc -l`). Code
+lines: the physical lines less the blank ones, the comment-only ones and those of docstrings (a string
+that is the first statement of a module, class or function). The README quotes both totals.
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ def imported_names(name: str, path: Path) -> set[str]:
     return names
 
 
+def code_lines(text: str) -> int:
+    """The lines of `text` that are neither blank, nor only a comment, nor part of a docstring."""
+    docstrings = set()
+    for node in ast.walk(ast.parse(text)):
+        documented = isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        if documented and ast.get_docstring(node, clean=False) is not None:
+            docstrings.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+    return sum(
+        1
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    )
+
+
 def reachable(modules: dict[str, Path], entries: tuple[str, ...] = ENTRIES) -> list[str]:
     """The workspace modules `entries` reach by imports (themselves and the packages above each included)."""
     seen, todo = set(), list(entries)
@@ -82,17 +97,23 @@ def main() -> None:
     args = parser.parse_args()
     modules = workspace_modules()
     names = reachable(modules)
-    lines = {name: len(modules[name].read_text().splitlines()) for name in names}
+    texts = {name: modules[name].read_text() for name in names}
+    lines = {name: len(text.splitlines()) for name, text in texts.items()}
+    code = {name: code_lines(text) for name, text in texts.items()}
     by_package: dict[str, list[str]] = {}
     for name in names:
         by_package.setdefault(name.split(".")[0], []).append(name)
     for package, members in sorted(by_package.items()):
-        print(f"{package:14} {len(members):3} modules {sum(lines[m] for m in members):7,} lines")
+        total, total_code = sum(lines[m] for m in members), sum(code[m] for m in members)
+        print(f"{package:14} {len(members):3} modules {total:7,} lines {total_code:7,} code lines")
         if args.list:
             for member in members:
-                print(f"    {lines[member]:6,}  {modules[member].relative_to(ROOT)}")
+                print(f"    {lines[member]:6,} {code[member]:6,}  {modules[member].relative_to(ROOT)}")
     entries = " and ".join(ENTRIES)
-    print(f"RL path from {entries}: {len(names)} modules, {sum(lines.values()):,} physical lines")
+    print(
+        f"RL path from {entries}: {len(names)} modules, {sum(lines.values()):,} physical lines, "
+        f"{sum(code.values()):,} code lines"
+    )
 
 
 if __name__ == "__main__":

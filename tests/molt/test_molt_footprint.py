@@ -45,3 +45,27 @@ def test_imports_are_followed_inside_functions_and_relatively_but_not_under_type
         modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     reached = _footprint().reachable(modules, ("pkg.entry",))
     assert reached == ["pkg", "pkg.entry", "pkg.lazy", "pkg.sub", "pkg.sub.deep"]
+
+
+SAMPLE = '''"""Module doc,
+over two lines."""
+
+import os  # a trailing comment is code
+# a comment line
+
+def f():
+    """f's doc."""
+    x = "not a docstring"
+    return """a
+    b"""
+
+
+class C:
+    """One line."""
+    y = 1
+'''
+
+
+def test_code_lines_leave_out_blank_lines_comments_and_docstrings_but_not_other_strings():
+    # import, def, x =, the two lines of the returned string, class, y =
+    assert _footprint().code_lines(SAMPLE) == 7
