@@ -224,6 +224,7 @@ def test_stats_account_for_every_group_and_the_trainers_wait(rollout):
             await rollout.settle()
             rollout.finish("f")
             taking = asyncio.create_task(pool.take(2))
+            await asyncio.sleep(0)  # the take starts waiting before the clock below starts
             await asyncio.sleep(0.02)  # the trainer waits: this is what take_wait_s reports
             rollout.finish("g")
             assert [g.prompt for g in await taking] == ["f", "g"]
