@@ -126,3 +126,39 @@ def test_a_checkpoint_resumes_the_adapters_and_exports_them_or_the_merged_model(
     assert set(state) == set(merged)
     for name, tensor in merged.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("models", [["tiny"], ["tiny", "policy"]], ids=["base-only", "serves-adapter"])
+def test_an_attached_engine_must_serve_the_adapter(models):
+    """--vllm.urls with --actor.lora.rank: an engine that lists no adapter `policy` is refused up front."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from molt._engines import check_attached
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            listed = {"data": [{"id": name} for name in models]}
+            body = json.dumps(listed if self.path == "/v1/models" else {})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert check_attached([url]) == [url]  # no LoRA: any engine that answers
+        if "policy" in models:
+            assert check_attached([url], lora=True) == [url]
+        else:
+            with pytest.raises(ValueError, match="serves no LoRA adapter 'policy'"):
+                check_attached([url], lora=True)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -166,12 +166,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 else:  # copied out: the receive buffers are reused by the next refit
                     adapter.update((name, tensor.clone()) for name, tensor in tensors)
                 self.last_timings["load_s"] += time.perf_counter() - loading
+            if info.lora is not None:
+                self.pending_adapter = _lora_model(self.adapters, adapter, info.lora)
         finally:  # after an error the rest of the stream still arrives: take it before rolling back
             incoming.drain()
             self.last_timings["recv_s"] = time.perf_counter() - began
             self.last_timings["verify_s"] = incoming.verify_s
-        if info.lora is not None:
-            self.pending_adapter = _lora_model(self.adapters, adapter, info.lora)
         self.pending_token = info.token
 
     def _forget_buffers_if_kept(self) -> None:
