@@ -1,4 +1,5 @@
-"""--actor.lora.*: the policy trains LoRA adapters only, and refits and exports carry the merged weights.
+"""--actor.lora.*: the policy trains LoRA adapters only; refits send the adapters alone, checkpoints resume
+them, and exports write them (or, with merged=True, the merged weights).
 
 The worker runs in this process on gloo (one rank, no Ray).
 
@@ -61,9 +62,7 @@ def test_only_the_adapters_train(worker):
     assert moved == trainable
 
 
-def test_refit_sends_the_merged_weights_under_the_checkpoint_names(worker, tiny_model_dir, monkeypatch):
-    from transformers import AutoModelForCausalLM
-
+def test_refit_sends_the_adapters_alone_under_peft_names(worker, tiny_model_dir, monkeypatch):
     import refit
 
     batch = collate(ROWS, pad_id=0)
@@ -71,31 +70,23 @@ def test_refit_sends_the_merged_weights_under_the_checkpoint_names(worker, tiny_
         worker.train_step(batch)
     sent = {}
 
-    def capture(engines, params, *, version, delta=False):
-        sent.update(specs=params.specs, tensors=dict(params))
+    def capture(engines, params, *, version, delta=False, lora=None):
+        sent.update(specs=params.specs, tensors=dict(params), lora=lora)
 
     monkeypatch.setattr(refit, "update_weights", capture)
     worker.refit(["http://127.0.0.1:1"], refit.GLOO_BACKEND, 1, "127.0.0.1")
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    assert [spec.name for spec in sent["specs"]] == list(base.state_dict())
-    params = dict(worker.model.named_parameters())
-    for name, tensor in sent["tensors"].items():
-        module = name.removesuffix(".weight")
-        if f"{module}.lora_A.weight" in params:
-            a, b = params[f"{module}.lora_A.weight"], params[f"{module}.lora_B.weight"]
-            torch.testing.assert_close(tensor, params[name] + 8.0 / 4 * b @ a)
-        else:
-            assert torch.equal(tensor, params[name]), name
-
-    # The base model with the merged weights computes what the LoRA policy computes.
-    base.load_state_dict(sent["tensors"])
-    with torch.no_grad():
-        logits_BTV = base(batch.tokens_BT).logits[:, :-1]
-    expected_BT = torch.log_softmax(logits_BTV, -1).gather(-1, batch.tokens_BT[:, 1:, None])[..., 0]
-    torch.testing.assert_close(worker.logprobs(batch)[:, 1:], expected_BT, atol=1e-5, rtol=1e-5)
+    assert sent["lora"]["r"] == 4 and sent["lora"]["lora_alpha"] == 8.0
+    assert sorted(sent["lora"]["target_modules"]) == sorted(LoRA().target_modules)
+    params = {name: p for name, p in worker.model.named_parameters() if ".lora_" in name}
+    assert [spec.name for spec in sent["specs"]] == [f"base_model.model.{name}" for name in params]
+    for name, param in params.items():
+        assert torch.equal(sent["tensors"][f"base_model.model.{name}"], param.detach()), name
 
 
-def test_a_checkpoint_resumes_the_adapters_and_exports_the_merged_model(worker, tiny_model_dir, tmp_path):
+def test_a_checkpoint_resumes_the_adapters_and_exports_them_or_the_merged_model(
+    worker, tiny_model_dir, tmp_path
+):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     import refit
@@ -108,6 +99,7 @@ def test_a_checkpoint_resumes_the_adapters_and_exports_the_merged_model(worker, 
     worker.save(str(step))
     write_loop_state(step, 2, [], tiny_model_dir)
     merged = dict(refit.full_params(worker.model))
+    adapters = {name: tensor.clone() for name, tensor in refit.adapter_params(worker.model)}
     trained = _values(worker.model)
     worker.train_step(batch)  # the resumed worker must continue from here, optimizer state included
     continued = _values(worker.model)
@@ -118,8 +110,55 @@ def test_a_checkpoint_resumes_the_adapters_and_exports_the_merged_model(worker, 
     for name, value in _values(worker.model).items():
         torch.testing.assert_close(value, continued[name], atol=0, rtol=0)
 
-    exported = AutoModelForCausalLM.from_pretrained(export(step, tmp_path / "out"), dtype=torch.float32)
+    # By default the adapter, as a PEFT directory; with merged=True the model with it merged in.
+    adapter_dir = export(step, tmp_path / "adapter")
+    config = msgspec.json.decode((adapter_dir / "adapter_config.json").read_bytes())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    written = load_file(adapter_dir / "adapter_model.safetensors")
+    assert set(written) == set(adapters)
+    assert all(torch.equal(written[name], tensor) for name, tensor in adapters.items())
+    assert (adapter_dir / "tokenizer_config.json").is_file()
+
+    exported = AutoModelForCausalLM.from_pretrained(
+        export(step, tmp_path / "out", merged=True), dtype=torch.float32
+    )
     state = exported.state_dict()
     assert set(state) == set(merged)
     for name, tensor in merged.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("models", [["tiny"], ["tiny", "policy"]], ids=["base-only", "serves-adapter"])
+def test_an_attached_engine_must_serve_the_adapter(models):
+    """--vllm.urls with --actor.lora.rank: an engine that lists no adapter `policy` is refused up front."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from molt._engines import check_attached
+
+    class Engine(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            listed = {"data": [{"id": name} for name in models]}
+            body = json.dumps(listed if self.path == "/v1/models" else {})
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        assert check_attached([url]) == [url]  # no LoRA: any engine that answers
+        if "policy" in models:
+            assert check_attached([url], lora=True) == [url]
+        else:
+            with pytest.raises(ValueError, match="serves no LoRA adapter 'policy'"):
+                check_attached([url], lora=True)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -314,6 +314,8 @@ def test_gpus_of_their_own_keep_the_nccl_refit(with_cuda, monkeypatch):
     shared = resolve(["--vllm.placement", "shared", "--vllm.gpu_memory_utilization", "0.3"])
     assert shared.vllm.placement == "shared" and engine_memory_utilization(shared) == 0.3
     assert refit_backend(config, on_gpu=False) == "refit_gloo"
+    lora = resolve(["--actor.lora.rank", "8"])  # an adapter goes over refit_gloo, which swaps it in place
+    assert refit_backend(lora, on_gpu=True) == "refit_gloo"
 
 
 def test_engine_flags_reach_the_vllm_command_line_on_cuda(monkeypatch):
@@ -595,3 +597,24 @@ def test_lora_on_an_moe_model_is_refused(tmp_path, tiny_model_dir):
     (model / "config.json").write_text(json.dumps({**fields, "num_experts": 4}))
     with pytest.raises(ConfigError, match="an MoE model"):
         resolve(["--model.path", str(model), "--actor.lora.rank", "8"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "args", "says"),
+    [
+        pytest.param(
+            {"hidden_size": 4096, "intermediate_size": 8192, "num_attention_heads": 32, "head_dim": 128,
+             "num_key_value_heads": 8},
+            ["--actor.lora.rank", "640"], "--actor.lora.rank 640 is above 512", id="rank-above-vllm",
+        ),
+        pytest.param({"vision_config": {}}, ["--actor.lora.rank", "8"], "vision-language", id="vision"),
+        pytest.param({}, ["--actor.lora.rank", "8", "--refit.delta"], "drop --refit.delta", id="delta"),
+    ],
+)  # fmt: skip
+def test_lora_the_engines_cannot_serve_is_refused(tmp_path, tiny_model_dir, fields, args, says):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **fields}))
+    with pytest.raises(ConfigError, match=says):
+        resolve(["--model.path", str(model), *args])

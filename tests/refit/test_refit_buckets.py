@@ -13,9 +13,9 @@ from refit._buckets import bucket_nbytes, packed_buckets
 def test_public_names_are_pinned():
     assert sorted(refit.__all__) == sorted([
         "DEFAULT_BUCKET_BYTES", "GLOO_BACKEND", "IPC_BACKEND", "NCCL_BACKEND", "Engine", "EngineCallError",
-        "FullParams", "ParamSpec", "RefitError", "RefitStats", "RoutingReplay", "decode_routed_experts",
-        "engine_env", "engine_flags", "full_params", "pack_bucket", "plan_buckets", "unpack_bucket",
-        "update_weights",
+        "FullParams", "ParamSpec", "RefitError", "RefitStats", "RoutingReplay", "adapter_params",
+        "decode_routed_experts", "engine_env", "engine_flags", "full_params", "pack_bucket", "plan_buckets",
+        "unpack_bucket", "update_weights",
     ])  # fmt: skip
 
 

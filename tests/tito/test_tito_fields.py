@@ -246,3 +246,17 @@ async def test_a_tool_call_that_does_not_parse_is_counted(client, fake_engine, t
     assert reply.json()["choices"][0]["message"]["content"] == broken  # kept as the model wrote it
     captured = await trajectory(client, session)
     assert captured.tool_parse_failures == 1 and captured.turns[0].tool_parse_failures == 1
+
+
+@pytest.mark.parametrize("engine_model", [None, "policy"])
+async def test_every_engine_request_names_the_engine_model(tiny_model_dir, fake_engine, engine_model):
+    """A trainer of LoRA adapters: each request names the adapter the engines serve (else no model)."""
+    tito = Tito(
+        ["http://engine"], tiny_model_dir, served_model_name="tiny", engine_model=engine_model,
+        engine_transport=httpx.ASGITransport(app=fake_engine.app),
+    )  # fmt: skip
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(tito)), base_url="http://tito")
+    session = await new_session(client)
+    for _ in range(2):
+        assert (await chat(client, session)).status_code == 200
+    assert [request.get("model") for request in fake_engine.requests] == [engine_model] * 2

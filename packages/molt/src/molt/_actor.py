@@ -38,6 +38,7 @@ from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._objective import step_loss
 from molt._sharding import (
+    adapter_config,
     compute_dtype,
     freeze_moe_routers,
     load_model,
@@ -84,8 +85,10 @@ class PolicyWorker:
             rank=rank,
             world_size=world_size,
         )
-        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) has none.
-        self.lora = config.actor.lora if trainable and config.actor.lora.rank else None
+        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) and the
+        # critic have none.
+        lora = trainable and self.name == "actor" and config.actor.lora.rank
+        self.lora = config.actor.lora if lora else None
         self.model = self._load(str(model_dir), world_size)
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
         self._logprob_head = head if isinstance(head, LogprobHead) else None
@@ -322,8 +325,12 @@ class PolicyWorker:
         engines = [self.engines[url] for url in engine_urls]
         try:
             # In the dtype the trainer computes in, which its engines run (molt._sharding.compute_dtype).
-            params = refit.full_params(self.model, dtype=compute_dtype(self.config))
-            stats = refit.update_weights(engines, params, version=version, delta=self.config.refit.delta)
+            # A LoRA policy sends its adapters alone: the engines serve them on the frozen base.
+            dtype, lora = compute_dtype(self.config), self.lora and adapter_config(self.lora)
+            params = (refit.adapter_params if lora else refit.full_params)(self.model, dtype=dtype)
+            stats = refit.update_weights(
+                engines, params, version=version, delta=self.config.refit.delta, lora=lora
+            )
         except refit.RefitError as error:  # rank 0 only: the others have joined every gather
             for url in error.failures:
                 self.engines.pop(url, None)

@@ -4,8 +4,8 @@ A checkpoint is a directory `<ckpt.dir>/step_000010/` holding:
 - `actor/`: the policy's model and optimizer as a torch.distributed.checkpoint (every rank writes its own
   shards, and a run with another number of ranks can load it), and `actor/scheduler.pt`, the learning-rate
   schedule's state; under --actor.lora.rank the model holds the frozen base and the adapters (`lora_A`,
-  `lora_B` beside each wrapped weight), the optimizer only the adapters', and `actor/lora.json` their
-  rank and alpha, which `molt export` needs to merge them;
+  `lora_B` beside each wrapped weight), the optimizer only the adapters', and `actor/adapter_config.json`
+  their PEFT config, which `molt export` writes beside the adapters and needs to merge them;
 - `critic/`: the same for the PPO critic, when the run has one (the frozen reference and teacher are not
   saved: a resumed run loads them again from the initial weights and `--algo.teacher.model`);
 - `loop.json`: the loop's state (`LoopState`: the step, which rows were trained, the driver's RNG);
@@ -28,7 +28,7 @@ import torch
 __all__ = ["LoopState", "export", "latest", "load_actor", "save_actor", "write_loop_state"]
 
 LATEST = "latest"
-LORA = "lora.json"  # in <step>/actor of a LoRA policy
+LORA = "adapter_config.json"  # in <step>/actor of a LoRA policy: its PEFT config
 
 
 class LoopState(msgspec.Struct):
@@ -45,7 +45,7 @@ def step_dir(ckpt_dir: str | Path, step: int) -> Path:
 def save_actor(model, optimizer, scheduler, path: Path, *, rank: int, lora=None) -> None:
     """Every rank: write its shards of the model and optimizer into `path` (`<step>/actor` or
     `<step>/critic`); rank 0 also the scheduler and, for a LoRA policy (`lora`: its `molt.config.LoRA`),
-    `lora.json`."""
+    its PEFT config."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -54,7 +54,9 @@ def save_actor(model, optimizer, scheduler, path: Path, *, rank: int, lora=None)
     if rank == 0:
         torch.save(scheduler.state_dict(), path / "scheduler.pt")
         if lora is not None:
-            (path / LORA).write_bytes(msgspec.json.encode({"rank": lora.rank, "alpha": lora.alpha}))
+            from molt._sharding import adapter_config
+
+            (path / LORA).write_bytes(msgspec.json.encode(adapter_config(lora)))
 
 
 def load_actor(model, optimizer, scheduler, path: Path) -> None:
@@ -104,52 +106,79 @@ def restore_rng(state: LoopState) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def export(checkpoint: str | Path, out_dir: str | Path) -> Path:
+def export(checkpoint: str | Path, out_dir: str | Path, *, merged: bool = False) -> Path:
     """`molt export`: a checkpoint's policy weights as a Hugging Face directory (safetensors, config,
-    tokenizer, and a vision-language model's processor) that transformers and vLLM load. Runs in one
-    process, with no process group."""
-    import torch.distributed.checkpoint as dcp
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoProcessor,
-        AutoTokenizer,
-    )
+    tokenizer, and a vision-language model's processor) that transformers and vLLM load; a LoRA policy's
+    as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer) for
+    its base model, or with `merged` as the model with each adapter merged in. Runs in one process, with
+    no process group."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     checkpoint = Path(checkpoint)
     if (checkpoint / LATEST).is_file():  # a run's checkpoint directory: take its newest
         checkpoint, _ = latest(checkpoint)
     if not (checkpoint / "actor").is_dir() or not (checkpoint / "model" / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a molt checkpoint (no actor/ and model/config.json)")
+    lora_file = checkpoint / "actor" / LORA
+    if merged and not lora_file.is_file():
+        raise ValueError(f"--merged merges LoRA adapters; {checkpoint}'s policy trained whole: drop --merged")
     config = AutoConfig.from_pretrained(checkpoint / "model")
     vision = hasattr(config, "vision_config")  # loaded as the actor loads it (`molt._sharding.load_model`)
+    out_dir = Path(out_dir)
+    if lora_file.is_file() and not merged:
+        return _export_adapter(checkpoint, msgspec.json.decode(lora_file.read_bytes()), out_dir, vision)
     loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     model = loader.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
     weights = model.state_dict()
     adapters = _adapters(checkpoint / "actor", weights)
-    state = {"model": {**weights, **adapters}}
-    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(checkpoint / "actor"), no_dist=True)
+    state = _load({**weights, **adapters}, checkpoint / "actor")
     if adapters:  # a LoRA policy: each wrapped weight merged, W + alpha / rank * B @ A
-        lora = msgspec.json.decode((checkpoint / "actor" / LORA).read_bytes())
-        scale = lora["alpha"] / lora["rank"]
+        lora = msgspec.json.decode(lora_file.read_bytes())
+        scale = lora["lora_alpha"] / lora["r"]
         for name in {key.rsplit(".lora_", 1)[0] for key in adapters}:
-            a, b = (state["model"].pop(f"{name}.lora_{part}.weight").float() for part in "AB")
-            weight = state["model"][f"{name}.weight"]
-            state["model"][f"{name}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
-    model.load_state_dict(state["model"])
-    out_dir = Path(out_dir)
+            a, b = (state.pop(f"{name}.lora_{part}.weight").float() for part in "AB")
+            weight = state[f"{name}.weight"]
+            state[f"{name}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
+    model.load_state_dict(state)
     model.save_pretrained(out_dir, safe_serialization=True)
-    preprocessing = AutoProcessor if vision else AutoTokenizer
-    preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
+    _save_preprocessing(checkpoint, out_dir, vision)
     return out_dir
 
 
-def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _export_adapter(checkpoint: Path, lora: dict, out_dir: Path, vision: bool) -> Path:
+    """The adapters alone, under PEFT's names (`base_model.model.<name>`), beside their PEFT config."""
+    from safetensors.torch import save_file
+
+    state = _load(_adapters(checkpoint / "actor"), checkpoint / "actor")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {f"base_model.model.{name}": tensor.contiguous() for name, tensor in state.items()}
+    save_file(tensors, out_dir / "adapter_model.safetensors")
+    (out_dir / "adapter_config.json").write_text(json.dumps(lora, indent=2) + "\n")
+    _save_preprocessing(checkpoint, out_dir, vision)
+    return out_dir
+
+
+def _load(tensors: dict[str, torch.Tensor], actor_dir: Path) -> dict[str, torch.Tensor]:
+    """`tensors` (model names) filled from the checkpoint's model, in this one process."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": tensors}
+    with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
+    return state["model"]
+
+
+def _save_preprocessing(checkpoint: Path, out_dir: Path, vision: bool) -> None:
+    from transformers import AutoProcessor, AutoTokenizer
+
+    preprocessing = AutoProcessor if vision else AutoTokenizer
+    preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
+
+
+def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Empty tensors to load a LoRA policy's adapters into: each `lora_A` / `lora_B` weight the
-    checkpoint holds beside one of `weights` (none for a policy trained whole)."""
+    checkpoint holds (beside one of `weights`, where given; none for a policy trained whole)."""
     import torch.distributed.checkpoint as dcp
 
     stored = dcp.FileSystemReader(str(actor_dir)).read_metadata().state_dict_metadata
@@ -159,7 +188,7 @@ def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor]) -> dict[str, to
         if (
             key.startswith("model.")
             and ".lora_" in name
-            and f"{name.rsplit('.lora_', 1)[0]}.weight" in weights
+            and (weights is None or f"{name.rsplit('.lora_', 1)[0]}.weight" in weights)
         ):
             adapters[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     return adapters

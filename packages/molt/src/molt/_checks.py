@@ -99,6 +99,7 @@ RANGES: dict[str, Range] = {
 
 # Where Hugging Face configs keep the number of routed experts: Qwen-MoE, DeepSeek, Mixtral.
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.26's --max-lora-rank choices (MaxLoRARanks)
 
 
 def field_value(config: Config, path: str) -> Any:
@@ -259,6 +260,12 @@ def check_model(config: Config, model_dir: str | Path) -> None:
             f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
             f"now: --fsdp.tp_size 1 --fsdp.cp_size 1 (got {fsdp.tp_size}, {fsdp.cp_size})"
         )
+    if "vision_config" in model_config and config.actor.lora.rank:
+        raise ConfigError(
+            f"--actor.lora.rank with --model.path {model_dir}, a vision-language model: the engines serve "
+            "adapters on a language model only, and the target modules would wrap the vision tower too; "
+            "LoRA runs on text models for now"
+        )
     if "vision_config" in model_config and algo.advantage.estimator == "gae":
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
@@ -294,8 +301,9 @@ def check_model(config: Config, model_dir: str | Path) -> None:
 
 def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads: int, kv_heads: int) -> None:
     """LoRA's flags are set only with a rank, the rank is below every wrapped projection's smaller side
-    (else the adapter is no low-rank update and costs more than the weight), and the model is dense: the
-    merge that refits and exports carry (`refit.full_params`) covers linear layers, not grouped experts."""
+    (else the adapter is no low-rank update and costs more than the weight) and within what vLLM serves,
+    the refit is not a delta (it sends the adapter), and the model is dense: AutoModel's LinearLoRA and
+    the export's merge cover linear layers, not grouped experts."""
     lora, default = config.actor.lora, Config().actor.lora
     if not lora.rank:
         changed = [
@@ -313,6 +321,16 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
         raise ConfigError(
             f"--actor.lora.rank with --model.path {model_dir}, an MoE model: its experts' adapters would not "
             "be merged into the weights the engines serve; LoRA runs on dense models for now"
+        )
+    if lora.rank > LORA_RANKS[-1]:
+        raise ConfigError(
+            f"--actor.lora.rank {lora.rank} is above {LORA_RANKS[-1]}, the largest adapter rank vLLM serves "
+            f"(--max-lora-rank): pass {LORA_RANKS[-1]} or less"
+        )
+    if config.refit.delta:
+        raise ConfigError(
+            "--refit.delta with --actor.lora.rank: a LoRA refit sends the adapters alone, whole (they are "
+            "small); drop --refit.delta"
         )
     if not lora.target_modules:
         raise ConfigError(

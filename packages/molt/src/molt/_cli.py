@@ -126,12 +126,16 @@ def _take_resume(args: list[str]) -> Path | None:
 def export(
     checkpoint: Annotated[Path, typer.Argument(help="A checkpoint (step_NNNNNN) or a checkpoints dir.")],
     out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face model directory.")],
+    merged: Annotated[
+        bool, typer.Option(help="A LoRA policy: write the model with the adapters merged.")
+    ] = False,
 ) -> None:
-    """Write a checkpoint's policy as a Hugging Face safetensors directory (transformers and vLLM load it)."""
+    """Write a checkpoint's policy as a Hugging Face safetensors directory (transformers and vLLM load it);
+    a LoRA policy's as a PEFT adapter directory for its base model, or merged with --merged."""
     from molt._checkpoint import export as export_checkpoint
 
     try:
-        written = export_checkpoint(checkpoint, out_dir)
+        written = export_checkpoint(checkpoint, out_dir, merged=merged)
     except ValueError as error:
         typer.echo(f"molt export: {error}", err=True)
         raise typer.Exit(2) from None

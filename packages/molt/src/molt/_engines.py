@@ -1,22 +1,54 @@
 """vLLM engines placed by Ray: one Ray actor per engine, each owning one vLLM server process.
 
 Each engine serves the token-level interface tito speaks, returns processed logprobs, and carries
-refit's worker extension so the trainer can push weights into it (`refit.engine_flags`). The server
-process dies with its actor (see `molt.vllm_server`), and `stop_engines` stops them explicitly first.
+refit's worker extension so the trainer can push weights into it (`refit.engine_flags`). Under
+--actor.lora.rank each engine also serves one LoRA adapter, `ADAPTER`, that every tito request names and
+every refit replaces in place (`lora_flags`). The server process dies with its actor (see
+`molt.vllm_server`), and `stop_engines` stops them explicitly first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import ray
 
+from molt._checks import LORA_RANKS
 from molt._placement import engine_gpus, engine_memory_utilization, refit_backend
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
-__all__ = ["EngineActor", "check_attached", "launch_engines", "stop_engines"]
+__all__ = [
+    "ADAPTER",
+    "EngineActor",
+    "check_attached",
+    "launch_engines",
+    "lora_flags",
+    "stop_engines",
+]
+
+ADAPTER = "policy"  # the LoRA adapter's name on the engines, and the model each tito request names
+
+
+def lora_flags(adapter: dict, folder: Path) -> list[str]:
+    """vLLM flags that serve one LoRA adapter, `ADAPTER`, of PEFT config `adapter`, written into `folder`
+    as the base model: vLLM refuses an adapter without tensors, so it holds one zero pair, 1 wide, on the
+    first layer's o_proj (vLLM copies a pair into the corner of its zeroed slot). Refits swap the trained
+    adapter in (`refit.vllm_worker`), so one adapter is ever held."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(adapter))
+    name, rank = "base_model.model.model.layers.0.self_attn.o_proj", adapter["r"]
+    zeros = {f"{name}.lora_A.weight": np.zeros((rank, 1), np.float32)}
+    zeros[f"{name}.lora_B.weight"] = np.zeros((1, rank), np.float32)
+    save_file(zeros, str(folder / "adapter_model.safetensors"))
+    max_rank = min(r for r in LORA_RANKS if r >= rank)
+    return ["--enable-lora", "--max-lora-rank", str(max_rank), "--max-loras", "1",
+            "--lora-modules", f"{ADAPTER}={folder}"]  # fmt: skip
 
 
 class EngineActor:
@@ -24,8 +56,16 @@ class EngineActor:
     It never loads torch: the server starts seconds sooner (the trainer says whether it is a CPU run)."""
 
     def __init__(
-        self, model_dir: str, extra_args: list[str], log_path: str, on_cpu: bool, env: dict[str, str]
+        self,
+        model_dir: str,
+        extra_args: list[str],
+        log_path: str,
+        on_cpu: bool,
+        env: dict[str, str],
+        adapter: dict | None = None,
     ) -> None:
+        if adapter is not None:  # on the engine's own machine: vLLM reads the adapter's folder there
+            extra_args = extra_args + lora_flags(adapter, Path(log_path).with_suffix(".adapter"))
         server = VLLMServer(model_dir, extra_args=extra_args, log_path=log_path, on_cpu=on_cpu, env=env)
         self.server = server.start()
 
@@ -76,26 +116,36 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
     import torch
 
     import refit
+    from molt._sharding import adapter_config
 
     on_gpu = torch.cuda.is_available()
     gpus = engine_gpus(config) if on_gpu else 0
     remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # as the actor's
     args, env = engine_extra_args(config), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
+    adapter = adapter_config(config.actor.lora) if config.actor.lora.rank else None
     return [
-        remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu, env)
+        remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu, env, adapter)
         for index in range(config.vllm.num_engines)
     ]
 
 
-def check_attached(urls: list[str]) -> list[str]:
-    """`--vllm.urls`: servers someone else started; each must answer `/health` now."""
+def check_attached(urls: list[str], *, lora: bool = False) -> list[str]:
+    """`--vllm.urls`: servers someone else started; each must answer `/health` now and, with `lora`
+    (--actor.lora.rank), serve the adapter `ADAPTER` (started with `lora_flags`)."""
     import httpx
 
     for url in urls:
         try:
             httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
+            models = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"] if lora else []
         except httpx.HTTPError as error:
             raise ValueError(f"--vllm.urls {url}: the server does not answer /health ({error})") from error
+        if lora and ADAPTER not in [model["id"] for model in models]:
+            raise ValueError(
+                f"--vllm.urls {url} serves no LoRA adapter {ADAPTER!r}, which --actor.lora.rank refits: "
+                "start it with the flags of molt._engines.lora_flags (--enable-lora ... --lora-modules), or "
+                "drop the rank"
+            )
     return [url.rstrip("/") for url in urls]
 
 

@@ -22,7 +22,7 @@ from asyncpool import GroupPool, PoolExhausted
 from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
 from molt._data import RowStream, eval_rows, read_rows
-from molt._engines import check_attached, launch_engines, stop_engines
+from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
 from molt._rollout import RolloutRunner
@@ -62,7 +62,8 @@ def train(config: Config, *, resume: bool = False) -> None:
             config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
             cleanup.callback(ray.shutdown)
             model_dir = building.result()
-        attached = check_attached(config.vllm.urls) if config.vllm.urls else []  # running servers
+        lora = bool(config.actor.lora.rank)  # attached engines must serve the adapter refits swap in
+        attached = check_attached(config.vllm.urls, lora=lora) if config.vllm.urls else []  # running servers
         num_new = 0 if attached else config.vllm.num_engines
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
@@ -161,7 +162,9 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
     parts["startup"].begin("tito")
-    tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed)
+    adapter = ADAPTER if config.actor.lora.rank else None  # every request samples from the refitted adapter
+    tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed,
+                engine_model=adapter)  # fmt: skip
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:

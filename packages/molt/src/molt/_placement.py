@@ -124,9 +124,9 @@ def engine_memory_utilization(config: Config) -> float:
 
 def refit_backend(config: Config, *, on_gpu: bool) -> str:
     """The weight-transfer backend of the run's engines: CUDA IPC on a shared GPU, NCCL on separate ones,
-    refit's gloo backend on a CPU."""
+    refit's gloo backend on a CPU and for LoRA adapters (a few MiB, which only refit_gloo swaps in)."""
     import refit
 
-    if not on_gpu:
+    if not on_gpu or config.actor.lora.rank:
         return refit.GLOO_BACKEND
     return refit.IPC_BACKEND if config.vllm.placement == "shared" else refit.NCCL_BACKEND

@@ -10,8 +10,8 @@ from molt._lean import use_lean_modules
 from molt.config import Config, LoRA
 
 __all__ = [
-    "compile_layers", "compute_dtype", "distributed_setup", "freeze_moe_routers", "load_model", "peft_config",
-    "params_by_mesh", "replicas", "sum_gradients_over_ranks",
+    "adapter_config", "compile_layers", "compute_dtype", "distributed_setup", "freeze_moe_routers",
+    "load_model", "peft_config", "params_by_mesh", "replicas", "sum_gradients_over_ranks",
 ]  # fmt: skip
 
 
@@ -69,6 +69,15 @@ def peft_config(lora: LoRA):
         # LeanMLP (the same silu recompute); LeanMLP calls the wrapped projections, so one MLP path runs.
         use_memory_efficient_lora=False,
     )
+
+
+def adapter_config(lora: LoRA) -> dict:
+    """PEFT's `adapter_config.json` of the --actor.lora.* adapters: what vLLM's LoRA loader reads, from a
+    directory or with a refit (`refit.update_weights(lora=...)`), and what `molt export` writes."""
+    return {
+        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha,
+        "target_modules": list(lora.target_modules), "lora_dropout": lora.dropout, "bias": "none",
+    }  # fmt: skip
 
 
 def load_model(

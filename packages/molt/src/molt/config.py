@@ -100,8 +100,8 @@ LoRATarget = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 
 class LoRA(_Group):
-    """LoRA adapters on the policy (NeMo AutoModel's PEFT): only the adapters train; refits and exports
-    carry the merged weights W + alpha / rank * B @ A under the checkpoint names."""
+    """LoRA adapters on the policy (NeMo AutoModel's PEFT): only the adapters train; refits send them alone
+    to engines serving them (vLLM's LoRA), and `molt export` writes them (or the merged model, --merged)."""
 
     rank: int = 0
     """Rank of each adapter; 0 = LoRA off (the whole policy trains)."""

@@ -6,6 +6,8 @@ NCCL backend across GPUs, its CUDA IPC backend on one shared GPU, our `refit_glo
 labels them `v`, clears the prefix cache and resumes. On `refit_gloo` every bucket is verified (its
 CRC-32, checked by the engine before it loads; a mismatch is rolled back and retried in full), and
 `delta=True` sends only the elements that changed since the engine's last refit.
+`update_weights(engines, adapter_params(model), version=v, lora=peft_config)` sends a LoRA policy's
+adapters alone to engines that serve them (`--enable-lora`), which swap them in place.
 `decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in transformers and NeMo
 AutoModel MoE models.
 See README.md.
@@ -21,7 +23,7 @@ from refit._engine import (
     engine_env,
     engine_flags,
 )
-from refit._gather import FullParams, full_params
+from refit._gather import FullParams, adapter_params, full_params
 from refit._refit import DEFAULT_BUCKET_BYTES, RefitError, RefitStats, update_weights
 from refit._routing import RoutingReplay, decode_routed_experts
 
@@ -37,6 +39,7 @@ __all__ = [
     "RefitError",
     "RefitStats",
     "RoutingReplay",
+    "adapter_params",
     "decode_routed_experts",
     "engine_env",
     "engine_flags",

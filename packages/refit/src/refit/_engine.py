@@ -202,6 +202,7 @@ class Engine:
         *,
         token: str | None = None,
         delta_base: str | None = None,
+        lora: dict | None = None,
     ) -> dict:
         """The `/update_weights` payload: the parameter list both ends plan buckets from; on gloo also
         the `token` naming the bytes the engine keeps after this refit and, for a delta stream, the
@@ -212,7 +213,7 @@ class Engine:
             "shapes": [list(s.shape) for s in specs],
         }
         if self.backend == GLOO_BACKEND:
-            info.update(bucket_bytes=bucket_bytes, token=token, delta_base=delta_base)
+            info.update(bucket_bytes=bucket_bytes, token=token, delta_base=delta_base, lora=lora)
         else:  # vLLM 0.26's NCCL engine reads the packing per update (its init info has none)
             info.update(packed=True, packed_buffer_size_bytes=bucket_bytes, packed_num_buffers=2)
         return info

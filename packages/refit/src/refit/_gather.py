@@ -12,6 +12,9 @@ A LoRA-wrapped linear layer (NeMo AutoModel's `LinearLoRA`: `weight` W at its ch
 and `lora_B` linear children, a `scale` of alpha / rank) streams as one merged weight,
 W + scale * B @ A (computed in float32, then cast), under W's name; its adapters are not sent. Engines
 that serve the base model thus serve the trained one, and a delta refit diffs the merged values.
+`adapter_params(module)` streams the other way round: the adapters alone (`lora_A` / `lora_B` weights,
+under PEFT's names `base_model.model.<checkpoint path>.lora_A.weight`, which vLLM's LoRA loader reads),
+for engines that serve the adapter on the frozen base.
 
 It refuses nothing and renames nothing: a model whose trainer names differ from its checkpoint names
 (e.g. transformers' fused MoE experts) is caught by the name check in `update_weights`.
@@ -26,15 +29,18 @@ import torch
 
 from refit._buckets import ParamSpec
 
-__all__ = ["FullParams", "full_params"]
+__all__ = ["FullParams", "adapter_params", "full_params"]
 
 
 class FullParams:
     """Re-iterable stream of `(name, full tensor)`; `specs` describes it without gathering."""
 
-    def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, module: torch.nn.Module, *, dtype: torch.dtype | None = None, adapters: bool = False
+    ) -> None:
         self.module = module
         self.dtype = dtype
+        self.adapters = adapters
         self.specs = [
             ParamSpec(name, dtype or param.dtype, tuple(param.shape)) for name, param, _ in self._sources()
         ]
@@ -48,8 +54,15 @@ class FullParams:
 
     def _sources(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
         """(checkpoint name, parameter, the LoRA layer whose merge it is or None), in `named_parameters`
-        order, a shared (tied) parameter once, the adapters' own parameters left out."""
+        order, a shared (tied) parameter once, the adapters' own parameters left out; with `adapters`,
+        only those, under PEFT's names."""
         modules = list(self.module.named_modules())
+        if self.adapters:
+            for prefix, module in modules:
+                for part in ("lora_A", "lora_B") if _is_lora(module) else ():
+                    name = f"base_model.model.{checkpoint_name(prefix)}.{part}.weight"
+                    yield name, getattr(module, part).weight, None
+            return
         adapters = {id(child) for _, m in modules if _is_lora(m) for child in (m.lora_A, m.lora_B)}
         seen = set()
         for prefix, module in modules:
@@ -93,3 +106,8 @@ def full_params(module: torch.nn.Module, *, dtype: torch.dtype | None = None) ->
     """The full parameters of `module` under their names, optionally cast to `dtype` for the wire; a
     LoRA layer's weight merged with its adapter (module docstring)."""
     return FullParams(module, dtype=dtype)
+
+
+def adapter_params(module: torch.nn.Module, *, dtype: torch.dtype | None = None) -> FullParams:
+    """The LoRA adapters of `module` alone, under PEFT's names (module docstring)."""
+    return FullParams(module, dtype=dtype, adapters=True)

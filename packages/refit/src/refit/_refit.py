@@ -9,7 +9,9 @@ Every refit on refit_gloo is verified: each bucket carries the CRC-32 of the byt
 and the engine checks it before it loads the bucket. A mismatch makes the engine roll back (as for an
 abort) and the trainer retry that engine once with a full refit; `RefitStats.verify_failed` names it.
 `delta=True` (refit_gloo only) sends per bucket only what changed since the engine's bytes
-(`refit._delta`).
+(`refit._delta`). `lora` (refit_gloo only) sends a LoRA adapter (`adapter_params`) to engines serving
+one: they build it with vLLM's LoRA loader while the transfer runs and swap it in place of the adapter
+they serve at `finish_weight_update`, so the version label switches exactly when the weights do.
 
 Refuses, before any engine is touched: a parameter list whose names or full shapes differ from the
 checkpoint an engine loaded (a missing parameter would leave its layer half loaded). Failure of one
@@ -82,21 +84,27 @@ def update_weights(
     version: int | str,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     delta: bool = False,
+    lora: dict | None = None,
 ) -> RefitStats | None:
     """Refit `engines` with `params` (from `full_params(model)`) and label the weights `version`.
 
     Call on every trainer rank. Returns the stats on rank 0 (None elsewhere); raises `ValueError` for a
     name/shape mismatch (no engine touched) and `RefitError` if any engine failed. `delta`: send each
     engine that holds the previous delta refit's bytes only what changed (rank 0 keeps a copy of the
-    weights in the wire dtype for it); refit_gloo engines only.
+    weights in the wire dtype for it); refit_gloo engines only. `lora`: `params` is a LoRA adapter
+    (`adapter_params`) and this is its PEFT config (`r`, `lora_alpha`, `target_modules`); refit_gloo
+    engines serving LoRA only, and never a delta (the adapter is small).
     """
-    if delta and (others := [e.url for e in engines if e.backend != GLOO_BACKEND]):
-        raise ValueError(f"delta refit runs on {GLOO_BACKEND!r} engines only; {others} use another backend")
+    if (delta or lora) and (others := [e.url for e in engines if e.backend != GLOO_BACKEND]):
+        what = "an adapter refit" if lora else "delta refit"
+        raise ValueError(f"{what} runs on {GLOO_BACKEND!r} engines only; {others} use another backend")
+    if delta and lora:
+        raise ValueError("an adapter refit is never a delta: pass delta=False with lora")
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     specs = list(params.specs)
     plan = plan_buckets(specs, bucket_bytes)
-    run = Run(list(engines)) if rank == 0 else None
-    _agree_or_raise(run.check(specs) if run else None)
+    run = Run(list(engines), lora=lora) if rank == 0 else None
+    _agree_or_raise(run.check(specs) if run and lora is None else None)  # an adapter is not the checkpoint
     if run is None:
         for _ in params:  # join every gather; rank 0 sends
             pass

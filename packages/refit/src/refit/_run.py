@@ -29,8 +29,9 @@ __all__ = ["Run"]
 class Run:
     """The engines of one refit: which are still live, which failed in which phase, phase timings."""
 
-    def __init__(self, engines: list[Engine]) -> None:
+    def __init__(self, engines: list[Engine], *, lora: dict | None = None) -> None:
         self.live = engines
+        self.lora = lora  # a LoRA adapter's PEFT config: the transfer is that adapter
         self.failures: dict[str, tuple[str, BaseException]] = {}
         self.seconds: dict[str, float] = {}
         self.bytes_sent = 0
@@ -97,7 +98,7 @@ class Run:
         """A full transfer, streamed: gathering, packing and the wire overlap (see `_send`)."""
         began = time.perf_counter()
         engines = list(self.live if engines is None else engines)
-        infos = {e: e.update_info(specs, bucket_bytes, token=token) for e in engines}
+        infos = {e: e.update_info(specs, bucket_bytes, token=token, lora=self.lora) for e in engines}
         receivers = {  # an IPC engine takes each bucket in a call of its own, made by its channel
             e: self.pool.submit(e.update_weights, infos[e]) for e in engines if e.backend != IPC_BACKEND
         }

@@ -20,6 +20,14 @@ loading fails after `start_weight_update`, every layer not yet reloaded gets its
 error propagates, so the engine can serve again (with weights that may mix old and new layers: the
 trainer keeps it paused until a full refit succeeds). Tied embeddings: layerwise reload processes
 only `embed_tokens`, so the CPU build's packed copy of a tied `lm_head` is rebuilt after every reload.
+
+A server started with `--enable-lora` and one adapter (`--lora-modules NAME=DIR`) takes LoRA refits
+only: the base weights never change, so no layer is reloaded. The buckets hold the adapter's tensors
+(PEFT names); once all arrived and verified, vLLM's own loader builds them into a `LoRAModel` under the
+served adapter's id (checking rank and target modules as it does for a directory), and
+`finish_weight_update` swaps it in place of the served one, as vLLM's `load_inplace` does: one adapter in
+memory, every request naming it samples from the new one from the next step on. A failed transfer
+leaves the served adapter untouched.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     bucket_bytes: int
     token: str | None = None  # names the bytes the kept buffers hold once this refit is whole
     delta_base: str | None = None  # a delta stream against the bytes of that token (refit._delta)
+    lora: dict | None = None  # the PEFT config of the LoRA adapter the buckets hold
 
     def specs(self) -> list[ParamSpec]:
         return [
@@ -90,6 +99,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.last_verify: dict = {"checked": 0, "failed": None, "error": ""}
         self.buffers = ReceiveBuffers()  # kept between refits
         self.pending_token: str | None = None  # the buffers' token once finish_weight_update succeeds
+        self.adapters = getattr(model, "lora_manager", None)  # vLLM's LoRAModelManager under --enable-lora
+        self.pending_adapter = None  # a received LoRAModel, swapped in by finish_weight_update
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
@@ -100,7 +111,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def start_weight_update(self) -> None:
         began = time.perf_counter()
-        initialize_layerwise_reload(self.model)
+        if self.adapters is None:  # a LoRA engine's base weights never change
+            initialize_layerwise_reload(self.model)
         self.last_timings = {"start_s": time.perf_counter() - began, "recv_s": 0.0, "load_s": 0.0}
 
     def update_weights(self, update_info: dict) -> None:
@@ -127,12 +139,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         base_ok = info.delta_base is not None and self.buffers.token == info.delta_base
         self.buffers.token = self.pending_token = None  # overwritten from here on
         began = time.perf_counter()
+        adapter: dict[str, torch.Tensor] = {}
         if info.delta_base is None:
             incoming = Incoming(self.group, buffers)
         else:
             units = [bucket_unit([specs[i] for i in bucket]) for bucket in plan]
             incoming = DeltaIncoming(self.group, buffers, units, base_ok)
         try:
+            if (info.lora is None) != (self.adapters is None):  # refused, once the stream is drained
+                raise ValueError(
+                    "refit_gloo: this engine serves a LoRA adapter and takes adapter refits only"
+                    if self.adapters is not None
+                    else "refit_gloo: an adapter refit needs an engine started with --enable-lora"
+                )
             for index, bucket in enumerate(plan):
                 try:
                     payload_N = incoming.wait(index)
@@ -141,8 +160,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                     raise
                 self.last_verify["checked"] = index + 1
                 loading = time.perf_counter()
-                self.model.load_weights(unpack_bucket(payload_N, [specs[i] for i in bucket]))
+                tensors = unpack_bucket(payload_N, [specs[i] for i in bucket])
+                if info.lora is None:
+                    self.model.load_weights(tensors)
+                else:  # copied out: the receive buffers are reused by the next refit
+                    adapter.update((name, tensor.clone()) for name, tensor in tensors)
                 self.last_timings["load_s"] += time.perf_counter() - loading
+            if info.lora is not None:
+                self.pending_adapter = _lora_model(self.adapters, adapter, info.lora)
         finally:  # after an error the rest of the stream still arrives: take it before rolling back
             incoming.drain()
             self.last_timings["recv_s"] = time.perf_counter() - began
@@ -157,6 +182,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def finish_weight_update(self) -> None:
         began = time.perf_counter()
+        if self.adapters is not None:
+            if self.pending_adapter is None:
+                raise RuntimeError("refit_gloo: finish_weight_update without a received adapter")
+            _swap_adapter(self.adapters, self.pending_adapter)
+            self.pending_adapter = None
+            self.last_timings["finish_s"] = time.perf_counter() - began
+            return
         finalize_layerwise_reload(self.model, self.model_config)
         _repack_tied(self.model)
         self.buffers.token, self.pending_token = self.pending_token, None  # they hold this refit whole
@@ -165,6 +197,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def _roll_back(self) -> None:
         """Put back the old tensors of every layer not fully reloaded (none stays on the meta device)."""
+        if self.adapters is not None:  # nothing was touched: the served adapter stays
+            self.pending_adapter = None
+            return
         for layer in self.model.modules():
             info = get_layerwise_info(layer)
             if info.can_load():  # still waiting for weights: forget what it buffered
@@ -193,6 +228,36 @@ def _repack_tied(model: torch.nn.Module) -> None:
     for layers in holders.values():
         for layer in layers[1:] if len(layers) > 1 else ():
             layer.quant_method.process_weights_after_loading(layer)
+
+
+def _lora_model(manager, tensors: dict[str, torch.Tensor], peft_config: dict):
+    """`tensors` (PEFT names) as a `LoRAModel` under the id of the one adapter the engine serves, built and
+    checked as vLLM's loader builds and checks an adapter directory (`WorkerLoRAManager._load_adapter`)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    served = list(manager.list_adapters())
+    if len(served) != 1:
+        raise RuntimeError(f"refit_gloo: a LoRA engine serves one adapter (--lora-modules), not {served}")
+    helper = PEFTHelper.from_dict(peft_config)
+    helper.validate_legal(manager.lora_config)  # the rank fits --max-lora-rank
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_unstacked_mapper() if mapper is not None else None
+    lora = LoRAModel.from_lora_tensors(
+        served[0], tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype, weights_mapper=mapper
+    )
+    expected = {name for module in manager.supported_lora_modules
+                for name in manager.packed_modules_mapping.get(module, [module])}  # fmt: skip
+    if unexpected := sorted(name for name in lora.loras if name.rsplit(".", 1)[-1] not in expected):
+        raise ValueError(f"refit_gloo: the adapter wraps {unexpected[:4]}, which this engine's LoRA cannot")
+    return lora
+
+
+def _swap_adapter(manager, lora) -> None:
+    """The served adapter replaced by `lora` (same id, same slot), as vLLM's `load_inplace` does it."""
+    manager.remove_adapter(lora.id)
+    manager.add_adapter(lora)
+    manager.activate_adapter(lora.id)
 
 
 def _checkpoint_specs(model_path: str) -> list[list]:

@@ -4,8 +4,9 @@ An engine is a vLLM server (it serves `POST /inference/v1/generate` as it is) st
 with `--logprobs-mode processed_logprobs`. tito sends token ids and receives token ids, the logprob of
 each sampled token and, from an engine with refit's flags (`refit.engine_flags`: vLLM 0.26 keeps no
 weight version itself), the weight version that sampled it; it never asks an engine to apply a chat
-template. An engine that stops answering fails only the requests sent to it (`EngineUnavailable`), and
-new sessions stop going to it.
+template. With `engine_model`, every request names that model: a LoRA adapter the engines serve
+(vLLM's `--lora-modules NAME=DIR`), which a trainer refits in place. An engine that stops answering
+fails only the requests sent to it (`EngineUnavailable`), and new sessions stop going to it.
 
 Images: tito's prompt holds each image's placeholder expanded (the token layout the trainer sees), and
 goes to the engine as it is, with the images as vLLM's processed features (`features`: their tensors
@@ -155,8 +156,9 @@ def _generation(reply: _Reply) -> Generation | None:
 class Engine:
     """One vLLM server. Counts the sessions bound to it and the requests it is serving."""
 
-    def __init__(self, url: str, wire: Http1Wire | _HttpxWire) -> None:
+    def __init__(self, url: str, wire: Http1Wire | _HttpxWire, model: str | None = None) -> None:
         self.url = url.rstrip("/")
+        self.model = model  # named in every generate request: a LoRA adapter the engine serves
         self.generate_url = f"{self.url}/inference/v1/generate"
         self.wire = wire
         self.num_sessions = 0
@@ -182,6 +184,8 @@ class Engine:
         if routes_from:
             params["routed_experts_prompt_start"] = routes_from
         body = {"token_ids": token_ids, "sampling_params": params, "stream": stream}
+        if self.model is not None:
+            body["model"] = self.model
         if images:
             body["features"] = await self._image_features(images)
         return self._stream(body) if stream else await self._whole(body)
@@ -312,12 +316,17 @@ class Router:
     """Binds each new session to the least-loaded live engine; a session never moves."""
 
     def __init__(
-        self, urls: list[str], *, timeout: float = 600.0, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        urls: list[str],
+        *,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        model: str | None = None,
     ) -> None:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
         self.wire = Http1Wire(timeout) if transport is None else _HttpxWire(timeout, transport)
-        self.engines = [Engine(url, self.wire) for url in urls]
+        self.engines = [Engine(url, self.wire, model) for url in urls]
 
     def assign(self) -> Engine:
         live = [engine for engine in self.engines if engine.alive]

@@ -65,6 +65,8 @@ class Tito:
     ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live sessions at
     most; a new one past it raises `TooManySessions`. `worker`: (index, count) of this process among
     `tito serve --workers` processes; its sessions get the ids `_workers.session_owner` maps to it.
+    `engine_model`: the model every engine request names, a LoRA adapter the engines serve (None: their
+    base model).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Tito:
         idle_timeout: float | None = None,
         max_sessions: int | None = None,
         worker: tuple[int, int] = (0, 1),
+        engine_model: str | None = None,
     ) -> None:
         from transformers import AutoProcessor
 
@@ -91,7 +94,9 @@ class Tito:
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
         self.vocab_size = len(self.tokenizer)
         self.tool_calls = ToolCalls(self.tokenizer)  # the template's tool-call family and its parser
-        self.router = Router(list(engines), timeout=request_timeout, transport=engine_transport)
+        self.router = Router(
+            list(engines), timeout=request_timeout, transport=engine_transport, model=engine_model
+        )
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
         self.fixed_sampling = dict(fixed_sampling or {})
