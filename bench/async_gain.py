@@ -20,6 +20,10 @@ outside every figure):
   no-token        the share of sampling intervals in which an engine's `vllm:generation_tokens_total` did
                   not grow: idle as above, or paused for a refit with requests kept
   final reward    the mean reward of the samples trained on over the last K steps
+  run cores       CPU seconds of the run's processes (`molt train` and every descendant: Ray, the
+                  engine, the actor, the agent host) per wall second over the same window, and the
+                  machine's busy cores (every process, other users' included): whether the CPU, not
+                  the engine, is what a step waits for
 
 It prints the ratio async / sync of steps per hour, and the stages (medians of `timing/*`), the
 staleness, the groups dropped as stale and the agents' own turn and tool times beside them, which say
@@ -45,6 +49,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from tito_overhead import machine
 
 AGENT = Path(__file__).with_name("async_gain_agent.py")
@@ -60,6 +65,8 @@ class Run:
     steps_per_hour: float
     engine_idle: float
     no_token: float
+    run_cores: float
+    machine_cores: float
     final_reward: float
     stages: dict[str, float]
     notes: dict[str, float]
@@ -76,15 +83,35 @@ def engine_sample(url: str) -> tuple[float, float]:
     return values["vllm:num_requests_running"], values["vllm:generation_tokens_total"]
 
 
-class Sampler(threading.Thread):
-    """Polls every engine's /metrics and the run's metrics.jsonl; keeps (time, per-engine samples) and
-    the time each step's line appeared."""
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) so far of a process and all its living descendants."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
-    def __init__(self, urls: list[str], metrics_path: Path, every_s: float) -> None:
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all cores, every process)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+class Sampler(threading.Thread):
+    """Polls every engine's /metrics and the run's metrics.jsonl; keeps (time, per-engine samples), and
+    the time, the run's CPU seconds and the machine's busy seconds when each step's line appeared."""
+
+    def __init__(self, urls: list[str], metrics_path: Path, every_s: float, pid: int) -> None:
         super().__init__(daemon=True)
-        self.urls, self.metrics_path, self.every_s = urls, metrics_path, every_s
+        self.urls, self.metrics_path, self.every_s, self.pid = urls, metrics_path, every_s, pid
         self.samples: list[tuple[float, list[tuple[float, float]]]] = []
         self.step_times: list[float] = []
+        self.step_cpu: list[tuple[float, float]] = []  # (run's CPU s, machine's busy s) at each step line
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -95,8 +122,10 @@ class Sampler(threading.Thread):
             except OSError:  # the run is shutting down its engines
                 break
             if self.metrics_path.exists():
-                num_lines = self.metrics_path.read_text().count("\n")
-                self.step_times += [now] * (num_lines - len(self.step_times))
+                new = self.metrics_path.read_text().count("\n") - len(self.step_times)
+                if new:
+                    self.step_times += [now] * new
+                    self.step_cpu += [(tree_cpu_s(self.pid), machine_busy_s())] * new
 
     def idle(self) -> tuple[float, float]:
         """(engine idle, no-token) shares between the first and the last logged step (module docstring)."""
@@ -110,6 +139,12 @@ class Sampler(threading.Thread):
             for earlier, later in zip(window[:-1], window[1:], strict=True)
         )
         return idle, no_token
+
+    def cores(self) -> tuple[float, float]:
+        """(the run's, the machine's) busy cores between the first and the last logged step."""
+        wall = self.step_times[-1] - self.step_times[0]
+        (run_0, machine_0), (run_1, machine_1) = self.step_cpu[0], self.step_cpu[-1]
+        return (run_1 - run_0) / wall, (machine_1 - machine_0) / wall
 
 
 def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Run:
@@ -132,7 +167,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) 
             log.flush()
             if sampler is None and (ready := re.search(r"engines ready at (\S+(?:, \S+)*);", line)):
                 urls = [url.rstrip("/") for url in ready[1].split(", ")]
-                sampler = Sampler(urls, run_dir / "metrics.jsonl", args.sample_s)
+                sampler = Sampler(urls, run_dir / "metrics.jsonl", args.sample_s, proc.pid)
                 sampler.start()
         if sampler is not None:
             sampler.stopping.set()
@@ -143,6 +178,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     later = rows[1:]
     idle, no_token = sampler.idle()
+    run_cores, machine_cores = sampler.cores()
 
     def median(key: str) -> float:
         return statistics.median(row[key] for row in later)
@@ -151,6 +187,8 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) 
         steps_per_hour=3600 * len(later) / sum(row["timing/step_total"] for row in later),
         engine_idle=idle,
         no_token=no_token,
+        run_cores=run_cores,
+        machine_cores=machine_cores,
         final_reward=statistics.mean(row["rollout/reward_mean"] for row in rows[-args.last :]),
         stages={name: median(f"timing/{name}") for name in STAGES},
         notes={
@@ -170,13 +208,14 @@ def report(runs: dict[str, Run], args: argparse.Namespace) -> None:
     n, k = args.steps, args.last
     print(f"\n{n} steps, tool lognormal mean {args.tool_mean_s} s sigma {args.tool_sigma}, seed {args.seed}")
     print(
-        f"| mode | steps/hour (2..{n}) | engine idle | no-token | final reward (last {k}) | s/step | "
+        f"| mode | steps/hour (2..{n}) | engine idle | no-token | run cores | machine cores | "
+        f"final reward (last {k}) | s/step | "
         "generation | policy_train | broadcast | staleness | dropped stale | turn s | tool s |"
     )
-    print("| --- |" + " ---: |" * 12)
+    print("| --- |" + " ---: |" * 14)
     for mode, r in runs.items():
         cells = [f"{r.steps_per_hour:.0f}", f"{r.engine_idle:.2f}", f"{r.no_token:.2f}"]
-        cells += [f"{r.final_reward:.3f}"]
+        cells += [f"{r.run_cores:.2f}", f"{r.machine_cores:.2f}", f"{r.final_reward:.3f}"]
         cells += [f"{r.stages[name]:.2f}" for name in STAGES]
         cells += [f"{r.notes[name]:.2f}" for name in ("staleness_mean", "dropped_stale", "turn_s", "tool_s")]
         print(f"| {mode} | " + " | ".join(cells) + " |")

@@ -13,6 +13,10 @@ calls happen: two runs draw the same delays, though not for the same episodes. S
 variable `ASYNC_GAIN_TOOL="MEAN_S,SIGMA,SEED"` (default `0.5,1.0,0`). Each rollout reports, as
 `rollout/<key>`: `turn_s` (mean seconds of its chat calls, as the SDK saw them: queueing in the engine
 included) and `tool_s` (seconds of its tool call).
+
+All episodes of a process share one `httpx.AsyncClient` under their SDK clients, as a production agent
+would: a fresh client per episode builds an SSL context (tens of milliseconds of CPU), and 256 episodes
+starting at once then starved the agents' event loop long enough for connects to time out.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import random
 import time
 
+import httpx
 from openai import AsyncOpenAI
 
 from molt import ChatAgent, Context, Result
@@ -41,26 +46,34 @@ def tool_delays(mean_s: float, sigma: float, seed: int):
 
 _MEAN_S, _SIGMA, _SEED = (float(x) for x in os.environ.get("ASYNC_GAIN_TOOL", "0.5,1.0,0").split(","))
 _DELAYS = tool_delays(_MEAN_S, _SIGMA, int(_SEED))
+_HTTP: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # one per event loop, never closed
+
+
+def _http_client() -> httpx.AsyncClient:
+    loop = asyncio.get_running_loop()
+    if loop not in _HTTP:  # as many connections as episodes in flight (the pool's depth x group size)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        _HTTP[loop] = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=60.0))
+    return _HTTP[loop]
 
 
 class AgentRunner(ChatAgent):
     async def run(self, ctx: Context, sample: dict) -> Result:
         word = sample["word"]
-        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        client = AsyncOpenAI(
+            base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, http_client=_http_client()
+        )
         messages = list(sample["messages"])
         hits, turn_s, tool_s = 0, 0.0, 0.0
-        try:
-            for turn in range(2):
-                if turn:  # the tool call between the two replies
-                    tool_s = next(_DELAYS)
-                    await asyncio.sleep(tool_s)
-                    messages.append({"role": "user", "content": f"tool: ok. copy the word: {word}"})
-                began = time.monotonic()
-                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-                turn_s += time.monotonic() - began
-                text = reply.choices[0].message.content or ""
-                messages.append({"role": "assistant", "content": text})
-                hits += text.startswith(word)
-        finally:
-            await client.close()
+        for turn in range(2):
+            if turn:  # the tool call between the two replies
+                tool_s = next(_DELAYS)
+                await asyncio.sleep(tool_s)
+                messages.append({"role": "user", "content": f"tool: ok. copy the word: {word}"})
+            began = time.monotonic()
+            reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+            turn_s += time.monotonic() - began
+            text = reply.choices[0].message.content or ""
+            messages.append({"role": "assistant", "content": text})
+            hits += text.startswith(word)
         return Result(reward=hits / 2, info={"turn_s": turn_s / 2, "tool_s": tool_s})
