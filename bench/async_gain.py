@@ -1,12 +1,16 @@
 """What asynchrony buys: one recipe trained synchronously and asynchronously, in one run of this script.
 
 The agent (`bench/async_gain_agent.py`) is a ChatAgent on the openai SDK: two chat turns with a tool
-call between them that takes a lognormal time (sigma 1, mean `--tool-mean-s`, seeded). The script runs
-`molt train` twice as subprocesses, one after the other, with the same flags but one:
+call between them that takes a lognormal time (sigma 1, mean `--tool-mean-s`, seeded; the default 1 s is
+about what a turn takes the SDK on the 2-core CPU in the sync run). The script runs `molt train` once per
+mode (`--modes`, default `sync,async`) as subprocesses, one after the other, with the same flags but:
 
   sync    `--train.force_on_policy`: one step of groups in flight, max lag 0, no partial rollout; the
           engine generates a batch, waits for its slowest tool call, then waits for training and refit
   async   molt's defaults: 2 x prompts per step groups in flight, max lag 1, partial rollout
+  async-lag2  the defaults with `--rollout.max_lag 2` (`--modes sync,async,async-lag2`): with
+          heavy-tailed episodes, max lag 1 drops as stale the groups whose slowest episode spans two
+          refits, and reruns them
 
 and reports for each, from steps 2..N (step 1 carries the start-up; the run's start-up and shutdown are
 outside every figure):
@@ -25,12 +29,12 @@ outside every figure):
                   machine's busy cores (every process, other users' included): whether the CPU, not
                   the engine, is what a step waits for
 
-It prints the ratio async / sync of steps per hour, and the stages (medians of `timing/*`), the
+It prints the ratio of each mode's steps per hour to sync's, and the stages (medians of `timing/*`), the
 staleness, the groups dropped as stale and the agents' own turn and tool times beside them, which say
-where a gap comes from. Flags after `--` go to both runs (`--model.path`, larger batches on a GPU).
+where a gap comes from. Flags after `--` go to every run (`--model.path`, larger batches on a GPU).
 
     uv run python bench/async_gain.py                        # CPU, the tiny model, 20 steps each
-    uv run python bench/async_gain.py --steps 30 --tool-mean-s 1.0 -- --rollout.prompts_per_step 8
+    uv run python bench/async_gain.py --modes sync,async,async-lag2 --steps 30 -- --rollout.max_new_tokens 8
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from tito_overhead import machine
 
 AGENT = Path(__file__).with_name("async_gain_agent.py")
 STAGES = ("step_total", "generation", "policy_train", "broadcast")
-MODES = {"sync": ["--train.force_on_policy"], "async": []}
+MODES = {"sync": ["--train.force_on_policy"], "async": [], "async-lag2": ["--rollout.max_lag", "2"]}
 _GAUGE = re.compile(r"^(vllm:num_requests_running|vllm:generation_tokens_total)(?:\{[^}]*\})? ([0-9.eE+-]+)$")
 
 
@@ -219,16 +223,15 @@ def report(runs: dict[str, Run], args: argparse.Namespace) -> None:
         cells += [f"{r.stages[name]:.2f}" for name in STAGES]
         cells += [f"{r.notes[name]:.2f}" for name in ("staleness_mean", "dropped_stale", "turn_s", "tool_s")]
         print(f"| {mode} | " + " | ".join(cells) + " |")
-    if {"sync", "async"} <= runs.keys():
-        ratio = runs["async"].steps_per_hour / runs["sync"].steps_per_hour
-        print(f"async / sync steps per hour: {ratio:.2f}x")
+    for mode in [mode for mode in runs if mode != "sync" and "sync" in runs]:
+        print(f"{mode} / sync steps per hour: {runs[mode].steps_per_hour / runs['sync'].steps_per_hour:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (>= 3)")
     parser.add_argument("--last", type=int, default=5, help="K: the final reward is over the last K steps")
-    parser.add_argument("--tool-mean-s", type=float, default=0.5, help="mean seconds of a tool call")
+    parser.add_argument("--tool-mean-s", type=float, default=1.0, help="mean seconds of a tool call")
     parser.add_argument("--tool-sigma", type=float, default=1.0, help="sigma of the tool time's log")
     parser.add_argument("--seed", type=int, default=0, help="--train.seed and the tool delays' seed")
     parser.add_argument("--sample-s", type=float, default=0.1, help="seconds between /metrics samples")

@@ -10,7 +10,7 @@ the two replies that start with the word (the default recipe's rule, `molt.recip
 
 The delays come from one seeded stream per process (`random.Random(seed)`), drawn in the order the tool
 calls happen: two runs draw the same delays, though not for the same episodes. Set by the environment
-variable `ASYNC_GAIN_TOOL="MEAN_S,SIGMA,SEED"` (default `0.5,1.0,0`). Each rollout reports, as
+variable `ASYNC_GAIN_TOOL="MEAN_S,SIGMA,SEED"` (default `1.0,1.0,0`). Each rollout reports, as
 `rollout/<key>`: `turn_s` (mean seconds of its chat calls, as the SDK saw them: queueing in the engine
 included) and `tool_s` (seconds of its tool call).
 
@@ -44,7 +44,7 @@ def tool_delays(mean_s: float, sigma: float, seed: int):
         yield rng.lognormvariate(mu, sigma)
 
 
-_MEAN_S, _SIGMA, _SEED = (float(x) for x in os.environ.get("ASYNC_GAIN_TOOL", "0.5,1.0,0").split(","))
+_MEAN_S, _SIGMA, _SEED = (float(x) for x in os.environ.get("ASYNC_GAIN_TOOL", "1.0,1.0,0").split(","))
 _DELAYS = tool_delays(_MEAN_S, _SIGMA, int(_SEED))
 _HTTP: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}  # one per event loop, never closed
 
