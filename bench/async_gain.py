@@ -31,7 +31,7 @@ outside every figure):
 
 It prints the ratio of each mode's steps per hour to sync's, and the stages (medians of `timing/*`), the
 staleness, the groups dropped as stale and the agents' own turn and tool times beside them, which say
-where a gap comes from. Flags after `--` go to every run (`--model.path`, larger batches on a GPU).
+where a gap comes from. Flags after `--` go to every run (larger batches and replies on a GPU).
 
     uv run python bench/async_gain.py                        # CPU, the tiny model, 20 steps each
     uv run python bench/async_gain.py --modes sync,async,async-lag2 --steps 30 -- --rollout.max_new_tokens 8
@@ -159,6 +159,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) 
         "--train.num_steps", str(args.steps),
         "--train.seed", str(args.seed),
         "--logger.run_dir", str(run_dir),
+        *(["--model.path", args.model] if args.model else []),
         *MODES[mode], *extra,
     ]  # fmt: skip
     env = {**os.environ, "ASYNC_GAIN_TOOL": f"{args.tool_mean_s},{args.tool_sigma},{args.seed}"}
@@ -229,6 +230,7 @@ def report(runs: dict[str, Run], args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="", help="--model.path of every run; empty = the tiny model")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps of each run (>= 3)")
     parser.add_argument("--last", type=int, default=5, help="K: the final reward is over the last K steps")
     parser.add_argument("--tool-mean-s", type=float, default=1.0, help="mean seconds of a tool call")
