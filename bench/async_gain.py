@@ -154,7 +154,7 @@ class Sampler(threading.Thread):
 def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) -> Run:
     run_dir = work / mode
     command = [
-        str(Path(sys.executable).parent / "molt"), "train",
+        sys.executable, "-m", "molt", "train",
         "--agent.module", str(AGENT),
         "--train.num_steps", str(args.steps),
         "--train.seed", str(args.seed),
@@ -163,7 +163,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) 
         *MODES[mode], *extra,
     ]  # fmt: skip
     env = {**os.environ, "ASYNC_GAIN_TOOL": f"{args.tool_mean_s},{args.tool_sigma},{args.seed}"}
-    print(f"{mode}: molt {' '.join(command[1:])}  (load average {load()})", flush=True)
+    print(f"{mode}: molt {' '.join(command[3:])}  (load average {load()})", flush=True)
     sampler = None
     with (work / f"{mode}.log").open("w") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
