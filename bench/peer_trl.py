@@ -1,9 +1,13 @@
 """Molt against TRL's GRPOTrainer on this CPU: wall time per optimizer step, and reward after N steps.
 
-Both train the default recipe (`molt.recipes.copy_word`: reward 1 when the reply to `copy the word: fox`
-starts with `fox`) on one seeded tiny Qwen3 (`molt.tiny`, built once into a temporary directory with the
-seed `molt train` uses), with the same prompts per step, samples per group, response length, learning rate
-and number of steps, in one run of this script. Molt runs first, as `molt train` in a subprocess with its
+Both train one recipe on one model, with the same prompts per step, samples per group, response length,
+learning rate and number of steps, in one run of this script. `--recipe copy_word` (the default recipe,
+`molt.recipes.copy_word`: reward 1 when the reply to `copy the word: fox` starts with `fox`) runs on one
+seeded tiny Qwen3 (`molt.tiny`, built once into a temporary directory with the seed `molt train` uses);
+`--recipe smollm2` (`molt.recipes.smollm2`: additions, reward 1 when the reply's last number is the sum)
+runs on SmolLM2-135M-Instruct converted by that recipe (`--model`), where the model's own compute, not
+the trainers' fixed costs, takes most of a step. Each recipe brings its sizes and learning rate (its TOML
+file's); the flags override them. Molt runs first, as `molt train` in a subprocess with its
 defaults otherwise (vLLM CPU engine, asynchronous pool) except two flags that match TRL's setup: one
 micro-batch per step (`--actor.micro_batch_size`, TRL's one batch) and the agent in the trainer's
 process (`--agent.num_runners 0`, as TRL calls its reward function); its numbers come from the run's
@@ -15,11 +19,12 @@ template, not shuffled.
 A step's wall time is the time between the ends of consecutive optimizer steps (rollouts, logprobs,
 update, weight sync and logging, whatever each trainer does inside a step); the first step is reported
 apart, since it carries one-off warm-up. The reward is the mean reward of the samples each step trained
-on, averaged over the last K steps. This measures one tiny model on a CPU, not a GPU or a real model.
-Usage:
+on, averaged over the last K steps. This measures a CPU, not a GPU. Usage:
 
     uv run --group peer python bench/peer_trl.py            # 100 steps each, under 10 minutes on 2 cores
     uv run --group peer python bench/peer_trl.py --steps 20 --last 5
+    uv run --group smollm2 python -m molt.recipes.smollm2 convert models/smollm2-135m   # once
+    uv run --group peer python bench/peer_trl.py --recipe smollm2 --steps 12 --last 4
 """
 
 from __future__ import annotations
@@ -37,8 +42,17 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
-from molt.recipes import copy_word
+from molt.agent import load_agent
 from molt.tiny import build_tiny_model
+
+# Each recipe's agent module and defaults (the smollm2 ones are its TOML file's): sizes, learning rate,
+# and the engine's context (None: molt's default).
+RECIPES = {
+    "copy_word": dict(module="molt.recipes.copy_word", steps=100, last=10, prompts_per_step=16, group_size=8,
+                      max_new_tokens=2, lr=1e-3, max_model_len=None),
+    "smollm2": dict(module="molt.recipes.smollm2", steps=12, last=4, prompts_per_step=4, group_size=8,
+                    max_new_tokens=16, lr=5e-6, max_model_len=512),
+}  # fmt: skip
 
 
 @dataclass
@@ -75,6 +89,7 @@ def run_molt(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> Result
     command = [
         str(molt), "train",
         "--model.path", str(model_dir),
+        "--agent.module", RECIPES[args.recipe]["module"],
         "--train.num_steps", str(args.steps),
         "--train.seed", str(args.seed),
         "--data.seed", str(args.seed),
@@ -86,6 +101,8 @@ def run_molt(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> Result
         "--agent.num_runners", "0",  # TRL scores in its own process
         "--logger.run_dir", str(run_dir),
     ]  # fmt: skip
+    if (max_model_len := RECIPES[args.recipe]["max_model_len"]) is not None:
+        command += ["--vllm.max_model_len", str(max_model_len)]
     print("molt:", " ".join(command[1:]), flush=True)
     began = time.monotonic()
     with (run_dir.parent / "molt.log").open("w") as log:
@@ -107,14 +124,18 @@ def run_molt(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> Result
     )
 
 
-def copy_word_reward(completions: list[str], messages: list, word: list[str], **_) -> list[float]:
+def recipe_reward(recipe):
     """TRL's reward function: the recipe's own AgentRunner scores each completion on its row, as in molt."""
-    rewards = []
-    for text, row in zip(completions, zip(messages, word, strict=True), strict=True):
-        runner = copy_word.AgentRunner()
-        runner.reset({"messages": row[0], "word": row[1]})
-        rewards.append(runner.step(text).reward)
-    return rewards
+
+    def reward(completions: list[str], row: list[str], **_) -> list[float]:
+        rewards = []
+        for text, sample in zip(completions, row, strict=True):
+            runner = recipe.AgentRunner()
+            runner.reset(json.loads(sample))
+            rewards.append(runner.step(text).reward)
+        return rewards
+
+    return reward
 
 
 def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
@@ -125,14 +146,14 @@ def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    recipe = load_agent(RECIPES[args.recipe]["module"])
     # The rows molt's pool starts, in the same order: the agent's dataset(seed) stream, rendered once with
-    # the chat template as molt renders an Env's first turn.
-    rows = list(islice(copy_word.dataset(args.seed), args.steps * args.prompts_per_step))
+    # the chat template as molt renders an Env's first turn; each whole row goes along as JSON for the reward.
+    rows = list(islice(recipe.dataset(args.seed), args.steps * args.prompts_per_step))
     dataset = Dataset.from_dict({
         "prompt": [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
                    for r in rows],
-        "messages": [r["messages"] for r in rows],
-        "word": [r["word"] for r in rows],
+        "row": [json.dumps(r) for r in rows],
     })  # fmt: skip
     config = GRPOConfig(
         output_dir=str(out_dir),
@@ -184,7 +205,7 @@ def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
 
     trainer = GRPOTrainer(
         model=str(model_dir),
-        reward_funcs=copy_word_reward,
+        reward_funcs=recipe_reward(recipe),
         args=config,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -207,7 +228,7 @@ def report(molt: Result, trl: Result, args: argparse.Namespace) -> None:
             f"{statistics.mean(r.reward[:k]):.3f} | {statistics.mean(r.reward[-k:]):.3f} | {r.total_s:.0f} |"
         )
 
-    print(f"\n{n} steps of {args.prompts_per_step} prompts x {args.group_size} samples, "
+    print(f"\n{args.recipe}: {n} steps of {args.prompts_per_step} prompts x {args.group_size} samples, "
           f"{args.max_new_tokens} new tokens, lr {args.lr}, seed {args.seed}")  # fmt: skip
     print(f"| trainer | step 1 s | mean s/step (2..{n}) | median s/step (2..{n}) | reward first {k} | "
           f"reward last {k} | whole run s |")  # fmt: skip
@@ -229,22 +250,35 @@ def report(molt: Result, trl: Result, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each trainer")
-    parser.add_argument("--last", type=int, default=10, help="K: rewards are averaged over the last K steps")
-    parser.add_argument("--prompts-per-step", type=int, default=16)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="copy_word", help="task, model, sizes")
+    parser.add_argument("--model", default="models/smollm2-135m", help="smollm2: the converted model")
+    parser.add_argument("--steps", type=int, help="optimizer steps of each trainer (recipe's default)")
+    parser.add_argument("--last", type=int, help="K: rewards are averaged over the last K steps")
+    parser.add_argument("--prompts-per-step", type=int)
+    parser.add_argument("--group-size", type=int)
+    parser.add_argument("--max-new-tokens", type=int)
+    parser.add_argument("--lr", type=float)
     parser.add_argument("--seed", type=int, default=0, help="model, data order and trainer seed of both")
     parser.add_argument("--work-dir", default="", help="where the model and runs go; empty = a temporary dir")
     args = parser.parse_args()
+    for name, default in RECIPES[args.recipe].items():  # a flag left out takes the recipe's value
+        if getattr(args, name, default) is None:
+            setattr(args, name, default)
     if not 1 <= args.last <= args.steps or args.steps < 2:
         raise ValueError("--steps must be >= 2 and --last must lie in 1..--steps")
 
     with tempfile.TemporaryDirectory(prefix="peer-trl-") as scratch:
         work = Path(args.work_dir or scratch)
         work.mkdir(parents=True, exist_ok=True)
-        model_dir = build_tiny_model(work / "model", seed=args.seed)  # the one molt train builds by default
+        if args.recipe == "copy_word":
+            model_dir = build_tiny_model(work / "model", seed=args.seed)  # as molt train builds by default
+        else:
+            model_dir = Path(args.model).resolve()
+            if not (model_dir / "config.json").is_file():
+                raise ValueError(
+                    f"--model {args.model}: no converted model there; run `uv run --group smollm2 python -m "
+                    f"molt.recipes.smollm2 convert {args.model}` first"
+                )
         print("machine:", machine(), flush=True)
         molt = run_molt(model_dir, work / "molt-run", args)
         load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
