@@ -20,6 +20,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import _anthropic as anthropic
@@ -207,7 +208,8 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         return {"object": "list", "data": [{"id": tito.model_name, "object": "model", "owned_by": "tito"}]}
 
     @app.post("/s/{session_id}/v1/chat/completions")
-    async def chat_completions(session_id: str, body: openai.ChatRequest, request: Request):
+    async def chat_completions(session_id: str, request: Request):
+        body = await _parsed(request, openai.ChatRequest)
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = openai.to_messages(body)
@@ -227,7 +229,8 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         )
 
     @app.post("/s/{session_id}/v1/messages")
-    async def messages(session_id: str, body: anthropic.MessagesRequest, request: Request):
+    async def messages(session_id: str, request: Request):
+        body = await _parsed(request, anthropic.MessagesRequest)
         session = session_of(session_id)
         check_model(body.model)
         messages, tools = anthropic.to_messages(body)
@@ -252,7 +255,8 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         return anthropic.message_reply(tito.model_name, parsed, reason, turn.counts)
 
     @app.post("/s/{session_id}/v1/responses")
-    async def create_response(session_id: str, body: responses.ResponsesRequest, request: Request):
+    async def create_response(session_id: str, request: Request):
+        body = await _parsed(request, responses.ResponsesRequest)
         session = session_of(session_id)
         check_model(body.model)
         tools = body.chat_tools()
@@ -285,6 +289,15 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         )
 
     return app
+
+
+async def _parsed(request: Request, model: type[BaseModel]) -> BaseModel:
+    """The body as `model`, parsed and validated by pydantic in one pass over the JSON: a FastAPI body
+    parameter decodes it with `json` and then validates the objects, at about twice the CPU."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as error:
+        raise RequestValidationError(error.errors(include_url=False)) from None
 
 
 async def _whole(request: Request, session: Session, turn: ChatTurn, asked: Asked, reply_message) -> object:
