@@ -170,9 +170,8 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
 
     def check_model(model: str) -> None:
         if model != tito.model_name:
-            raise ProtocolError(
-                404, f"model {model!r} is not served here; use {tito.model_name!r}", "not_found"
-            )
+            why = f"model {model!r} is not served here; use {tito.model_name!r}"
+            raise ProtocolError(404, why, "not_found")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -235,15 +234,9 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         check_model(body.model)
         messages, tools = anthropic.to_messages(body)
         turn = ChatTurn(
-            tito,
-            session,
-            messages,
-            tools,
-            stops=body.stop_sequences,
-            parse_tools=body.parse_tools(),
-            id_prefix="toolu_",
-            route="messages",
-        )
+            tito, session, messages, tools, stops=body.stop_sequences, parse_tools=body.parse_tools(),
+            id_prefix="toolu_", route="messages",
+        )  # fmt: skip
         asked = body.asked(tools, tito.vocab_size)
         if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
             asked.fields["query"] = dict(request.query_params)
@@ -292,8 +285,8 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
 
 
 async def _parsed(request: Request, model: type[BaseModel]) -> BaseModel:
-    """The body as `model`, parsed and validated by pydantic in one pass over the JSON: a FastAPI body
-    parameter decodes it with `json` and then validates the objects, at about twice the CPU."""
+    """The body as `model`, parsed and validated by pydantic in one pass (a FastAPI body parameter
+    decodes the JSON with `json`, then validates the objects: twice the CPU)."""
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as error:
@@ -311,10 +304,9 @@ async def _whole(request: Request, session: Session, turn: ChatTurn, asked: Aske
 
 
 def _disconnected(receive) -> bool:
-    """Whether the client has left, without waiting: one step of `receive()`, whose body was read. A
-    server reports a client that left at once (`http.disconnect`); one still there makes `receive`
-    wait, and the step is abandoned. Starlette's `Request.is_disconnected` asks the same through an
-    anyio cancel scope, which cost a tenth of a request's CPU here."""
+    """Whether the client has left, without waiting: one step of `receive()` (the body was read) answers
+    `http.disconnect` at once if it left, else waits and is abandoned. Starlette's `is_disconnected`
+    asks the same through an anyio cancel scope, a tenth of a request's CPU here."""
     step = receive()
     try:
         step.send(None)
