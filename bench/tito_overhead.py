@@ -267,7 +267,7 @@ def profile_round(pool, server: ThreadServer, app: TimedApp, args) -> str:
 
 
 PROFILED = (  # tito's request path and the libraries it spends time in, for the cumulative view
-    r"tito/_|aiohttp/client.py.*\(_request\)|starlette/middleware/base"
+    r"tito/_|starlette/middleware/base"
     r"|jinja2/environment.py.*\(render\)|'tokenizers.Tokenizer' objects"
     r"|fastapi/routing.py.*serialize_response|uvicorn/protocols/http/httptools_impl.py.*\(send\)"
 )

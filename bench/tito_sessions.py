@@ -168,11 +168,11 @@ class SessionTagged:
 
 
 def record_engine_traffic() -> dict[str, list[dict]]:
-    """Wrap tito's aiohttp engine client: per session, each generate request's prompt and the engine's
-    reply (token ids, logprobs, finish reason), in order (a session's requests run one at a time)."""
-    from tito._engines import _AiohttpWire
+    """Wrap tito's engine client (`Http1Wire`): per session, each generate request's prompt and the
+    engine's reply (token ids, logprobs, finish reason), in order (a session's requests run one at a time)."""
+    from tito._wire import Http1Wire
 
-    request = _AiohttpWire.request
+    request = Http1Wire.request
     calls: dict[str, list[dict]] = {}
 
     async def recorded(self, method, url, body=None, *, timeout=None):
@@ -189,7 +189,7 @@ def record_engine_traffic() -> dict[str, list[dict]]:
             )
         return status, data
 
-    _AiohttpWire.request = recorded
+    Http1Wire.request = recorded
     return calls
 
 

@@ -23,7 +23,8 @@ request, both measured in this run. Usage:
     python bench/tito_throughput.py [--workers 1,2,4,8,16 --seconds 4 --per-worker 32 --no-vllm]
 
 with tito, molt (its tiny model) and their dependencies importable (`uv run --no-sync` in the workspace,
-or `PYTHONPATH=packages/tito/src:packages/molt/src`).
+or `PYTHONPATH=packages/tito/src:packages/molt/src`). For a machine without tito's dependencies or
+internet, `bench/tito_scaling_bundle.sh` packs this bench's scaling rows with the wheels they need.
 """
 
 from __future__ import annotations

@@ -36,11 +36,7 @@ __all__ = ["MessagesRequest", "message_reply", "sse", "to_messages"]
 STOP = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Tool(_Loose):
+class Tool(BaseModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -64,7 +60,7 @@ class Tool(_Loose):
         return kind
 
 
-class Message(_Loose):
+class Message(BaseModel):
     role: Literal["user", "assistant", "system"]  # "system": Claude Code puts one among the turns
     content: str | list[dict[str, Any]]
 

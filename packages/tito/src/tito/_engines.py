@@ -15,10 +15,9 @@ endpoint (`/v1/chat/completions/render`) processes the images alone, once per im
 The length it gives each image's placeholder must be tito's, or the turn fails with `ExpansionMismatch`
 (tito and the engine would otherwise train and sample on different token layouts).
 
-Engine traffic goes over tito's own keep-alive HTTP/1.1 client (`_wire.py`): per request it costs
-less than half of aiohttp's CPU, and a small fraction of httpx's, whose connection pool scans every
-connection for each queued request. Tests that hand `Router` an httpx transport (a fake engine in the same
-process) are served through httpx instead, behind the same calls.
+Engine traffic goes over tito's own keep-alive HTTP/1.1 client (`_wire.py`, which says why; httpx's pool
+scans every connection for each queued request). Tests that hand `Router` an httpx transport (a fake
+engine in the same process) are served through httpx instead, behind the same calls.
 """
 
 from __future__ import annotations

@@ -37,22 +37,18 @@ __all__ = ["ChatRequest", "chat_chunk", "chat_completion", "to_messages"]
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class FunctionCall(_Loose):
+class FunctionCall(BaseModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(_Loose):
+class ToolCall(BaseModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Loose):
+class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -72,12 +68,12 @@ class Message(_Loose):
         return content
 
 
-class Tool(_Loose):
+class Tool(BaseModel):
     type: Literal["function"]
     function: ToolFunction
 
 
-class StreamOptions(_Loose):
+class StreamOptions(BaseModel):
     include_usage: bool = False
 
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, field_validator
 
 __all__ = [
     "Asked",
@@ -64,8 +64,7 @@ def check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     return schema
 
 
-class ToolFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ToolFunction(BaseModel):  # fields beyond these are ignored (pydantic's default)
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
