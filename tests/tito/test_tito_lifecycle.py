@@ -11,7 +11,7 @@ import pytest
 import typer
 from tito_helpers import LiveServer
 
-import tito._server
+import tito._guard
 from tito import Tito, Trajectory, create_app
 from tito._cli import engine_model_name
 
@@ -75,7 +75,7 @@ async def test_a_cap_on_live_sessions_answers_429(fake_engine, tiny_model_dir):
 
 
 async def test_the_body_limit_holds_for_a_chunked_body(client, monkeypatch):
-    monkeypatch.setattr(tito._server, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(tito._guard, "MAX_BODY_BYTES", 1000)
     session = (await client.post("/sessions")).json()
 
     async def chunks():  # no Content-Length: the body arrives in pieces

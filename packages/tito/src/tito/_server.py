@@ -27,33 +27,13 @@ from . import _anthropic as anthropic
 from . import _openai as openai
 from . import _responses as responses
 from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
+from ._guard import MAX_BODY_BYTES, Guard, error_response
 from ._protocol import Asked, ProtocolError
 from ._service import Session, Tito, TooManySessions
 from ._turn import ChatTurn
 from ._workers import Forward, Workers
 
 __all__ = ["create_app"]
-
-MAX_BODY_BYTES = 16 * 1024 * 1024
-_ANTHROPIC_KINDS = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    502: "api_error",
-    503: "api_error",
-}
-
-
-def _error(
-    request: Request, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
-) -> JSONResponse:
-    if request.url.path.endswith("/v1/messages"):
-        body = {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message}}
-    else:
-        body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
 
 
 def _validation_message(error: RequestValidationError) -> str:
@@ -62,52 +42,6 @@ def _validation_message(error: RequestValidationError) -> str:
         where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
         parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
     return "invalid request: " + "; ".join(parts)
-
-
-class _Guard:
-    """The API key and the body-size limit, checked before a request reaches a route (plain ASGI: the
-    `@app.middleware` form wraps every request in extra tasks and streams, a measurable cost here)."""
-
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app = app
-        self.api_key = api_key
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            request = Request(scope)
-            refusal = self._refusal(request)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-            receive = _limited(receive)
-        await self.app(scope, receive, send)
-
-    def _refusal(self, request: Request) -> JSONResponse | None:
-        if self.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("x-api-key") or request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.removeprefix("Bearer ").encode(), self.api_key.encode()):
-                return _error(request, 401, "missing or wrong API key", "authentication_error")
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            return _error(request, 413, f"request body over {MAX_BODY_BYTES} bytes", "request_too_large")
-        return None
-
-
-def _limited(receive):
-    """`receive` that stops a body past MAX_BODY_BYTES as it arrives: a chunked body has no
-    Content-Length to refuse it by. The 413 is raised as an HTTPException, which FastAPI's body
-    reading passes on as it is."""
-    received = 0
-
-    async def limited():
-        nonlocal received
-        message = await receive()
-        if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > MAX_BODY_BYTES:
-                raise StarletteHTTPException(413, f"request body over {MAX_BODY_BYTES} bytes")
-        return message
-
-    return limited
 
 
 def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | None = None) -> FastAPI:
@@ -123,38 +57,38 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
 
     app = FastAPI(title="tito", summary="Token-exact chat capture over vLLM", lifespan=lifespan)
 
-    app.add_middleware(_Guard, api_key=api_key)
+    app.add_middleware(Guard, api_key=api_key)
     if workers is not None:  # outermost: the owner of a session checks its requests
-        app.add_middleware(Forward, workers=workers, error=_error, max_body=MAX_BODY_BYTES)
+        app.add_middleware(Forward, workers=workers, error=error_response, max_body=MAX_BODY_BYTES)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        return _error(request, 400, _validation_message(error))
+        return error_response(request, 400, _validation_message(error))
 
     @app.exception_handler(ProtocolError)
     async def refused(request: Request, error: ProtocolError) -> JSONResponse:
-        return _error(request, error.status, error.message, error.kind, error.param)
+        return error_response(request, error.status, error.message, error.kind, error.param)
 
     @app.exception_handler(TooManySessions)
     async def too_many(request: Request, error: TooManySessions) -> JSONResponse:
-        return _error(request, 429, str(error), "rate_limit_error")
+        return error_response(request, 429, str(error), "rate_limit_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 413: "request_too_large"}.get(error.status_code, "invalid_request_error")
-        return _error(request, error.status_code, str(error.detail), kind)
+        return error_response(request, error.status_code, str(error.detail), kind)
 
     @app.exception_handler(EngineRejected)
     async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
-        return _error(request, 400, str(error))
+        return error_response(request, 400, str(error))
 
     @app.exception_handler(ExpansionMismatch)
     async def mismatch(request: Request, error: ExpansionMismatch) -> JSONResponse:
-        return _error(request, 502, str(error), "image_expansion_mismatch")
+        return error_response(request, 502, str(error), "image_expansion_mismatch")
 
     @app.exception_handler(EngineUnavailable)
     async def unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:
-        return _error(request, 503, f"{error}; this session cannot continue", "engine_unavailable")
+        return error_response(request, 503, f"{error}; this session cannot continue", "engine_unavailable")
 
     def session_of(session_id: str) -> Session:
         if session_id not in tito.sessions:
@@ -234,9 +168,15 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         check_model(body.model)
         messages, tools = anthropic.to_messages(body)
         turn = ChatTurn(
-            tito, session, messages, tools, stops=body.stop_sequences, parse_tools=body.parse_tools(),
-            id_prefix="toolu_", route="messages",
-        )  # fmt: skip
+            tito,
+            session,
+            messages,
+            tools,
+            stops=body.stop_sequences,
+            parse_tools=body.parse_tools(),
+            id_prefix="toolu_",
+            route="messages",
+        )
         asked = body.asked(tools, tito.vocab_size)
         if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
             asked.fields["query"] = dict(request.query_params)
