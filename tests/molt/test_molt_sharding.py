@@ -155,7 +155,7 @@ def test_one_rank_keeps_float32_weights_and_computes_in_bf16(tiny_model_dir, mon
         # A refit sends the weights in the compute dtype, which the engines run (engine_extra_args).
         sent = {}
 
-        def capture(engines, params, *, version, delta=False):
+        def capture(engines, params, *, version, delta=False, lora=None):
             sent.update(specs=params.specs, tensors=dict(params))
 
         monkeypatch.setattr(refit, "update_weights", capture)
