@@ -41,9 +41,18 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 __all__ = [
-    "RowImages", "TrainBatch", "collate", "explained_variance", "last_token_rewards", "row_images",
-    "shard_rows", "shifted_logprobs", "whitened", "with_images", "with_routes",
-]  # fmt: skip
+    "RowImages",
+    "TrainBatch",
+    "collate",
+    "explained_variance",
+    "last_token_rewards",
+    "row_images",
+    "shard_rows",
+    "shifted_logprobs",
+    "whitened",
+    "with_images",
+    "with_routes",
+]
 
 
 def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int, *, fill: int = 0) -> torch.Tensor:

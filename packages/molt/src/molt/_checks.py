@@ -131,13 +131,19 @@ def check_paths(config: Config) -> None:
     for flag, path in (("--data.path", config.data.path), ("--eval.path", config.eval.path)):
         if path and not Path(path).is_file():
             raise ConfigError(f"{flag} {path}: no such file (a JSONL file of rows)")
-    models = {"--model.path": config.model.path, "--algo.teacher.model": config.algo.teacher.model,
-              "--algo.critic.model": config.algo.critic.model}  # fmt: skip
+    models = {
+        "--model.path": config.model.path,
+        "--algo.teacher.model": config.algo.teacher.model,
+        "--algo.critic.model": config.algo.critic.model,
+    }
     for flag, path in models.items():
         if path and not (Path(path) / "config.json").is_file():
             raise ConfigError(f"{flag} {path} is not a Hugging Face model directory (no config.json)")
-    for flag, path in (("--logger.run_dir", config.logger.run_dir), ("--ckpt.dir", config.ckpt.dir),
-                       ("--train.rollout_dump_dir", config.train.rollout_dump_dir)):  # fmt: skip
+    for flag, path in (
+        ("--logger.run_dir", config.logger.run_dir),
+        ("--ckpt.dir", config.ckpt.dir),
+        ("--train.rollout_dump_dir", config.train.rollout_dump_dir),
+    ):
         if path and Path(path).exists() and not Path(path).is_dir():
             raise ConfigError(f"{flag} {path} is a file; it names a directory the run writes into")
     for url in config.vllm.urls:
@@ -158,9 +164,7 @@ def check_paths(config: Config) -> None:
         raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
     address = config.ray.address
     if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
-        raise ConfigError(
-            f"--ray.address {address!r}: pass HOST:PORT of a Ray head, ray://HOST:PORT, or auto"
-        )
+        raise ConfigError(f"--ray.address {address!r}: pass a Ray head's HOST:PORT, ray://HOST:PORT or auto")
     if config.ray.address and config.ray.num_cpus is not None:
         raise ConfigError(
             "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
@@ -306,11 +310,8 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
     the export's merge cover linear layers, not grouped experts."""
     lora, default = config.actor.lora, Config().actor.lora
     if not lora.rank:
-        changed = [
-            name
-            for name in ("alpha", "target_modules", "dropout")
-            if getattr(lora, name) != getattr(default, name)
-        ]
+        fields = ("alpha", "target_modules", "dropout")
+        changed = [name for name in fields if getattr(lora, name) != getattr(default, name)]
         if changed:
             raise ConfigError(
                 f"--actor.lora.{changed[0]} is set but --actor.lora.rank is 0 (LoRA off): pass a rank, or "

@@ -91,9 +91,12 @@ class CriticWorker(PolicyWorker):
         mask_BT = mb.loss_mask_BT.to(self.device)
         values_BT = self._values(mb.tokens_BT)
         loss_sum, metrics = value_loss(
-            values_BT, old_values_BT.to(self.device), returns_BT.to(self.device), mask_BT,
+            values_BT,
+            old_values_BT.to(self.device),
+            returns_BT.to(self.device),
+            mask_BT,
             clip=self.config.algo.critic.value_clip,
-        )  # fmt: skip
+        )
         (loss_sum / mb.num_tokens).backward()  # the step's one denominator, as for the policy
         return {
             "critic/value_loss": loss_sum.detach(),

@@ -61,8 +61,9 @@ def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
         for group in groups:
             for index, rollout in enumerate(group.samples):
                 segments = [msgspec.convert(msgspec.to_builtins(s), Segment) for s in rollout.segments]
-                record = RolloutRecord(step, group.prompt_index, index, rollout.reward, rollout.truncated,
-                                       rollout.info, segments)  # fmt: skip
+                record = RolloutRecord(
+                    step, group.prompt_index, index, rollout.reward, rollout.truncated, rollout.info, segments
+                )
                 out.write(encoder.encode(record) + b"\n")
     return path
 

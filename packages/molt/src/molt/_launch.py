@@ -103,8 +103,16 @@ def train(config: Config, *, resume: bool = False) -> None:
         log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        parts = dict(policy=policy, rows=rows, log=log, model_dir=model_dir, eval_rows=evaluation,
-                     first_step=first_step, startup=clock, **groups)  # fmt: skip
+        parts = dict(
+            policy=policy,
+            rows=rows,
+            log=log,
+            model_dir=model_dir,
+            eval_rows=evaluation,
+            first_step=first_step,
+            startup=clock,
+            **groups,
+        )
         asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
@@ -163,17 +171,30 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
     parts["startup"].begin("tito")
     adapter = ADAPTER if config.actor.lora.rank else None  # every request samples from the refitted adapter
-    tito = Tito(engine_urls, parts["model_dir"], served_model_name="policy", fixed_sampling=fixed,
-                engine_model=adapter)  # fmt: skip
+    tito = Tito(
+        engine_urls,
+        parts["model_dir"],
+        served_model_name="policy",
+        fixed_sampling=fixed,
+        engine_model=adapter,
+    )
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
             parts["startup"].end("tito")
             runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
             keep = _keep_varied if config.algo.dynamic_filter else None
-            pool = GroupPool(runner, parts["rows"], group_size=rollout.group_size, depth=rollout.queue_depth,
-                             max_lag=rollout.max_lag, keep=keep, retry_delay=0.5, stale=rollout.stale,
-                             max_requeues=rollout.max_stale_requeues)  # fmt: skip
+            pool = GroupPool(
+                runner,
+                parts["rows"],
+                group_size=rollout.group_size,
+                depth=rollout.queue_depth,
+                max_lag=rollout.max_lag,
+                keep=keep,
+                retry_delay=0.5,
+                stale=rollout.stale,
+                max_requeues=rollout.max_stale_requeues,
+            )
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
                 await run_steps(config, Run(tito=tito, pool=pool, runner=runner, **parts))

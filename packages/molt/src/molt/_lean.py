@@ -25,9 +25,14 @@ import torch
 from molt.config import Config
 
 __all__ = [
-    "LeanMLP", "LeanRMSNorm", "LogprobHead", "use_lean_mlps", "use_lean_modules", "use_lean_rms_norms",
+    "LeanMLP",
+    "LeanRMSNorm",
+    "LogprobHead",
+    "use_lean_mlps",
+    "use_lean_modules",
+    "use_lean_rms_norms",
     "use_logprob_head",
-]  # fmt: skip
+]
 
 
 @functools.cache
@@ -137,10 +142,11 @@ def use_lean_rms_norms(model: torch.nn.Module) -> int:
 def use_lean_mlps(model: torch.nn.Module) -> int:
     """Swap `LeanMLP` into SwiGLU MLPs (transformers' Qwen/Llama MLP); returns how many."""
     mlps = [
-        m for m in model.modules()
+        m
+        for m in model.modules()
         if all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
         and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-    ]  # fmt: skip
+    ]
     for mlp in mlps:
         _swap(mlp, LeanMLP)
     return len(mlps)

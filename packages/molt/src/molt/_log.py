@@ -79,16 +79,29 @@ def start_wandb(run_dir: Path, project: str, config: dict):
     import wandb
 
     settings = wandb.Settings(silent=True, disable_git=True)
-    return wandb.init(project=project, dir=str(run_dir), config=config, name=run_dir.name,
-                      mode=os.environ.get("WANDB_MODE", "offline"), settings=settings)  # fmt: skip
+    return wandb.init(
+        project=project,
+        dir=str(run_dir),
+        config=config,
+        name=run_dir.name,
+        mode=os.environ.get("WANDB_MODE", "offline"),
+        settings=settings,
+    )
 
 
 class RunLog:
     """Every step's metrics into each sink asked for. `wandb_project`: also a W&B run of that project
     (`config`, the resolved run's, is its config)."""
 
-    def __init__(self, run_dir: Path, *, num_steps: int, tensorboard: bool, wandb_project: str = "",
-                 config: dict | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        num_steps: int,
+        tensorboard: bool,
+        wandb_project: str = "",
+        config: dict | None = None,
+    ) -> None:
         self.num_steps = num_steps
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.writer = None

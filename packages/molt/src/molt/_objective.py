@@ -52,14 +52,26 @@ def step_loss(
     old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT
     correction = algo.correction
     weights_BT, keep_B, mismatch = rollout_correction(
-        old_logp_BT, rollout_logp_BT, mask_BT, mode=correction.mode, token_cap=correction.token_cap,
-        token_bounds=correction.token_bounds, seq_bounds=correction.seq_bounds,
-    )  # fmt: skip
+        old_logp_BT,
+        rollout_logp_BT,
+        mask_BT,
+        mode=correction.mode,
+        token_cap=correction.token_cap,
+        token_bounds=correction.token_bounds,
+        seq_bounds=correction.seq_bounds,
+    )
     loss = algo.loss
     pg_sum, pg_metrics = policy_loss(
-        logp_BT, old_logp_BT, advantages_BT, mask_BT, kind=loss.kind, clip_low=loss.clip_low,
-        clip_high=loss.clip_high, dual_clip=loss.dual_clip, weights=weights_BT,
-    )  # fmt: skip
+        logp_BT,
+        old_logp_BT,
+        advantages_BT,
+        mask_BT,
+        kind=loss.kind,
+        clip_low=loss.clip_low,
+        clip_high=loss.clip_high,
+        dual_clip=loss.dual_clip,
+        weights=weights_BT,
+    )
     entropy_sum = masked_sum(entropy_BT, mask_BT)
     total = pg_sum - algo.entropy_coef * entropy_sum
     num_trainable = (mask_BT != 0).sum()

@@ -23,9 +23,15 @@ import msgspec
 from molt.config import Config, ConfigError
 
 __all__ = [
-    "check_gpus", "engine_gpus", "engine_memory_utilization", "extra_groups", "gpus_needed", "gpu_share",
-    "refit_backend", "resolve_placement",
-]  # fmt: skip
+    "check_gpus",
+    "engine_gpus",
+    "engine_memory_utilization",
+    "extra_groups",
+    "gpus_needed",
+    "gpu_share",
+    "refit_backend",
+    "resolve_placement",
+]
 
 _MEMORY = {"separate": 0.8, "shared": 0.4}  # --vllm.gpu_memory_utilization when unset
 

@@ -10,9 +10,17 @@ from molt._lean import use_lean_modules
 from molt.config import Config, LoRA
 
 __all__ = [
-    "adapter_config", "compile_layers", "compute_dtype", "distributed_setup", "freeze_moe_routers",
-    "load_model", "peft_config", "params_by_mesh", "replicas", "sum_gradients_over_ranks",
-]  # fmt: skip
+    "adapter_config",
+    "compile_layers",
+    "compute_dtype",
+    "distributed_setup",
+    "freeze_moe_routers",
+    "load_model",
+    "peft_config",
+    "params_by_mesh",
+    "replicas",
+    "sum_gradients_over_ranks",
+]
 
 
 def replicas(config: Config) -> int:
@@ -75,9 +83,13 @@ def adapter_config(lora: LoRA) -> dict:
     """PEFT's `adapter_config.json` of the --actor.lora.* adapters: what vLLM's LoRA loader reads, from a
     directory or with a refit (`refit.update_weights(lora=...)`), and what `molt export` writes."""
     return {
-        "peft_type": "LORA", "r": lora.rank, "lora_alpha": lora.alpha,
-        "target_modules": list(lora.target_modules), "lora_dropout": lora.dropout, "bias": "none",
-    }  # fmt: skip
+        "peft_type": "LORA",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "target_modules": list(lora.target_modules),
+        "lora_dropout": lora.dropout,
+        "bias": "none",
+    }
 
 
 def load_model(

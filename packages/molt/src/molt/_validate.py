@@ -39,8 +39,14 @@ from molt._placement import engine_memory_utilization, extra_groups, resolve_pla
 from molt.config import Config, ConfigError
 
 __all__ = [
-    "RANGES", "Range", "check_cluster_gpus", "extra_groups", "num_experts", "start_notes", "validate",
-]  # fmt: skip
+    "RANGES",
+    "Range",
+    "check_cluster_gpus",
+    "extra_groups",
+    "num_experts",
+    "start_notes",
+    "validate",
+]
 
 
 # What needs CUDA, by flag, at a value other than its default: on a CPU each would do nothing (or cannot

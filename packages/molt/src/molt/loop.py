@@ -46,13 +46,30 @@ from tito import Tito
 __all__ = ["REQUIRED_METRICS", "run_steps", "train"]
 
 # Logged every step (DESIGN §6), besides the algorithm's own metrics.
-REQUIRED_METRICS = frozenset({
-    "rollout/reward_mean", "rollout/reward_std_in_group", "rollout/response_len_mean",
-    "rollout/truncated_frac", "train/policy_loss", "train/kl", "train/entropy", "train/grad_norm",
-    "train/lr", "train/clip_frac", "train/mismatch_kl", "train/seq_masked_frac", "train/staleness_mean",
-    "pool/dropped_stale", "pool/dropped_stale_rate", "pool/filtered", "timing/generation",
-    "timing/policy_train", "timing/broadcast", "timing/step_total",
-})  # fmt: skip
+REQUIRED_METRICS = frozenset(
+    {
+        "rollout/reward_mean",
+        "rollout/reward_std_in_group",
+        "rollout/response_len_mean",
+        "rollout/truncated_frac",
+        "train/policy_loss",
+        "train/kl",
+        "train/entropy",
+        "train/grad_norm",
+        "train/lr",
+        "train/clip_frac",
+        "train/mismatch_kl",
+        "train/seq_masked_frac",
+        "train/staleness_mean",
+        "pool/dropped_stale",
+        "pool/dropped_stale_rate",
+        "pool/filtered",
+        "timing/generation",
+        "timing/policy_train",
+        "timing/broadcast",
+        "timing/step_total",
+    }
+)
 
 
 @dataclass
@@ -163,27 +180,30 @@ async def run_steps(config: Config, run: Run) -> None:
         eval_metrics = await evaluate(runner, run.eval_rows, config) if evaluating else {}
 
         pool_now = pool.stats
-        run.log.step(step, {
-            **rollout_metrics(rollouts, config.rollout.group_size),
-            "train/kl": 0.0,  # no reference: no KL
-            **train_metrics,  # the policy's (and the critic's) step, the correction's mismatch included
-            **extra_metrics,
-            "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
-            "train/token_identity": 1.0,
-            "train/advantage_abs_mean": advantages.abs().mean().item(),
-            "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
-            **pool_metrics(pool_now, pool_before),
-            **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
-            "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
-            "timing/generation": generation_s,
-            "timing/policy_train": train_s,
-            "timing/broadcast": broadcast_s,
-            # where it went; refit/verify_failed: engines whose refit failed its check and was redone
-            **{(k if "/" in k else f"timing/refit_{k}"): float(v) for k, v in refit_s.items()},
-            **eval_metrics,
-            "timing/step_total": time.monotonic() - started,
-            **(startup.metrics() if startup else {}),
-        })  # fmt: skip
+        run.log.step(
+            step,
+            {
+                **rollout_metrics(rollouts, config.rollout.group_size),
+                "train/kl": 0.0,  # no reference: no KL
+                **train_metrics,  # the policy's (and the critic's) step, the correction's mismatch included
+                **extra_metrics,
+                "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
+                "train/token_identity": 1.0,
+                "train/advantage_abs_mean": advantages.abs().mean().item(),
+                "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
+                **pool_metrics(pool_now, pool_before),
+                **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
+                "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
+                "timing/generation": generation_s,
+                "timing/policy_train": train_s,
+                "timing/broadcast": broadcast_s,
+                # where it went; refit/verify_failed: engines whose refit failed its check and was redone
+                **{(k if "/" in k else f"timing/refit_{k}"): float(v) for k, v in refit_s.items()},
+                **eval_metrics,
+                "timing/step_total": time.monotonic() - started,
+                **(startup.metrics() if startup else {}),
+            },
+        )
         pool_before = pool_now
         if startup is not None:
             progress(startup.line())

@@ -114,8 +114,9 @@ class RoutingReplay:
                 f"{type(model).__name__} has no router to replay (transformers *TopKRouter or AutoModel Gate)"
             )
         # Each router's decoder layer (None where its name has no `layers.<i>`).
-        self.layer_ids = [int(m[1]) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else None
-                          for name, _ in named]  # fmt: skip
+        self.layer_ids = [
+            int(m[1]) if (m := re.search(r"(?:^|\.)layers\.(\d+)\.", name)) else None for name, _ in named
+        ]
         self.recorded: torch.Tensor | None = None  # experts_NLK of the last `record()`
         # Of the last `replay()`: (token-layers routed elsewhere by the routers themselves, compared).
         self.mismatch: tuple[torch.Tensor | int, torch.Tensor | int] = (0, 0)

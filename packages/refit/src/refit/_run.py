@@ -73,9 +73,11 @@ class Run:
         failed = [
             engine
             for url, (phase, _) in self.failures.items()
-            if phase == "transfer" and (engine := self._by_url.get(url)) is not None
-            and engine.backend == GLOO_BACKEND and _verify_failed(engine)
-        ]  # fmt: skip
+            if phase == "transfer"
+            and (engine := self._by_url.get(url)) is not None
+            and engine.backend == GLOO_BACKEND
+            and _verify_failed(engine)
+        ]
         for engine in failed:
             _, error = self.failures.pop(engine.url)
             if retry:

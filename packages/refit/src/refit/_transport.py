@@ -34,9 +34,16 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "join_gloo_group", "Incoming", "ReceiveBuffers", "GlooChannel", "IpcChannel", "NcclChannel", "ABORT",
-    "VerifyError", "checksum",
-]  # fmt: skip
+    "join_gloo_group",
+    "Incoming",
+    "ReceiveBuffers",
+    "GlooChannel",
+    "IpcChannel",
+    "NcclChannel",
+    "ABORT",
+    "VerifyError",
+    "checksum",
+]
 
 ABORT = -1  # header value that tells a gloo engine to roll back
 

@@ -246,8 +246,11 @@ def _lora_model(manager, tensors: dict[str, torch.Tensor], peft_config: dict):
     lora = LoRAModel.from_lora_tensors(
         served[0], tensors, helper, device="cpu", dtype=manager.lora_config.lora_dtype, weights_mapper=mapper
     )
-    expected = {name for module in manager.supported_lora_modules
-                for name in manager.packed_modules_mapping.get(module, [module])}  # fmt: skip
+    expected = {
+        name
+        for module in manager.supported_lora_modules
+        for name in manager.packed_modules_mapping.get(module, [module])
+    }
     if unexpected := sorted(name for name in lora.loras if name.rsplit(".", 1)[-1] not in expected):
         raise ValueError(f"refit_gloo: the adapter wraps {unexpected[:4]}, which this engine's LoRA cannot")
     return lora

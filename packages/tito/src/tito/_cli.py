@@ -61,9 +61,13 @@ def serve(
 
     name = served_model_name or engine_model_name(engine[0])
     tito_args = {
-        "engines": engine, "model": model, "served_model_name": name, "dump": dump,
-        "idle_timeout": idle_timeout, "max_sessions": max_sessions,
-    }  # fmt: skip
+        "engines": engine,
+        "model": model,
+        "served_model_name": name,
+        "dump": dump,
+        "idle_timeout": idle_timeout,
+        "max_sessions": max_sessions,
+    }
     if workers > 1:
         from ._workers import serve_workers
 

@@ -254,9 +254,13 @@ def output_items(parsed: ParsedReply, message_id: str) -> list[dict]:
 
 
 def response_body(
-    request: ResponsesRequest, response_id: str, model: str, output: list[dict], finish: str | None,
+    request: ResponsesRequest,
+    response_id: str,
+    model: str,
+    output: list[dict],
+    finish: str | None,
     counts: tuple[int, int] | None,
-) -> dict:  # fmt: skip
+) -> dict:
     """The Response object (`counts` None: still in progress)."""
     status = "in_progress" if counts is None else ("incomplete" if finish == "length" else "completed")
     usage = None
@@ -333,14 +337,24 @@ async def stream_events(
             )
         text += delta
         yield event(
-            "response.output_text.delta", item_id=message_id, output_index=0, content_index=0, delta=delta,
+            "response.output_text.delta",
+            item_id=message_id,
+            output_index=0,
+            content_index=0,
+            delta=delta,
             logprobs=[],
-        )  # fmt: skip
+        )
     items = output_items(turn.parsed, message_id)
     if text:
         (part,) = items[0]["content"]
-        yield event("response.output_text.done", item_id=message_id, output_index=0, content_index=0,
-                    text=part["text"], logprobs=[])  # fmt: skip
+        yield event(
+            "response.output_text.done",
+            item_id=message_id,
+            output_index=0,
+            content_index=0,
+            text=part["text"],
+            logprobs=[],
+        )
         yield event(
             "response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part
         )
@@ -349,10 +363,19 @@ async def stream_events(
     for position, item in enumerate(items[index:], start=index):
         start = {**item, "arguments": "", "status": "in_progress"}
         yield event("response.output_item.added", output_index=position, item=start)
-        yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=position,
-                    delta=item["arguments"])  # fmt: skip
-        yield event("response.function_call_arguments.done", item_id=item["id"], output_index=position,
-                    name=item["name"], arguments=item["arguments"])  # fmt: skip
+        yield event(
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=position,
+            delta=item["arguments"],
+        )
+        yield event(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=position,
+            name=item["name"],
+            arguments=item["arguments"],
+        )
         yield event("response.output_item.done", output_index=position, item=item)
     body = response_body(request, response_id, model, items, turn.generation.finish_reason, turn.counts)
     yield event(

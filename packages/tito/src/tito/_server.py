@@ -147,9 +147,15 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         check_model(body.model)
         messages, tools = openai.to_messages(body)
         turn = ChatTurn(
-            tito, session, messages, tools, stops=body.stop, parse_tools=body.parse_tools(),
-            id_prefix="call_", route="chat.completions",
-        )  # fmt: skip
+            tito,
+            session,
+            messages,
+            tools,
+            stops=body.stop,
+            parse_tools=body.parse_tools(),
+            id_prefix="call_",
+            route="chat.completions",
+        )
         asked = body.asked(tools, tito.vocab_size)
         request_id = "chatcmpl-" + secrets.token_hex(12)
         if body.stream:
@@ -195,9 +201,15 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         tools = body.chat_tools()
         messages, conversation = responses.to_messages(body, session.responses.get(body.previous_response_id))
         turn = ChatTurn(
-            tito, session, messages, tools, stops=None, parse_tools=body.parse_tools(), id_prefix="call_",
+            tito,
+            session,
+            messages,
+            tools,
+            stops=None,
+            parse_tools=body.parse_tools(),
+            id_prefix="call_",
             route="responses",
-        )  # fmt: skip
+        )
         asked = body.asked(tools)
         response_id = "resp_" + secrets.token_hex(12)
 

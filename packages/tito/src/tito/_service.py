@@ -202,9 +202,15 @@ class Tito:
             yield await engine.generate(prompt_ids, sampling, images=images, routes_from=routes_from)
 
     def commit(
-        self, session: Session, prompt_ids: list[int], images: list[ImageSpan], whole: Generation,
-        routes_from: int, *, turn: Turn | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        images: list[ImageSpan],
+        whole: Generation,
+        routes_from: int,
+        *,
+        turn: Turn | None = None,
+    ) -> None:
         """Put a completed turn into the session's capture (`turn`: how it was asked for). The caller
         holds the session's lock and does not await between this and recording the turn's messages
         (`ChatState.record`)."""

@@ -152,14 +152,20 @@ class Capture:
         Nothing enters the capture before the turn completes, so a turn that fails leaves no trace."""
         self.begin_turn(prompt_ids, images)
         self.add_sampled(
-            sampled.token_ids, sampled.logprobs, sampled.versions,
-            routed_experts=sampled.routed_experts, routes_from=routes_from,
-        )  # fmt: skip
+            sampled.token_ids,
+            sampled.logprobs,
+            sampled.versions,
+            routed_experts=sampled.routed_experts,
+            routes_from=routes_from,
+        )
         if turn is not None:
             self.turns[-1] = msgspec.structs.replace(
-                turn, segment=self.turns[-1].segment, start=self.turns[-1].start,
-                num_sampled=len(sampled.token_ids), finish_reason=sampled.finish_reason,
-            )  # fmt: skip
+                turn,
+                segment=self.turns[-1].segment,
+                start=self.turns[-1].start,
+                num_sampled=len(sampled.token_ids),
+                finish_reason=sampled.finish_reason,
+            )
 
     def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> None:
         """Make the current segment equal `prompt_ids` with `images` (all of the prompt's, in order),

@@ -58,9 +58,11 @@ class ChatTurn:
         forced = [c for c in asked.constraints if c.startswith("tool_choice")]
         if forced and family != "hermes":
             raise ProtocolError(
-                400, f"{forced[0]}: forced tool calls are constrained in the Hermes form only, and this "
-                f"model's template writes {family} tool calls; use tool_choice auto", param="tool_choice",
-            )  # fmt: skip
+                400,
+                f"{forced[0]}: forced tool calls are constrained in the Hermes form only, and this "
+                f"model's template writes {family} tool calls; use tool_choice auto",
+                param="tool_choice",
+            )
         switches, notes = self._switches(asked)
         try:
             capture = self.session.capture
@@ -77,9 +79,13 @@ class ChatTurn:
         )
         self._routes_from = capture.routes_known_after(self.prompt.token_ids, self.prompt.images)
         self._chunks = self.tito.sample(
-            self.session, self.prompt.token_ids, params, images=self.prompt.images, stream=stream,
+            self.session,
+            self.prompt.token_ids,
+            params,
+            images=self.prompt.images,
+            stream=stream,
             routes_from=self._routes_from,
-        )  # fmt: skip
+        )
         self._first = await anext(self._chunks, None)
 
     def _switches(self, asked: Asked) -> tuple[dict, list[str]]:
@@ -127,9 +133,13 @@ class ChatTurn:
         that does not get here (engine error, timeout, client gone, cancelled) leaves no trace."""
         record = msgspec.structs.replace(self.record, tool_parse_failures=self.parsed.failures)
         self.tito.commit(
-            self.session, self.prompt.token_ids, self.prompt.images, self.generation, self._routes_from,
+            self.session,
+            self.prompt.token_ids,
+            self.prompt.images,
+            self.generation,
+            self._routes_from,
             turn=record,
-        )  # fmt: skip
+        )
         self.committed = True
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
         self.session.chat.record(

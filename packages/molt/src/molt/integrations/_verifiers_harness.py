@@ -43,8 +43,14 @@ class MoltHarness(NullHarness):
         servers = {name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()}
         script = f".molt-chat-{uuid.uuid4().hex}.py"
         await runtime.write(script, CHAT_PROGRAM_SOURCE.encode())
-        args = [sys.executable, script, f"--base-url={endpoint}", f"--api-key={secret}",
-                f"--model={ctx.model}", "--mcp-config=" + json.dumps({"mcpServers": servers})]  # fmt: skip
+        args = [
+            sys.executable,
+            script,
+            f"--base-url={endpoint}",
+            f"--api-key={secret}",
+            f"--model={ctx.model}",
+            "--mcp-config=" + json.dumps({"mcpServers": servers}),
+        ]
         if system:
             args.append(f"--system-prompt={system}")
         if isinstance(prompt, str):

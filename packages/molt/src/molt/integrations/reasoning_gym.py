@@ -109,9 +109,15 @@ def load(env: str) -> SimpleNamespace:
         _scorer(task, tuple(sorted(settings.items())))[0]  # bad settings fail here, before a run starts
     except (TypeError, ValueError, AssertionError) as error:
         raise ValueError(f"reasoning-gym task {task!r} refused the settings {settings}: {error}") from error
-    runner = type("AgentRunner", (ReasoningGymEnv,), {
-        "task": task, "settings": tuple(sorted(settings.items())), "answer": answer,
-    })  # fmt: skip
+    runner = type(
+        "AgentRunner",
+        (ReasoningGymEnv,),
+        {
+            "task": task,
+            "settings": tuple(sorted(settings.items())),
+            "answer": answer,
+        },
+    )
 
     def dataset(seed: int) -> Iterator[dict]:
         return _rows(task, settings, system, seed % EVAL_SEED_BASE)
