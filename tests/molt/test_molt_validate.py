@@ -298,6 +298,12 @@ def test_one_gpu_is_enough_the_engine_and_the_actor_share_it(with_cuda, monkeypa
     assert gpu_share(with_kl) == engine_gpus(with_kl) == 0.3333
     assert "--weight-transfer-config" in (args := engine_extra_args(config))
     assert '{"backend": "ipc"}' in args and args[args.index("--gpu-memory-utilization") + 1] == "0.4"
+    from molt._validate import start_notes
+
+    assert any("refits go over CUDA IPC" in note for note in start_notes(config))
+    lora = resolve(["--actor.lora.rank", "8", "--actor.compute_dtype", "bfloat16"])
+    assert refit_backend(lora, on_gpu=True) == "refit_gloo"
+    assert any("LoRA adapter refits go over gloo" in note for note in start_notes(lora))
     for flags, named in [
         (["--actor.num_ranks", "2"], "--actor.num_ranks 2"),
         (["--vllm.tensor_parallel_size", "2"], "more than one engine GPU"),
@@ -314,7 +320,8 @@ def test_gpus_of_their_own_keep_the_nccl_refit(with_cuda, monkeypatch):
     shared = resolve(["--vllm.placement", "shared", "--vllm.gpu_memory_utilization", "0.3"])
     assert shared.vllm.placement == "shared" and engine_memory_utilization(shared) == 0.3
     assert refit_backend(config, on_gpu=False) == "refit_gloo"
-    lora = resolve(["--actor.lora.rank", "8"])  # an adapter goes over refit_gloo, which swaps it in place
+    lora = resolve(["--actor.lora.rank", "8", "--actor.compute_dtype", "bfloat16"])
+    # an adapter goes over refit_gloo, which swaps it in place
     assert refit_backend(lora, on_gpu=True) == "refit_gloo"
 
 
@@ -580,6 +587,18 @@ def test_delta_refit_is_accepted_on_a_cpu(cpu_only):
 def test_lora_that_cannot_run_is_refused(args, says):
     with pytest.raises(ConfigError, match=says):
         resolve(args)
+
+
+def test_float32_lora_is_refused_with_cuda_engines(with_cuda):
+    """vLLM's Triton LoRA kernels assert a bfloat16 or float16 weight (seen on an H200: the engine died at
+    start with float32); the default --model.dtype is float32."""
+    _refused(["--actor.lora.rank", "8"], ["--actor.lora.rank", "--actor.compute_dtype bfloat16"])
+    for args in (["--actor.compute_dtype", "bfloat16"], ["--model.dtype", "bfloat16"]):
+        assert resolve(["--actor.lora.rank", "8", *args]).actor.lora.rank == 8
+
+
+def test_float32_lora_is_accepted_on_a_cpu(cpu_only):
+    assert resolve(["--actor.lora.rank", "8"]).actor.lora.rank == 8
 
 
 def test_lora_rank_below_every_projection_is_accepted():

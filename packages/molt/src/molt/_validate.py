@@ -82,6 +82,11 @@ def _local_gpus() -> int:
     return torch.cuda.device_count()
 
 
+def _actor_dtype(config: Config) -> str:
+    """What the actor computes in and refits send: --actor.compute_dtype, or --model.dtype for `model`."""
+    return config.model.dtype if config.actor.compute_dtype == "model" else config.actor.compute_dtype
+
+
 def validate(config: Config) -> Config:
     """The config with derived values filled; a refused one raises `ConfigError` naming its flags."""
     check_ranges(config)
@@ -120,6 +125,12 @@ def _check_machine(config: Config) -> None:
         raise ConfigError(
             "--refit.delta sends changed elements over the CPU (gloo) refit only; CUDA engines take full "
             "refits over NCCL for now: drop --refit.delta"
+        )
+    if config.actor.lora.rank and _on_gpu() and not config.vllm.urls and _actor_dtype(config) == "float32":
+        raise ConfigError(  # vLLM 0.26's Triton LoRA kernels assert a 16-bit weight
+            "--actor.lora.rank with CUDA engines needs a 16-bit dtype: vLLM's LoRA kernels take bfloat16 "
+            "or float16 only, and the engines would serve float32 (--model.dtype, --actor.compute_dtype): "
+            "pass --actor.compute_dtype bfloat16 (float32 master weights stay) or --model.dtype bfloat16"
         )
     fsdp, ranks = config.fsdp, config.actor.num_ranks
     if ranks % (fsdp.tp_size * fsdp.cp_size):
@@ -164,7 +175,7 @@ def start_notes(config: Config) -> list[str]:
             "optimizer step, so the ratio to the old policy is 1 and the surrogate reduces to pg (the "
             "clip never binds); raise --train.mini_batches for a trust region"
         )
-    actor_dtype = config.model.dtype if config.actor.compute_dtype == "model" else config.actor.compute_dtype
+    actor_dtype = _actor_dtype(config)
     if actor_dtype != "float32" and not config.vllm.urls and not _on_gpu():
         notes.append(
             f"the actor computes in {actor_dtype} but the CPU engine samples in float32: "
@@ -172,8 +183,9 @@ def start_notes(config: Config) -> list[str]:
         )
     if config.vllm.placement == "shared":
         share = engine_memory_utilization(config)
+        refits = "LoRA adapter refits go over gloo" if config.actor.lora.rank else "refits go over CUDA IPC"
         notes.append(
             f"the engine and the actor share one GPU (--vllm.placement shared): the engine takes {share:.0%} "
-            "of its memory (--vllm.gpu_memory_utilization), the actor the rest; refits go over CUDA IPC"
+            f"of its memory (--vllm.gpu_memory_utilization), the actor the rest; {refits}"
         )
     return notes
