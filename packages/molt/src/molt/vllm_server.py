@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -22,10 +23,23 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["VLLMServer", "engine_args", "free_port"]
+__all__ = ["VLLMServer", "engine_args", "first_error", "free_port"]
 
 
 _PORTS = random.SystemRandom()
+# An exception's closing line, after vLLM's optional "(EngineCore pid=N) " and "ERROR date time [file] ".
+_EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR \S+ \S+ \[[^\]]+\] )?[\w.]*(Error|Exception)\b")
+
+
+def first_error(log: str, context: int = 6) -> str:
+    """The first exception a server log names, with the lines above it (the frame that raised). A start
+    that fails in the engine core logs its root cause there, well above the API server's closing
+    traceback, which is all a log's tail shows. Empty when the log names none."""
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        if _EXCEPTION.match(line):
+            return "\n".join(lines[max(0, i - context) : i + 1])
+    return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -143,7 +157,11 @@ class VLLMServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {self.process.returncode}:\n{self.log_tail()}")
+                log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+                raise RuntimeError(
+                    f"vLLM server exited with {self.process.returncode} (whole log: {self.log_path}); the "
+                    f"first error it logged:\n{first_error(log)}\n... its last lines:\n{self.log_tail(20)}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                     if reply.status == 200:

@@ -1,0 +1,43 @@
+"""`molt.vllm_server.first_error`: a failed engine start names its root cause, not only the API server's
+closing traceback. The logs below are real vLLM 0.26 logs, cut short: an engine core that died at start on
+an H200 (LoRA kernels given float32 weights), and an API server that refused its arguments."""
+
+from molt.vllm_server import first_error
+
+_ENGINE_CORE_DIED = """\
+(APIServer pid=1903) WARNING 12-02 13:56:10 [system_utils.py:299] Found ulimit of 20000 and failed to \
+automatically increase with error current limit exceeds maximum limit.
+(EngineCore pid=1936) ERROR 12-02 13:57:12 [core.py:1330] EngineCore failed to start.
+(EngineCore pid=1936) ERROR 12-02 13:57:12 [core.py:1330] Traceback (most recent call last):
+(EngineCore pid=1936) ERROR 12-02 13:57:12 [core.py:1330]   File "lora_expand_op.py", line 183, in _expand
+(EngineCore pid=1936) ERROR 12-02 13:57:12 [core.py:1330]     assert weight.dtype in [torch.float16, ...]
+(EngineCore pid=1936) ERROR 12-02 13:57:12 [core.py:1330]            ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+(EngineCore pid=1936) ERROR 12-02 13:57:12 [core.py:1330] AssertionError
+(EngineCore pid=1936) Process EngineCore:
+(APIServer pid=1903) Traceback (most recent call last):
+(APIServer pid=1903)   File "vllm/v1/engine/utils.py", line 1272, in wait_for_engine_startup
+(APIServer pid=1903)     raise RuntimeError(
+(APIServer pid=1903) RuntimeError: Engine core initialization failed. See root cause above.
+"""
+
+_ARGUMENTS_REFUSED = """\
+INFO 12-02 14:10:01 [utils.py:253] non-default args: {'model': '/tmp/model'}
+Traceback (most recent call last):
+  File "vllm/engine/arg_utils.py", line 1500, in create_model_config
+pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig
+"""
+
+
+def test_the_first_error_is_the_engine_cores_root_cause_with_the_frame_that_raised():
+    found = first_error(_ENGINE_CORE_DIED).splitlines()
+    assert found[-1].endswith("] AssertionError")
+    assert any("assert weight.dtype" in line for line in found)
+    assert not any("Engine core initialization failed" in line for line in found)
+
+
+def test_a_dotted_exception_name_without_a_process_prefix_is_found():
+    assert first_error(_ARGUMENTS_REFUSED).endswith("ValidationError: 1 validation error for ModelConfig")
+
+
+def test_a_log_without_an_exception_gives_nothing():
+    assert first_error("INFO 12-02 14:10:01 [api_server.py:1] Starting vLLM API server\n") == ""
