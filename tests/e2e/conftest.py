@@ -40,3 +40,19 @@ def plain_run(tiny_model_dir, molt_engine, ray_cluster, tmp_path_factory):
     args += ["--train.num_steps", "4", "--logger.run_dir", str(run_dir)]
     result = molt("train", *args, env=ray_cluster.env)
     return SimpleNamespace(dir=run_dir, stderr=result.stderr)
+
+
+@pytest.fixture(scope="session")
+def lora_model_dir(tiny_model_dir, tmp_path_factory):
+    """The session's tiny model with its lm_head scaled by 8, on which adapters alone can move the policy
+    (tests/e2e/test_lora_train.py says why)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    out = tmp_path_factory.mktemp("tiny-lm-head-x8")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out

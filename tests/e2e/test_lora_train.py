@@ -2,11 +2,11 @@
 gloo actor ranks training adapters only; the run's own engine serves one vLLM LoRA adapter, and every
 refit sends the adapters alone and swaps them in.
 
-The model is the session's tiny one with its lm_head scaled by 8. The tiny random model's lm_head rows
-have norm ~0.16 against a final-normed hidden state of norm 8, so its logits stay within about +-1.3
-whatever the adapters do to the hidden state: no word's probability can pass ~10%, and a LoRA run of the
-default recipe on it measured 0.010 -> 0.014 mean reward over 100 steps (entropy 4.73 -> 4.72, the
-vocabulary's log size). Full training learns there because it trains the lm_head itself."""
+The model is the session's tiny one with its lm_head scaled by 8 (`lora_model_dir`). The tiny random
+model's lm_head rows have norm ~0.16 against a final-normed hidden state of norm 8, so its logits stay
+within about +-1.3 whatever the adapters do to the hidden state: no word's probability can pass ~10%, and
+a LoRA run of the default recipe on it measured 0.010 -> 0.014 mean reward over 100 steps (entropy 4.73 ->
+4.72, the vocabulary's log size). Full training learns there because it trains the lm_head itself."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from molt import read_rollouts
 
@@ -28,20 +27,6 @@ NUM_STEPS = 30
 # 0.016 -> 0.198 (this test's flags), entropy 4.07 -> 0.06 (it settles on one of the five words); the
 # async default recipe with these LoRA flags, 100 steps: 0.02 -> 0.20. With the unscaled lm_head: no gain.
 MIN_REWARD_GAIN = 0.08
-
-
-@pytest.fixture(scope="module")
-def lora_model_dir(tiny_model_dir, tmp_path_factory):
-    """The session's tiny model with its lm_head scaled by 8 (module docstring)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    out = tmp_path_factory.mktemp("tiny-lm-head-x8")
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return out
 
 
 def test_the_default_recipe_trains_lora_adapters_with_exact_versions(tmp_path, lora_model_dir, ray_cluster):
