@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 
 from molt._checks import LORA_RANKS
-from molt._placement import engine_gpus, engine_memory_utilization, refit_backend
+from molt._placement import compute_dtype_name, engine_gpus, engine_memory_utilization, refit_backend
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
@@ -81,7 +81,6 @@ def engine_extra_args(config: Config) -> list[str]:
     import torch
 
     import refit
-    from molt._sharding import compute_dtype
 
     backend = refit_backend(config, on_gpu=torch.cuda.is_available())
     vllm = config.vllm
@@ -94,8 +93,8 @@ def engine_extra_args(config: Config) -> list[str]:
     args += ["--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching"]
     if torch.cuda.is_available():
         # The engine samples with the function the trainer computes (invariant 3), and a refit sends
-        # weights in that dtype (molt._sharding.compute_dtype); the CPU engine always runs float32.
-        args += ["--dtype", str(compute_dtype(config)).removeprefix("torch.")]
+        # weights in that dtype (`compute_dtype_name`); the CPU engine always runs float32.
+        args += ["--dtype", compute_dtype_name(config)]
         args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
         args += ["--data-parallel-size", str(vllm.data_parallel_size)]
         args += ["--gpu-memory-utilization", str(engine_memory_utilization(config))]

@@ -24,6 +24,7 @@ from molt.config import Config, ConfigError
 
 __all__ = [
     "check_gpus",
+    "compute_dtype_name",
     "engine_gpus",
     "engine_memory_utilization",
     "extra_groups",
@@ -126,6 +127,13 @@ def engine_memory_utilization(config: Config) -> float:
         if chosen is not None
         else _MEMORY["shared" if config.vllm.placement == "shared" else "separate"]
     )
+
+
+def compute_dtype_name(config: Config) -> str:
+    """The dtype the actor computes in, its engines serve and a refit sends: --actor.compute_dtype, or
+    --model.dtype where that is `model`."""
+    name = config.actor.compute_dtype
+    return config.model.dtype if name == "model" else name
 
 
 def refit_backend(config: Config, *, on_gpu: bool) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from molt._lean import use_lean_modules
+from molt._placement import compute_dtype_name
 from molt.config import Config, LoRA
 
 __all__ = [
@@ -31,8 +32,7 @@ def replicas(config: Config) -> int:
 def compute_dtype(config: Config) -> torch.dtype:
     """--actor.compute_dtype: the policy's forward/backward dtype, which is also the dtype its engines run
     and a refit sends (DESIGN invariant 3); by default the parameters' own dtype (--model.dtype)."""
-    name = config.actor.compute_dtype
-    return getattr(torch, config.model.dtype if name == "model" else name)
+    return getattr(torch, compute_dtype_name(config))
 
 
 def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):

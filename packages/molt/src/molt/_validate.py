@@ -35,7 +35,7 @@ from molt._checks import (
     num_experts,
     on_policy,
 )
-from molt._placement import engine_memory_utilization, extra_groups, resolve_placement
+from molt._placement import compute_dtype_name, engine_memory_utilization, extra_groups, resolve_placement
 from molt.config import Config, ConfigError
 
 __all__ = [
@@ -82,11 +82,6 @@ def _local_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def _actor_dtype(config: Config) -> str:
-    """What the actor computes in and refits send: --actor.compute_dtype, or --model.dtype for `model`."""
-    return config.model.dtype if config.actor.compute_dtype == "model" else config.actor.compute_dtype
-
-
 def validate(config: Config) -> Config:
     """The config with derived values filled; a refused one raises `ConfigError` naming its flags."""
     check_ranges(config)
@@ -126,7 +121,8 @@ def _check_machine(config: Config) -> None:
             "--refit.delta sends changed elements over the CPU (gloo) refit only; CUDA engines take full "
             "refits over NCCL for now: drop --refit.delta"
         )
-    if config.actor.lora.rank and _on_gpu() and not config.vllm.urls and _actor_dtype(config) == "float32":
+    lora_in_float32 = config.actor.lora.rank and compute_dtype_name(config) == "float32"
+    if lora_in_float32 and _on_gpu() and not config.vllm.urls:
         raise ConfigError(  # vLLM 0.26's Triton LoRA kernels assert a 16-bit weight
             "--actor.lora.rank with CUDA engines needs a 16-bit dtype: vLLM's LoRA kernels take bfloat16 "
             "or float16 only, and the engines would serve float32 (--model.dtype, --actor.compute_dtype): "
@@ -175,7 +171,7 @@ def start_notes(config: Config) -> list[str]:
             "optimizer step, so the ratio to the old policy is 1 and the surrogate reduces to pg (the "
             "clip never binds); raise --train.mini_batches for a trust region"
         )
-    actor_dtype = _actor_dtype(config)
+    actor_dtype = compute_dtype_name(config)
     if actor_dtype != "float32" and not config.vllm.urls and not _on_gpu():
         notes.append(
             f"the actor computes in {actor_dtype} but the CPU engine samples in float32: "
