@@ -157,11 +157,7 @@ class VLLMServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-                raise RuntimeError(
-                    f"vLLM server exited with {self.process.returncode} (whole log: {self.log_path}); the "
-                    f"first error it logged:\n{first_error(log)}\n... its last lines:\n{self.log_tail(20)}"
-                )
+                raise RuntimeError(f"vLLM server exited with {self.process.returncode} {self.log_report()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                     if reply.status == 200:
@@ -170,11 +166,17 @@ class VLLMServer:
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"vLLM server not healthy after {self.start_timeout:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"vLLM server not healthy after {self.start_timeout:.0f} s {self.log_report()}")
 
-    def log_tail(self, num_lines: int = 40) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines() if self.log_path.exists() else []
-        return "\n".join(lines[-num_lines:])
+    def log_report(self, num_lines: int = 20) -> str:
+        """Where the server's log is, the first error it names (a failed engine core's root cause) and its
+        last lines."""
+        log = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        tail = "\n".join(log.splitlines()[-num_lines:])
+        return (
+            f"(whole log: {self.log_path}); the first error it logged:\n{first_error(log)}\n"
+            f"... its last lines:\n{tail}"
+        )
 
     def stop(self) -> None:
         """Terminate the whole process group (the server may have children), then reap it."""
