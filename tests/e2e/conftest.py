@@ -4,10 +4,29 @@ runs that must show what a run starts and stops on its own (tests/e2e/test_train
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 from molt_runs import molt, ray_head, reproducible_run_args
+
+MAX_PADDING_FRAC = 0.05  # the actor packs its rows: at most this share of its token slots is padding
+
+
+@pytest.fixture(autouse=True)
+def packed_runs(tmp_path_factory):
+    """After each end-to-end test, every run directory under the session's temporary root logged
+    `actor/padding_frac` at or below MAX_PADDING_FRAC on every step (the runs of session fixtures are
+    checked after the first test that uses them)."""
+    yield
+    for metrics in tmp_path_factory.getbasetemp().rglob("metrics.jsonl"):
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+        padded = {
+            s["step"]: s["actor/padding_frac"]
+            for s in steps
+            if s.get("actor/padding_frac", 0) > MAX_PADDING_FRAC
+        }
+        assert not padded, f"{metrics.parent}: actor/padding_frac above {MAX_PADDING_FRAC} at steps {padded}"
 
 
 @pytest.fixture(scope="session")

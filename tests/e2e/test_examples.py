@@ -82,7 +82,7 @@ def test_visual_question_example_trains(tmp_path, tiny_vl_model_dir, vl_vllm_ser
         "--logger.run_dir", str(run_dir), "--model.path", str(tiny_vl_model_dir),
         "--vllm.urls", vl_vllm_server.url, "--agent.max_turns", "2", "--train.num_steps", "2",
         "--rollout.prompts_per_step", "1", "--rollout.group_size", "3", "--rollout.max_new_tokens", "3",
-        "--actor.num_ranks", "2", "--actor.micro_batch_size", "1",
+        "--actor.num_ranks", "2", "--actor.micro_batch_tokens", "2048",
         "--ray.address", ray_cluster.address, "--logger.tensorboard", "false",
         "--train.rollout_dump_dir", str(run_dir / "rollouts"),
     ]  # fmt: skip

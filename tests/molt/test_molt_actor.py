@@ -1,8 +1,9 @@
 """The policy actor: batch layout and logprob alignment, and the FSDP2 actor on real Ray and gloo.
 
 The actor tests share three groups started once for the module (starting a rank imports AutoModel,
-~20 s): 1 rank at temperature 0.7 with every row in one micro-batch, 2 ranks at temperature 0.7 with
-one row per micro-batch (the two compared by the key test), and 1 rank at temperature 1 with lr 1e-2.
+~20 s): 1 rank at temperature 0.7 with every row in one padded micro-batch, 2 ranks at temperature 0.7
+with about one row per packed micro-batch (the two compared by the key test: padded against packed, one
+rank against two, one budget against another), and 1 rank at temperature 1 with lr 1e-2, packed.
 
 Legend: B sequences, T tokens, V vocabulary.
 """
@@ -19,7 +20,7 @@ import msgspec
 import pytest
 import torch
 
-from molt._batch import TrainBatch, collate, shard_rows, shifted_logprobs
+from molt._batch import TrainBatch, collate, shifted_logprobs
 from molt.config import Config
 from rlestimators import rollout_correction
 
@@ -81,32 +82,26 @@ def test_collate_refuses(sequences, message):
         collate(sequences, pad_id=0)
 
 
-@pytest.mark.parametrize(("num_rows", "world_size"), [(5, 2), (4, 2), (1, 2), (3, 1)])
-def test_shards_are_equal_contiguous_and_rejoin_in_order(num_rows, world_size):
-    batch = collate(_sequences(0, [1.0] * num_rows, lengths=LENGTHS[:num_rows]), pad_id=0)
-    shards = [batch.shard(rank, world_size) for rank in range(world_size)]
-    assert {shard.num_rows for shard in shards} == {math.ceil(num_rows / world_size)}
-    assert all(shard.num_tokens == batch.num_tokens for shard in shards)
-    for name in ("tokens_BT", "loss_mask_BT", "rollout_logp_BT", "advantages_BT"):
-        joined_BT = torch.cat([getattr(shard, name) for shard in shards])
-        torch.testing.assert_close(joined_BT[:num_rows], getattr(batch, name))
-        assert not joined_BT[num_rows:].any()  # padding rows: token 0, nothing trainable
-    assert sum(int(shard.loss_mask_BT.sum()) for shard in shards) == batch.num_tokens
-
-
-def test_shard_rows_refuses_a_rank_outside_the_world():
-    with pytest.raises(ValueError, match="rank must lie"):
-        shard_rows(torch.zeros(2, 3), 2, 2)
-
-
-def test_micro_batches_cover_the_rows_and_keep_the_global_denominator():
+def test_select_keeps_the_rows_asked_for_with_the_columns_they_need():
     batch = collate(_sequences(1, [1.0] * 5), pad_id=0)
-    parts = list(batch.micro_batches(2))
-    assert [mb.num_rows for mb in parts] == [2, 2, 1]
-    assert all(mb.num_tokens == batch.num_tokens for mb in parts)
-    torch.testing.assert_close(torch.cat([mb.tokens_BT for mb in parts]), batch.tokens_BT)
-    with pytest.raises(ValueError, match="micro-batch size"):
-        next(batch.micro_batches(0))
+    part = batch.select([3, 0])  # lengths 6 and 7
+    assert part.tokens_BT.shape == (2, 7) and part.num_tokens == batch.num_tokens
+    assert part.row_lengths == [6, 7]
+    for name in ("tokens_BT", "loss_mask_BT", "rollout_logp_BT", "advantages_BT"):
+        torch.testing.assert_close(getattr(part, name), getattr(batch, name)[[3, 0], :7])
+    empty = batch.select([])  # a rank's or micro-batch's turn in lock-step with nothing to compute
+    assert empty.tokens_BT.shape == (1, 1) and not empty.loss_mask_BT.any()
+
+
+def test_micro_batches_follow_the_plan_or_pack_within_the_budget():
+    batch = collate(_sequences(1, [1.0] * 5), pad_id=0)  # lengths 7, 11, 9, 6, 10
+    planned = batch.micro_batches(16)
+    assert sorted(row for rows in planned for row in rows) == [0, 1, 2, 3, 4]
+    assert all(sum(LENGTHS[row] for row in rows) <= 16 for rows in planned)
+    padded = batch.micro_batches(20, packed=False)
+    assert all(len(rows) * max(LENGTHS[row] for row in rows) <= 20 for rows in padded)
+    given = dataclasses.replace(batch, plan=((4,), (), (0, 1, 2, 3)))
+    assert given.micro_batches(16) == [[4], [], [0, 1, 2, 3]]
 
 
 def test_windows_split_whole_rows_each_with_its_own_denominator():
@@ -115,7 +110,8 @@ def test_windows_split_whole_rows_each_with_its_own_denominator():
     assert [(w.num_rows, rows) for w, rows in windows] == [(2, slice(0, 2)), (3, slice(2, 5))]
     for window, rows in windows:  # each window is one optimizer step: the mean over its own tokens
         assert window.num_tokens == int(batch.loss_mask_BT[rows].sum())
-        torch.testing.assert_close(window.tokens_BT, batch.tokens_BT[rows])
+        num_cols = window.tokens_BT.shape[1]  # the window's longest row
+        torch.testing.assert_close(window.tokens_BT, batch.tokens_BT[rows, :num_cols])
     assert sum(w.num_tokens for w, _ in windows) == batch.num_tokens
     assert batch.windows(1)[0][0].num_tokens == batch.num_tokens
     with pytest.raises(ValueError, match="splits into 1..5 windows, not 6"):
@@ -155,25 +151,37 @@ def test_shifted_logprobs_are_the_logprob_of_each_token_given_its_prefix(tiny_mo
 
 
 def _config(
-    *, temperature: float, micro_batch_size: int, lr: float, warmup_steps: int = 0, loss_kind: str = ""
+    *,
+    temperature: float,
+    budget: int,
+    lr: float,
+    pack: bool = True,
+    warmup_steps: int = 0,
+    loss_kind: str = "",
 ) -> Config:
-    """`loss_kind`: that policy loss with tight clip bounds (0.05); empty: the default loss."""
+    """Micro-batches of `budget` tokens, packed or padded (`pack`). `loss_kind`: that policy loss with
+    tight clip bounds (0.05); empty: the default loss."""
     config = Config()
     loss = msgspec.structs.replace(config.algo.loss, kind=loss_kind or "ppo", clip_low=0.05, clip_high=0.05)
     return msgspec.structs.replace(
         config,
         algo=msgspec.structs.replace(config.algo, loss=loss) if loss_kind else config.algo,
         actor=msgspec.structs.replace(
-            config.actor, lr=lr, micro_batch_size=micro_batch_size, warmup_steps=warmup_steps, grad_clip=1.0
+            config.actor,
+            lr=lr,
+            micro_batch_tokens=budget,
+            pack=pack,
+            warmup_steps=warmup_steps,
+            grad_clip=1.0,
         ),
         rollout=msgspec.structs.replace(config.rollout, temperature=temperature),
     )
 
 
 GROUPS = {  # name: (num_ranks, config)
-    "one_rank": (1, _config(temperature=0.7, micro_batch_size=8, lr=1e-3)),
-    "two_ranks": (2, _config(temperature=0.7, micro_batch_size=1, lr=1e-3)),
-    "t1": (1, _config(temperature=1.0, micro_batch_size=2, lr=1e-2, warmup_steps=2)),
+    "one_rank": (1, _config(temperature=0.7, budget=4096, pack=False, lr=1e-3)),  # padded, one micro-batch
+    "two_ranks": (2, _config(temperature=0.7, budget=12, lr=1e-3)),  # packed, about a row per micro-batch
+    "t1": (1, _config(temperature=1.0, budget=20, lr=1e-2, warmup_steps=2)),  # packed, two rows or so
 }
 
 
@@ -325,7 +333,7 @@ def test_each_loss_kind_gives_its_own_update_once_the_ratio_departs_from_one(gro
     from molt.loop import train_windows
 
     kinds = ("ppo", "gspo", "cispo", "pg")
-    configs = {kind: _config(temperature=1.0, micro_batch_size=8, lr=2e-2, loss_kind=kind) for kind in kinds}
+    configs = {kind: _config(temperature=1.0, budget=4096, lr=2e-2, loss_kind=kind) for kind in kinds}
     with ThreadPoolExecutor(len(kinds)) as pool:
         starts = {kind: pool.submit(PolicyGroup, tiny_model_dir, configs[kind], 1) for kind in kinds}
         started = {kind: start.result() for kind, start in starts.items()}

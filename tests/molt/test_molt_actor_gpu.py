@@ -23,7 +23,7 @@ def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir
     from molt._actor import PolicyWorker
 
     config = msgspec.structs.replace(
-        Config(), actor=Actor(lr=1e-2, micro_batch_size=2), rollout=Rollout(temperature=0.7)
+        Config(), actor=Actor(lr=1e-2, micro_batch_tokens=2048), rollout=Rollout(temperature=0.7)
     )
     worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
     assert (
@@ -90,7 +90,7 @@ def test_compiled_layers_train_as_the_eager_ones(tiny_model_dir):
     for compiled in (False, True):
         config = msgspec.structs.replace(
             Config(),
-            actor=Actor(lr=1e-2, micro_batch_size=2, compile=compiled),
+            actor=Actor(lr=1e-2, micro_batch_tokens=2048, compile="on" if compiled else "off"),
             rollout=Rollout(temperature=0.7),
         )
         worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
@@ -107,3 +107,58 @@ def test_compiled_layers_train_as_the_eager_ones(tiny_model_dir):
         torch.testing.assert_close(after, eager_after, atol=1e-4, rtol=1e-4)
         for name, value in eager_metrics.items():
             assert metrics[name] == pytest.approx(value, rel=1e-3, abs=1e-5), name
+
+
+def _random_batch(seed: int, lengths: list[int]):
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for length in lengths:
+        tokens = torch.randint(4, 100, (length,), generator=gen).tolist()
+        prompt = max(1, length // 3)
+        rows.append((tokens, [0] * prompt + [1] * (length - prompt), [-4.0] * length, float(seed % 3 - 1)))
+    return collate(rows, pad_id=0)
+
+
+def test_packed_varlen_rows_train_as_padded_ones_in_bfloat16_and_compile_few_shapes(tiny_model_dir):
+    """The packed layout's flash varlen attention (16-bit on CUDA) against padded rows: the same logprobs
+    and step, to bfloat16's rounding; compiled layers see few shapes (packed lengths rounded to 256, the
+    longest row to a power of two), so new batches stop compiling after the first few."""
+    from molt._actor import PolicyWorker
+    from molt.config import Model
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        _random_batch(
+            seed,
+            torch.randint(5, 400, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist(),
+        )
+        for seed in range(8)
+    ]
+    results = {}
+    for pack in (False, True):
+        config = msgspec.structs.replace(
+            Config(),
+            model=Model(dtype="bfloat16"),
+            actor=Actor(lr=1e-3, micro_batch_tokens=2048, pack=pack, compile="on"),
+            rollout=Rollout(temperature=0.7),
+        )
+        worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+        assert worker.packed == pack
+        graphs = []
+        runs = []
+        for batch in batches:
+            runs.append((worker.logprobs(batch), worker.train_step(batch)))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        counts = worker.take_pass_counts()
+        results[pack] = runs, graphs, counts
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+    (padded, _, padded_counts), (packed, graphs, packed_counts) = results[False], results[True]
+    for batch, (padded_logp, padded_metrics), (logp, metrics) in zip(batches, padded, packed, strict=True):
+        mask_BT = batch.loss_mask_BT > 0
+        torch.testing.assert_close(logp[mask_BT], padded_logp[mask_BT], atol=3e-2, rtol=0)
+        for name in ("train/policy_loss", "train/entropy"):
+            assert metrics[name] == pytest.approx(padded_metrics[name], rel=3e-2, abs=3e-3), name
+    assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
+    assert packed_counts["slots"] < padded_counts["slots"]  # packing saved slots
+    assert packed_counts["tokens"] == padded_counts["tokens"]

@@ -32,12 +32,12 @@ def _batch(seed: int = 0):
     return collate(rows, pad_id=0)
 
 
-def _config(micro_batch_size: int) -> Config:
+def _config(budget: int) -> Config:
     config = Config()
     algo = msgspec.structs.replace(
         config.algo, critic=msgspec.structs.replace(config.algo.critic, lr=1e-2, value_clip=10.0)
     )
-    actor = msgspec.structs.replace(config.actor, micro_batch_size=micro_batch_size, warmup_steps=1)
+    actor = msgspec.structs.replace(config.actor, micro_batch_tokens=budget, warmup_steps=1)
     return msgspec.structs.replace(config, algo=algo, actor=actor)
 
 
@@ -51,8 +51,8 @@ def groups(tiny_model_dir):
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     starts = {
-        "critic_one": lambda: CriticGroup(tiny_model_dir, _config(8), 1),
-        "critic_two": lambda: CriticGroup(tiny_model_dir, _config(1), 2),
+        "critic_one": lambda: CriticGroup(tiny_model_dir, _config(4096), 1),
+        "critic_two": lambda: CriticGroup(tiny_model_dir, _config(12), 2),
         "policy": lambda: PolicyGroup(tiny_model_dir, Config(), 1),
         "frozen": lambda: PolicyGroup(tiny_model_dir, Config(), 1, trainable=False),
     }

@@ -51,20 +51,20 @@ def test_images_travel_with_their_rows_through_shards_and_micro_batches(processo
     ]
     batch = with_images(collate(rows, pad_id=0), [[_span(1, 4)], [], [_span(1, 4, 70, 56)]], processor)
     assert batch.images[1] is None and batch.images[0].spans == ((1, 4),)
-    shards = [batch.shard(rank, 2) for rank in range(2)]
-    assert [len(shard.images) for shard in shards] == [2, 2]
-    assert shards[1].images[0] is batch.images[2] and shards[1].images[1] is None  # a padding row
-    micro = list(batch.micro_batches(2))
+    part = batch.select([2, 1])
+    assert len(part.images) == 2 and part.images[0] is batch.images[2] and part.images[1] is None
+    assert batch.select([]).images == (None,)  # a rank's empty turn: a row without images
+    micro = [batch.select(rows) for rows in ([0, 1], [2])]
     assert [len(mb.images) for mb in micro] == [2, 1]
     inputs = micro[1].model_inputs(torch.device("cpu"))
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
     assert inputs["mm_token_type_ids"].tolist() == [[0, 1, 1, 1, 1, 0, 0]]
-    assert list(batch.micro_batches(2))[0].model_inputs(torch.device("cpu"))["pixel_values"].shape == (
+    assert micro[0].model_inputs(torch.device("cpu"))["pixel_values"].shape == (
         16,
         1176,
     )
     text_only = collate(rows[1:2], pad_id=0)
-    assert text_only.images == () and text_only.shard(0, 2).images == ()
+    assert text_only.images == () and text_only.select([]).images == ()
     assert text_only.model_inputs(torch.device("cpu")) == {}
 
 

@@ -26,7 +26,7 @@ def test_automodel_vl_worker_on_cuda_matches_transformers_and_trains(tiny_vl_mod
     from molt._actor import PolicyWorker
 
     config = msgspec.structs.replace(
-        Config(), actor=Actor(lr=1e-2, micro_batch_size=2), rollout=Rollout(temperature=0.7)
+        Config(), actor=Actor(lr=1e-2, micro_batch_tokens=2048), rollout=Rollout(temperature=0.7)
     )
     worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_vl_model_dir), config)
     assert type(worker.model).__name__ == "Qwen2VLForConditionalGeneration"

@@ -30,7 +30,7 @@ def _config(temperature: float, entropy_coef: float) -> Config:
     config = Config()
     return msgspec.structs.replace(
         config,
-        actor=msgspec.structs.replace(config.actor, lr=1e-2, micro_batch_size=1),
+        actor=msgspec.structs.replace(config.actor, lr=1e-2, micro_batch_tokens=16),
         algo=msgspec.structs.replace(config.algo, entropy_coef=entropy_coef),
         rollout=msgspec.structs.replace(config.rollout, temperature=temperature),
     )

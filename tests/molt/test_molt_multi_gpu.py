@@ -119,7 +119,7 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, siz
     config = msgspec.structs.replace(
         Config(),
         model=Model(dtype=dtype),
-        actor=Actor(lr=LR, micro_batch_size=2, num_ranks=world_size),
+        actor=Actor(lr=LR, micro_batch_tokens=2048, num_ranks=world_size),
         fsdp=FSDP(ep_size=sizes[0], cp_size=sizes[1], tp_size=sizes[2]),
     )
     worker = PolicyWorker(rank, world_size, "127.0.0.1", port, model_dir, config)
@@ -129,11 +129,16 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, siz
         if "experts" in name
     }
     replicas = sizes[1] * sizes[2]  # the CP and TP ranks of a data-parallel group share its rows
-    shard = _batch().shard(rank // replicas, world_size // replicas)
+    batch, num_shards = _batch(), world_size // replicas
+    per_shard = -(-batch.num_rows // num_shards)  # contiguous blocks of rows, one per data-parallel group
+    shard = batch.select(range(batch.num_rows)[rank // replicas * per_shard :][:per_shard])
     before = worker.full_state()
     logp_BT = worker.logprobs(shard)  # on-policy: each layout's own logprobs, ratio 1
     metrics = worker.train_step(shard, logp_BT)
-    after_logp_BT = worker.logprobs(shard)
+    num_cols = batch.tokens_BT.shape[1]  # every rank's result as wide as the batch, to rejoin them
+    logp_BT, after_logp_BT = (
+        torch.nn.functional.pad(t, (0, num_cols - t.shape[1])) for t in (logp_BT, worker.logprobs(shard))
+    )
     after = worker.full_state()
     result = dict(logp_BT=logp_BT, after_logp_BT=after_logp_BT, metrics=metrics, experts=experts)
     result.update(model_class=type(worker.model).__module__, before=before, after=after)

@@ -61,11 +61,13 @@ def test_segment_routes_become_the_batch_routes_padded_with_minus_one():
     assert (batch.experts_BTLK[0, :7] == 1).all() and (batch.experts_BTLK[0, 7] == -1).all()
     assert (batch.experts_BTLK[1, :4] == 2).all() and (batch.experts_BTLK[1, 4:] == -1).all()
 
-    shards = [batch.shard(rank, 3) for rank in range(3)]  # rank 2 gets a padding row: no routes
-    assert [tuple(s.experts_BTLK.shape) for s in shards] == [(1, 8, LAYERS, TOP_K)] * 3
-    assert (shards[2].experts_BTLK == -1).all()
-    micro = list(batch.micro_batches(1))
-    assert torch.equal(torch.cat([mb.experts_BTLK for mb in micro]), batch.experts_BTLK)
+    empty = batch.select([])  # a rank's empty turn: a row without routes
+    assert empty.experts_BTLK.shape == (1, 1, LAYERS, TOP_K) and (empty.experts_BTLK == -1).all()
+    assert torch.equal(batch.select([1]).experts_BTLK, batch.experts_BTLK[1:, :4])  # its 4 tokens
+    from molt._packing import PackedRows
+
+    packed = PackedRows.of(batch.row_lengths, cuda=False).pack(batch.experts_BTLK, fill=-1)
+    assert torch.equal(packed[0], torch.cat([batch.experts_BTLK[0, :8], batch.experts_BTLK[1, :4]]))
 
     with pytest.raises(RuntimeError, match=r"rows \[1\] have no MoE routes.*--enable-return-routed-experts"):
         with_routes(batch, [segments[0].routes(), None])
@@ -141,7 +143,7 @@ def _replays_the_engines_experts(tmp_path, dense_layers: list[int]) -> None:
     config = msgspec.structs.replace(
         config,
         train=msgspec.structs.replace(config.train, routing_replay=True),
-        actor=msgspec.structs.replace(config.actor, micro_batch_size=1, activation_checkpointing=True),
+        actor=msgspec.structs.replace(config.actor, micro_batch_tokens=8, activation_checkpointing=True),
     )
     worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tmp_path / "trainer"), config)
     try:

@@ -59,7 +59,7 @@ def _refused(args: list[str], flags: list[str]) -> None:
         pytest.param(
             ["--vllm.tensor_parallel_size", "2"], ["--vllm.tensor_parallel_size", "CUDA"], id="engine-tp"
         ),
-        pytest.param(["--actor.compile"], ["--actor.compile", "CUDA"], id="compile"),
+        pytest.param(["--actor.compile", "on"], ["--actor.compile on", "CUDA"], id="compile"),
         pytest.param(["--fsdp.tp_size", "2", "--actor.num_ranks", "2"], ["--fsdp.tp_size", "CUDA"], id="tp"),
         pytest.param(["--fsdp.ep_size", "2", "--actor.num_ranks", "2"], ["--fsdp.ep_size", "CUDA"], id="ep"),
         pytest.param(["--fsdp.offload"], ["--fsdp.offload", "host memory"], id="offload"),
@@ -74,10 +74,28 @@ def test_config_guards_refuse_on_cpu(cpu_only, args, flags):
 
 
 def test_compiled_layers_are_refused_with_routing_replay_or_checkpointing(with_cuda):
-    _refused(["--actor.compile", "--train.routing_replay"], ["--actor.compile", "--train.routing_replay"])
-    both = ["--actor.compile", "--actor.activation_checkpointing"]
-    _refused(both, both)
-    assert resolve(["--actor.compile"]).actor.compile
+    replay = ["--actor.compile", "on", "--train.routing_replay"]
+    _refused(replay, ["--actor.compile on", "--train.routing_replay"])
+    both = ["--actor.compile", "on", "--actor.activation_checkpointing"]
+    _refused(both, ["--actor.compile on", "--actor.activation_checkpointing"])
+    assert resolve(["--actor.compile", "on"]).actor.compile == "on"
+
+
+def test_compile_auto_is_on_with_cuda_unless_checkpointing_or_replay_asks_otherwise():
+    from molt._placement import compiles
+
+    assert compiles(resolve([]), on_gpu=True) and not compiles(resolve([]), on_gpu=False)
+    checkpointing = resolve(["--actor.activation_checkpointing"])
+    assert not compiles(checkpointing, on_gpu=True)
+    assert not compiles(resolve(["--actor.compile", "off"]), on_gpu=True)
+
+
+def test_a_micro_batch_budget_below_the_longest_row_is_refused_naming_both():
+    _refused(
+        ["--actor.micro_batch_tokens", "1000", "--vllm.max_model_len", "1024"],
+        ["--actor.micro_batch_tokens 1000", "--vllm.max_model_len 1024"],
+    )
+    assert resolve(["--actor.micro_batch_tokens", "1024", "--vllm.max_model_len", "1024"])
 
 
 def test_context_parallelism_message_says_why(with_cuda):
@@ -106,7 +124,7 @@ def test_on_policy_without_correction_is_accepted():
         ),
         pytest.param(["--fsdp.tp_size", "0"], ["--fsdp.tp_size"], id="zero-tp"),
         pytest.param(["--vllm.data_parallel_size", "0"], ["--vllm.data_parallel_size"], id="zero-dp"),
-        pytest.param(["--actor.micro_batch_size", "0"], ["--actor.micro_batch_size"], id="micro-batch"),
+        pytest.param(["--actor.micro_batch_tokens", "-1"], ["--actor.micro_batch_tokens"], id="micro-batch"),
         pytest.param(
             ["--ray.address", "10.0.0.1:6379", "--ray.num_cpus", "2"],
             ["--ray.num_cpus", "--ray.address"],
@@ -475,6 +493,8 @@ _CHANGED = {  # a valid value other than the default, where flipping or nudging 
     "logger.wandb_project": "molt-runs",
     "actor.lora.target_modules": "q_proj,v_proj",
     "actor.lora.dropout": "0.1",
+    "actor.micro_batch_tokens": "4096",  # at least --vllm.max_model_len
+    "actor.compile": "off",  # on needs CUDA (refused above)
 }
 
 
@@ -553,6 +573,25 @@ def test_the_run_says_at_start_what_acts_otherwise_than_its_name(cpu_only, args,
     from molt._validate import start_notes
 
     assert any(says in note for note in start_notes(resolve(args)))
+
+
+def test_a_model_that_cannot_pack_is_said_to_pad_at_start(cpu_only, tmp_path, tiny_model_dir):
+    from transformers import Qwen3NextConfig
+
+    from molt._validate import start_notes
+
+    Qwen3NextConfig(layer_types=["linear_attention", "full_attention"], num_hidden_layers=2).save_pretrained(
+        tmp_path
+    )
+    hybrid = msgspec.structs.replace(
+        Config(), model=msgspec.structs.replace(Config().model, path=str(tmp_path))
+    )
+    notes = [note for note in start_notes(hybrid) if "--actor.pack" in note]
+    assert len(notes) == 1 and "qwen3_next (linear_attention layers) carries state" in notes[0]
+    dense = msgspec.structs.replace(
+        hybrid, model=msgspec.structs.replace(hybrid.model, path=str(tiny_model_dir))
+    )
+    assert not [note for note in start_notes(dense) if "--actor.pack" in note]
 
 
 def test_no_start_note_where_the_settings_act_as_named(cpu_only):

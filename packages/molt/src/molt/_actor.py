@@ -1,9 +1,14 @@
 """One rank of the FSDP2 policy actor: `PolicyWorker`, a Ray actor that `molt._group.PolicyGroup` drives.
 
 Each worker holds its shard of the policy (NeMo AutoModel + FSDP2; gloo on CPU, NCCL on GPU) and its
-AdamW state. It recomputes logprobs, runs one optimizer step over its shard of a `TrainBatch` (the
-micro-batch loop the critic shares, `_micro_batch_sums`), and refits vLLM engines. The group shards rows
-over the ranks, fans each call out with Ray and gathers the results in row order.
+AdamW state. It recomputes logprobs, runs one optimizer step over its rows of a `TrainBatch` (the
+micro-batch loop the critic shares, `_micro_batch_sums`), and refits vLLM engines. The group plans the
+rows' micro-batches for all ranks (`molt._packing.plan_micro_batches`: a token budget, balanced by cost),
+fans each call out with Ray and gathers the results in row order. Each micro-batch's rows go through the
+model packed end to end (`molt._packing.PackedRows`, attention within each row) and come back as [B, T]
+per-row tensors, so the loss sees the rows exactly as it would padded; a model that cannot pack runs
+them padded. Every pass counts its tokens, token slots, model FLOPs and seconds (`take_pass_counts`:
+`actor/padding_frac`, `actor/tokens_per_s`, `actor/mfu`).
 
 Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's loss (`molt._objective.step_loss`) is
 divided by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
@@ -26,6 +31,7 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +43,14 @@ from molt._batch import TrainBatch, shifted_logprobs
 from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._objective import step_loss
+from molt._packing import (
+    BF16_PEAK,
+    PackedRows,
+    auto_micro_batch_tokens,
+    model_flops,
+    packing_refusal,
+    use_packed_attention,
+)
 from molt._sharding import (
     adapter_config,
     compute_dtype,
@@ -53,6 +67,13 @@ if TYPE_CHECKING:
     from refit import RoutingReplay
 
 __all__ = ["PolicyWorker"]
+
+
+def _rows_of(tensor_BT: torch.Tensor, rows: list[int], num_cols: int) -> torch.Tensor:
+    """`rows` of a [B, T] tensor, cut to `num_cols` columns; no rows: one zero row (`TrainBatch.select`)."""
+    if not rows:
+        return tensor_BT.new_zeros(1, 1)
+    return tensor_BT[rows, :num_cols]
 
 
 class PolicyWorker:
@@ -90,6 +111,13 @@ class PolicyWorker:
         lora = trainable and self.name == "actor" and config.actor.lora.rank
         self.lora = config.actor.lora if lora else None
         self.model = self._load(str(model_dir), world_size)
+        # --actor.pack: each micro-batch's rows end to end, attention within each (`molt._packing`); a
+        # model that cannot pack runs padded micro-batches.
+        self.packed = config.actor.pack and packing_refusal(self.model.config) is None
+        if self.packed:
+            use_packed_attention(self.model)
+        self.passes = dict.fromkeys(("slots", "tokens", "flops", "seconds"), 0.0)  # since the last report
+        self.num_params = sum(p.numel() for p in self.model.parameters())
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
         self._logprob_head = head if isinstance(head, LogprobHead) else None
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
@@ -97,6 +125,7 @@ class PolicyWorker:
         if not trainable:
             self.model.requires_grad_(False)
             self.model.eval()
+            self.budget = self._token_budget()
             return
         self.model.train()
         sum_gradients_over_ranks(self.model)
@@ -116,6 +145,7 @@ class PolicyWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
         )
+        self.budget = self._token_budget()
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)
@@ -123,25 +153,59 @@ class PolicyWorker:
     def _learning_rate(self) -> float:
         return self.config.actor.lr
 
-    def _forward(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model over `mb`: from the logprob head, log p of each next token [B, T, 1] and the entropy
-        of its distribution [B, T]; for a model without that head (`molt._lean.LogprobHead`), the
-        [B, T, V] logits and None."""
+    def _token_budget(self) -> int:
+        """--actor.micro_batch_tokens, or with 0 the tokens whose activations fit in the memory this rank
+        has free once loaded, less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB
+        of activations on a CPU)."""
+        if self.config.actor.micro_batch_tokens:
+            return self.config.actor.micro_batch_tokens
+        free = 4 * 2**30
+        if self.device.type == "cuda":
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainable)
+            free = torch.cuda.mem_get_info()[0] - 12 * local * (self.optimizer is not None) - 4 * 2**30
+        return auto_micro_batch_tokens(
+            self.model.config,
+            free_bytes=free,
+            dtype_bytes=compute_dtype(self.config).itemsize,
+            checkpointing=self.config.actor.activation_checkpointing,
+            at_least=self.config.vllm.max_model_len,
+        )
+
+    def micro_batch_tokens(self) -> tuple[int, bool]:
+        """This rank's micro-batch budget in tokens, and whether it packs rows (the group plans by both)."""
+        return self.budget, self.packed
+
+    def _layout(self, mb: TrainBatch) -> PackedRows | None:
+        """How `mb`'s rows go into the model: packed end to end, or None (as they are, right padded)."""
+        return PackedRows.of(mb.row_lengths, cuda=self.device.type == "cuda") if self.packed else None
+
+    def _model_outputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over `mb` in its layout, back as [B, T, X] per row: from the logprob head, log p of
+        each next token [B, T, 1] and the entropy of its distribution [B, T]; for a model without that head
+        (`molt._lean.LogprobHead`) or the critic's, the head's outputs and None."""
         from torch.distributed.tensor import DTensor
 
-        # No attention mask: rows are right padded, so causal attention never lets a real token see a pad.
-        # A vision-language policy also gets the rows' images (`TrainBatch.model_inputs`).
-        tokens_BT = mb.tokens_BT.to(self.device)
-        images = mb.model_inputs(self.device)
-        if self._needs_blank_image(mb):
-            tokens_BT, images = self._blank_image_column(tokens_BT)
-        head = self._logprob_head  # the last column's next token wraps to column 0: `_token_stats` drops it
+        layout, num_cols = self._layout(mb), mb.tokens_BT.shape[1]
+        if layout is None:  # right padded: causal attention never lets a real token see a pad
+            tokens_BT, kwargs = mb.tokens_BT.to(self.device), mb.model_inputs(self.device)
+            if self._needs_blank_image(mb):  # vision-language rows get their images
+                tokens_BT, kwargs = self._blank_image_column(tokens_BT)
+            slots = tokens_BT.numel()
+        else:
+            tokens_BT, kwargs = layout.pack(mb.tokens_BT).to(self.device), layout.model_kwargs(self.device)
+            slots = layout.num_packed
+        self.passes["slots"] += slots  # the tokens are counted by the pass (an empty turn has none)
+        head = self._logprob_head  # each row's last next token is another row's or a wrap: never trained
         with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
-            out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **images).logits
+            out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **kwargs).logits
             entropy_BT = None if head is None else head.entropy_BT
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
         out_BTX = out_BTX.full_tensor() if isinstance(out_BTX, DTensor) else out_BTX
-        num_cols = mb.tokens_BT.shape[1]  # a blank image's column, if any, dropped
+        if layout is not None:
+            out_BTX = layout.unpack(out_BTX, num_cols)
+            entropy_BT = None if entropy_BT is None else layout.unpack(entropy_BT, num_cols)
+        # a blank image's column, if any, dropped
         return out_BTX[:, :num_cols], None if entropy_BT is None else entropy_BT[:, :num_cols]
 
     def _token_stats(
@@ -150,7 +214,7 @@ class PolicyWorker:
         """Per token t of `mb`: log p(token t | tokens before t) at the sampling temperature, and with
         `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0."""
         temperature = self.config.rollout.temperature
-        out_BTX, entropy_next_BT = self._forward(mb)
+        out_BTX, entropy_next_BT = self._model_outputs(mb)
         if entropy_next_BT is not None:  # the head gave them: no [B, T, V] logits exist
             logp_BT = torch.nn.functional.pad(out_BTX[:, :-1, 0], (1, 0))
         else:
@@ -177,8 +241,10 @@ class PolicyWorker:
         if self.replay is None or mb.experts_BTLK is None:
             yield None
             return
-        experts_BTLK = mb.experts_BTLK
-        if self._needs_blank_image(mb):  # its extra column is routed by the router
+        experts_BTLK, layout = mb.experts_BTLK, self._layout(mb)
+        if layout is not None:  # the routers see the packed tokens
+            experts_BTLK = layout.pack(experts_BTLK, fill=-1)
+        elif self._needs_blank_image(mb):  # its extra column is routed by the router
             experts_BTLK = torch.nn.functional.pad(experts_BTLK, (0, 0, 0, 0, 0, 1), value=-1)
         with self.replay.replay(experts_BTLK.to(self.device)):
             yield self.replay
@@ -207,14 +273,46 @@ class PolicyWorker:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
-        logp_BT = []
         training = self.model.training
         self.model.eval()  # no --actor.lora.dropout: these are the policy's own logprobs
-        for mb in batch.micro_batches(self.config.actor.micro_batch_size):
-            with self._routes(mb):
-                logp_BT.append(self._token_stats(mb)[0])
+        logp_BT = self._per_micro_batch(batch, self._logprobs_of)
         self.model.train(training)
-        return torch.cat(logp_BT).cpu()
+        return logp_BT
+
+    def _logprobs_of(self, mb: TrainBatch) -> torch.Tensor:
+        with self._routes(mb):
+            return self._token_stats(mb)[0]
+
+    def _per_micro_batch(self, batch: TrainBatch, compute) -> torch.Tensor:
+        """`compute(micro-batch)` [b, t] over each planned micro-batch, back in `batch`'s rows [B, T] on
+        the CPU; the pass's tokens, slots and seconds are counted (`take_pass_counts`)."""
+        started = time.perf_counter()
+        out_BT = torch.zeros(batch.tokens_BT.shape)
+        for rows in batch.micro_batches(self.budget, packed=self.packed):
+            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
+            mb = batch.select(rows)
+            values_BT = compute(mb).float().cpu()
+            if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
+                num_cols = values_BT.shape[1]
+                inside_BT = torch.arange(num_cols) < mb.lengths_B[:, None]
+                out_BT[rows, :num_cols] = values_BT * inside_BT
+        self._count_pass(batch, started, backward=False)
+        return out_BT
+
+    def _count_pass(self, batch: TrainBatch, started: float, *, backward: bool) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.passes["seconds"] += time.perf_counter() - started
+        lengths = [n for n in batch.row_lengths if n]
+        self.passes["flops"] += model_flops(lengths, self.model.config, self.num_params, backward=backward)
+
+    def take_pass_counts(self) -> dict[str, float]:
+        """The tokens, token slots, model FLOPs and seconds of this rank's passes since the last call."""
+        counts, self.passes = self.passes, dict.fromkeys(self.passes, 0.0)
+        bf16 = compute_dtype(self.config) == torch.bfloat16 and self.device.type == "cuda"
+        name = torch.cuda.get_device_name() if bf16 else ""
+        peaks = [peak for gpu, peak in BF16_PEAK.items() if gpu in name]
+        return {**counts, "peak_flops": peaks[0] if peaks else 0.0}
 
     def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
         """One micro-batch: the policy's logprobs and entropies, its loss (`molt._objective.step_loss`)
@@ -242,24 +340,28 @@ class PolicyWorker:
         return sums
 
     def _micro_batch_sums(self, batch: TrainBatch, loss_of, *tensors_BT) -> dict[str, float]:
-        """Forward and backward of each micro-batch of this rank's rows through `loss_of(mb, *its rows of
-        tensors_BT)` (None stays None), which returns metric numerators: their sums over the micro-batches
-        and all ranks. The policy's step and the critic's (`molt._critic`) both run it."""
+        """Forward and backward of each planned micro-batch of this rank's rows through `loss_of(mb, *its
+        rows of tensors_BT)` (None stays None), which returns metric numerators: their sums over the
+        micro-batches and all ranks. The policy's step and the critic's (`molt._critic`) both run it."""
         from torch.distributed.fsdp import FSDPModule
 
-        size = self.config.actor.micro_batch_size
-        micro_batches = list(batch.micro_batches(size))
-        splits = [[None] * len(micro_batches) if t_BT is None else t_BT.split(size) for t_BT in tensors_BT]
+        started = time.perf_counter()
+        plan = batch.micro_batches(self.budget, packed=self.packed)
         totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
         one_rank = dist.get_world_size() == 1
-        for index, (mb, *rows_BT) in enumerate(zip(micro_batches, *splits, strict=True)):
+        for index, rows in enumerate(plan):
             # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
             # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
             # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
             if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
-            for name, value in loss_of(mb, *rows_BT).items():
+                self.model.set_requires_gradient_sync(one_rank or index == len(plan) - 1)
+            mb = batch.select(rows)
+            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
+            num_cols = mb.tokens_BT.shape[1]
+            mb_tensors = [None if t is None else _rows_of(t, rows, num_cols) for t in tensors_BT]
+            for name, value in loss_of(mb, *mb_tensors).items():
                 totals[name] = totals[name] + value if name in totals else value
+        self._count_pass(batch, started, backward=True)
         sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
         dist.all_reduce(sums_K)  # SUM over ranks
         return dict(zip(totals, sums_K.tolist(), strict=True))

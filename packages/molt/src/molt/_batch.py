@@ -1,29 +1,29 @@
 """One optimizer step's training data as CPU tensors, and how it is split over ranks and micro-batches.
 
-A `TrainBatch` is what the trainer hands the policy actor: right-padded token rows, the loss mask (1 only
-where the engine sampled the token, DESIGN invariant 1), the engine's logprob of each sampled token and
-each token's advantage. `num_tokens` is the ONE loss denominator of the step (DESIGN §6): the trainable
-tokens of the whole window. Splitting a batch over ranks (`shard`) or micro-batches (`micro_batches`)
-keeps it unchanged, which is what makes the update independent of the split.
+A `TrainBatch` is what the trainer hands the policy actor: right-padded token rows with each row's
+length, the loss mask (1 only where the engine sampled the token, DESIGN invariant 1), the engine's
+logprob of each sampled token and each token's advantage. `num_tokens` is the ONE loss denominator of the
+step (DESIGN §6): the trainable tokens of the whole window. Splitting a batch over ranks or micro-batches
+(`select`, by the plan of `molt._packing`) keeps it unchanged, which is what makes the update independent
+of the split. The padding here is the driver's bookkeeping only: the actor's forward packs each
+micro-batch's rows without it (`molt._packing`).
 
 Alignment: column t of every `_BT` tensor describes `tokens_BT[:, t]`; a logprob in column t is
 log p(token t | tokens before t), so column 0 is never trainable. `shifted_logprobs` computes that from
 logits of the full row by shifting the token ids (not by slicing the logits, which would copy them).
 
-Uneven splits: FSDP2 ranks run their forward passes in lock-step (every forward all-gathers), so every
-rank must get the same number of rows. `shard` therefore pads the batch with all-masked rows of token 0
-(they add nothing to any loss or metric) rather than refusing a batch whose size the world size does not
-divide; a batch smaller than the world size works the same way. The padding rows come after the last
-real row, so concatenating the shards in rank order and keeping the first `num_rows` rows restores it.
+Lock-step: FSDP2 ranks run their forward passes in lock-step (every forward all-gathers), so every rank
+runs the same number of micro-batches; one with no rows to compute (a batch smaller than the world, say)
+runs `select([])`, one all-masked token 0 that adds nothing to any loss or metric.
 
 Images (a vision-language policy): each row may carry `RowImages`, the pixel inputs of the images in
 its token trace, made by the model's processor from the image bytes the engine saw (`with_images`),
 and checked there against the engine's placeholder expansion. They travel with their row through
-`shard` and `micro_batches`; `model_inputs` turns a (micro-)batch's into the model's keyword arguments.
+`select`; `model_inputs` turns a (micro-)batch's into the model's keyword arguments.
 
 MoE routes (`--train.routing_replay`): `experts_BTLK` holds, per token, the experts the engine routed it
 to in each decoder layer (`with_routes`, from the segments' routes); -1 where there is no route (the
-last sampled token, right padding, shard padding rows), which leaves those tokens to the router.
+last sampled token, right padding, empty turns), which leaves those tokens to the router.
 
 Legend: B sequences, T tokens, V vocabulary, P image patches, I images, L decoder layers, K experts
 per token.
@@ -34,8 +34,7 @@ from __future__ import annotations
 import base64
 import io
 import itertools
-import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -47,24 +46,11 @@ __all__ = [
     "explained_variance",
     "last_token_rewards",
     "row_images",
-    "shard_rows",
     "shifted_logprobs",
     "whitened",
     "with_images",
     "with_routes",
 ]
-
-
-def shard_rows(tensor_BT: torch.Tensor, rank: int, world_size: int, *, fill: int = 0) -> torch.Tensor:
-    """Rank `rank`'s contiguous block of ceil(B / world_size) rows, padded with `fill` rows to that size."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, {world_size}), got {rank}")
-    rows_per_rank = math.ceil(tensor_BT.shape[0] / world_size)
-    block_BT = tensor_BT[rank * rows_per_rank : (rank + 1) * rows_per_rank]
-    missing = rows_per_rank - block_BT.shape[0]
-    if missing == 0:
-        return block_BT
-    return torch.cat([block_BT, block_BT.new_full((missing, *tensor_BT.shape[1:]), fill)])
 
 
 @dataclass(frozen=True)
@@ -97,6 +83,11 @@ class TrainBatch:
     """Per row, its images (None: a row without any); empty for a text-only batch."""
     experts_BTLK: torch.Tensor | None = None
     """int16, the engine's MoE route of each token (module docstring); None without routing replay."""
+    lengths_B: torch.Tensor | None = None
+    """int64, each row's tokens (the rest of its columns are padding); None: every column is a token."""
+    plan: tuple[tuple[int, ...], ...] = ()
+    """This rank's micro-batches as row indices (`molt._packing.plan_micro_batches`, made by the group
+    for all ranks at once); empty: planned by `micro_batches` for one rank."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.tokens_BT.shape)
@@ -113,19 +104,47 @@ class TrainBatch:
             raise ValueError(
                 f"experts_BTLK must be [{shape[0]}, {shape[1]}, L, K], got {tuple(experts.shape)}"
             )
+        lengths = self.lengths_B
+        if lengths is not None and (lengths.shape != (shape[0],) or bool((lengths > shape[1]).any())):
+            raise ValueError(f"lengths_B must hold one length <= {shape[1]} per row ({shape[0]})")
 
     @property
     def num_rows(self) -> int:
         return self.tokens_BT.shape[0]
 
-    def _rows(self, select, start: int, count: int) -> TrainBatch:
-        """`select(tensor, fill)` applied to every per-row tensor; the images of rows start .. start +
-        count (padding rows past the end have none, and no routes)."""
-        tensors = {f.name: select(getattr(self, f.name), 0) for f in fields(self) if f.name.endswith("_BT")}
-        images = self.images[start : start + count]
-        images += (None,) * (count - len(images)) if self.images else ()
-        experts = None if self.experts_BTLK is None else select(self.experts_BTLK, -1)
-        return TrainBatch(**tensors, num_tokens=self.num_tokens, images=images, experts_BTLK=experts)
+    @property
+    def row_lengths(self) -> list[int]:
+        """Each row's number of tokens."""
+        if self.lengths_B is None:
+            return [self.tokens_BT.shape[1]] * self.num_rows
+        return self.lengths_B.tolist()
+
+    def select(self, rows: Sequence[int]) -> TrainBatch:
+        """Rows `rows`, in that order, with the columns their longest needs (no plan, the same
+        `num_tokens`). No rows: one row of one all-masked token 0, which adds nothing to any loss or
+        metric, for a rank or micro-batch that must run a forward in lock-step with the others."""
+        if not rows:
+            experts = self.experts_BTLK
+            return TrainBatch(
+                torch.zeros(1, 1, dtype=torch.int64),
+                *(torch.zeros(1, 1) for _ in range(3)),
+                num_tokens=self.num_tokens,
+                images=(None,) if self.images else (),
+                experts_BTLK=None if experts is None else experts.new_full((1, 1, *experts.shape[2:]), -1),
+                lengths_B=torch.ones(1, dtype=torch.int64),
+            )
+        index = torch.tensor(list(rows), dtype=torch.int64)
+        num_cols = max(self.row_lengths[row] for row in rows)
+        tensors = {
+            f.name: getattr(self, f.name)[index, :num_cols] for f in fields(self) if f.name.endswith("_BT")
+        }
+        return TrainBatch(
+            **tensors,
+            num_tokens=self.num_tokens,
+            images=tuple(self.images[row] for row in rows) if self.images else (),
+            experts_BTLK=None if self.experts_BTLK is None else self.experts_BTLK[index, :num_cols],
+            lengths_B=torch.tensor([self.row_lengths[row] for row in rows], dtype=torch.int64),
+        )
 
     def check_step(self, **tensors_BT: torch.Tensor | None) -> None:
         """Refuse an optimizer step over these rows that has no trainable token, or is given a per-row
@@ -137,23 +156,14 @@ class TrainBatch:
         if self.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
 
-    def shard(self, rank: int, world_size: int) -> TrainBatch:
-        """Rank `rank`'s contiguous rows, padded with all-masked rows so that every rank gets
-        ceil(B / world_size) of them (module docstring). `num_tokens` stays the global count."""
-        rows_per_rank = math.ceil(self.num_rows / world_size)
-        return self._rows(
-            lambda tensor, fill: shard_rows(tensor, rank, world_size, fill=fill),
-            rank * rows_per_rank,
-            rows_per_rank,
-        )
+    def micro_batches(self, budget: int, *, packed: bool = True) -> list[list[int]]:
+        """This batch's micro-batches as row indices: its `plan`, or planned here for one rank within
+        `budget` tokens (`molt._packing.plan_micro_batches`)."""
+        from molt._packing import plan_micro_batches
 
-    def micro_batches(self, size: int) -> Iterator[TrainBatch]:
-        """Consecutive blocks of `size` rows (the last may be smaller), each with the global `num_tokens`."""
-        if size < 1:
-            raise ValueError(f"micro-batch size must be >= 1, got {size}")
-        for start in range(0, self.num_rows, size):
-            count = min(size, self.num_rows - start)
-            yield self._rows(lambda tensor, _fill, start=start: tensor[start : start + size], start, count)
+        if self.plan:
+            return [list(rows) for rows in self.plan]
+        return plan_micro_batches(self.row_lengths, num_ranks=1, budget=budget, packed=packed)[0]
 
     def windows(self, count: int) -> list[tuple[TrainBatch, slice]]:
         """The batch as `count` optimizer-step windows (`--train.mini_batches`): contiguous blocks of
@@ -166,10 +176,9 @@ class TrainBatch:
         bounds = [round(i * self.num_rows / count) for i in range(count + 1)]
         windows = []
         for start, stop in itertools.pairwise(bounds):
-            rows = slice(start, stop)
-            window = self._rows(lambda tensor, _fill, rows=rows: tensor[rows], start, stop - start)
+            window = self.select(range(start, stop))
             num_tokens = int((window.loss_mask_BT != 0).sum())
-            windows.append((replace(window, num_tokens=num_tokens), rows))
+            windows.append((replace(window, num_tokens=num_tokens), slice(start, stop)))
         return windows
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -215,7 +224,8 @@ def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]]
         mask_BT[row, :num] = torch.tensor(loss_mask, dtype=torch.float32) != 0
         logp_BT[row, :num] = torch.tensor(logprobs, dtype=torch.float32) * mask_BT[row, :num]
         adv_BT[row, :num] = float(advantage) * mask_BT[row, :num]
-    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens=int(mask_BT.sum()))
+    lengths_B = torch.tensor([len(token_ids) for token_ids, *_ in sequences], dtype=torch.int64)
+    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens=int(mask_BT.sum()), lengths_B=lengths_B)
 
 
 def row_images(spans: list, processor) -> RowImages | None:

@@ -76,20 +76,19 @@ class CriticWorker(PolicyWorker):
     def _learning_rate(self) -> float:
         return self.config.algo.critic.lr
 
-    def _values(self, tokens_BT: torch.Tensor) -> torch.Tensor:
-        head_BT = self.model(input_ids=tokens_BT.to(self.device), use_cache=False).logits[..., 0]
+    def _values(self, mb: TrainBatch) -> torch.Tensor:
+        head_BT = self._model_outputs(mb)[0][..., 0]  # in the policy's micro-batch layout (packed or not)
         return torch.nn.functional.pad(head_BT[:, :-1], (1, 0)).float()  # value of token t's state
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """V(state before token t) for every column, [B, T] float32 on the CPU."""
-        size = self.config.actor.micro_batch_size
-        return torch.cat([self._values(mb.tokens_BT) for mb in batch.micro_batches(size)]).cpu()
+        return self._per_micro_batch(batch, self._values)
 
     def _value_loss(self, mb: TrainBatch, old_values_BT, returns_BT) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
         mask_BT = mb.loss_mask_BT.to(self.device)
-        values_BT = self._values(mb.tokens_BT)
+        values_BT = self._values(mb)
         loss_sum, metrics = value_loss(
             values_BT,
             old_values_BT.to(self.device),
@@ -140,4 +139,4 @@ class CriticGroup(PolicyGroup):
     ) -> dict[str, float]:
         """One critic optimizer step over the whole batch; returns the global metrics."""
         batch.check_step(old_values_BT=old_values_BT, returns_BT=returns_BT)
-        return self._each("train_step", *self._row_shards(batch, old_values_BT, returns_BT))[0]
+        return self._each("train_step", *self._row_shards(batch, old_values_BT, returns_BT)[1])[0]

@@ -12,13 +12,15 @@ Legend: B sequences, T tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 import torch
 
 from molt._actor import PolicyWorker
-from molt._batch import TrainBatch, shard_rows
+from molt._batch import TrainBatch
+from molt._packing import plan_micro_batches
 from molt._placement import gpu_share, refit_backend
 from molt._sharding import replicas
 from molt.config import Config
@@ -68,6 +70,7 @@ class PolicyGroup:
         self.num_ranks = num_ranks
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas
+        self.layout: tuple[int, bool] | None = None  # the ranks' micro-batch budget and packing (`_plan`)
         self.master_addr = ray.util.get_node_ip_address()
         port = free_port(self.master_addr)
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
@@ -116,19 +119,61 @@ class PolicyGroup:
             [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
         )
 
-    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> list[tuple]:
-        """Each rank's arguments: its data-parallel shard of `batch` and of each [B, T] tensor (None stays
-        None). The ranks of one data-parallel coordinate get the same rows (module docstring)."""
-        world = self.dp_size
-        return [
-            (batch.shard(dp, world), *(None if t is None else shard_rows(t, dp, world) for t in tensors_BT))
-            for dp in (rank // self.replicas for rank in range(self.num_ranks))
-        ]
+    def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
+        """Each data-parallel rank's micro-batches of `batch`'s rows (`molt._packing`), by the ranks'
+        budget (the smallest, should their free memory differ) and whether the model packs."""
+        import ray
+
+        if self.layout is None:  # asked once the ranks are up
+            budgets, packed = zip(
+                *ray.get([w.micro_batch_tokens.remote() for w in self.workers]), strict=True
+            )
+            self.layout = min(budgets), packed[0]
+        budget, packed = self.layout
+        return plan_micro_batches(batch.row_lengths, num_ranks=self.dp_size, budget=budget, packed=packed)
+
+    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> tuple[list, list[tuple]]:
+        """Each data-parallel rank's rows (`_plan`), and each rank's arguments: those rows of `batch`,
+        with their micro-batches, and of each [B, T] tensor (None stays None). The ranks of one data-
+        parallel coordinate get the same rows (module docstring)."""
+        ranks_rows, shards = [], []
+        for micro_batches in self._plan(batch):
+            rows = [row for mb in micro_batches for row in mb]
+            local = iter(range(len(rows)))
+            plan = tuple(tuple(next(local) for _ in mb) for mb in micro_batches)
+            shard = dataclasses.replace(batch.select(rows), plan=plan)
+            num_cols = shard.tokens_BT.shape[1]
+            cut = [
+                None if t is None else (t[rows, :num_cols] if rows else t.new_zeros(1, 1)) for t in tensors_BT
+            ]
+            ranks_rows.append(rows)
+            shards.append((shard, *cut))
+        return ranks_rows, [shards[rank // self.replicas] for rank in range(self.num_ranks)]
 
     def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
         """`method`'s [B, T] result for every row of `batch`, gathered in row order."""
-        shards = self._each(method, *self._row_shards(batch))
-        return torch.cat(shards[:: self.replicas])[: batch.num_rows]
+        ranks_rows, shards = self._row_shards(batch)
+        results = self._each(method, *shards)[:: self.replicas]
+        out_BT = torch.zeros(batch.tokens_BT.shape)
+        for rows, result_BT in zip(ranks_rows, results, strict=True):
+            if rows:
+                out_BT[rows, : result_BT.shape[1]] = result_BT
+        return out_BT
+
+    def pass_metrics(self) -> dict[str, float]:
+        """`actor/padding_frac` (token slots that held padding), `actor/tokens_per_s` and, on a GPU of
+        known peak computing in bfloat16, `actor/mfu` (model FLOPs over peak FLOPs), over the passes this
+        group ran since the last call; the TP ranks of a data-parallel group count once."""
+        counts = self._each("take_pass_counts", *[()] * self.num_ranks)[:: self.replicas]
+        slots, tokens = sum(c["slots"] for c in counts), sum(c["tokens"] for c in counts)
+        seconds = max(c["seconds"] for c in counts)
+        if not slots or not seconds:
+            return {}
+        metrics = {"actor/padding_frac": 1 - tokens / slots, "actor/tokens_per_s": tokens / seconds}
+        if counts[0]["peak_flops"]:
+            flops = sum(c["flops"] for c in counts)
+            metrics["actor/mfu"] = flops / (seconds * counts[0]["peak_flops"] * len(counts))
+        return metrics
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Logprobs of every row of `batch`, [B, T], in row order."""
@@ -143,7 +188,7 @@ class PolicyGroup:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
         says what the arguments mean)."""
         batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
-        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)
+        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)[1]
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
     def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:

@@ -24,6 +24,7 @@ from molt.config import Config, ConfigError
 
 __all__ = [
     "check_gpus",
+    "compiles",
     "compute_dtype_name",
     "engine_gpus",
     "engine_memory_utilization",
@@ -134,6 +135,15 @@ def compute_dtype_name(config: Config) -> str:
     --model.dtype where that is `model`."""
     name = config.actor.compute_dtype
     return config.model.dtype if name == "model" else name
+
+
+def compiles(config: Config, *, on_gpu: bool) -> bool:
+    """Whether the actor compiles its decoder layers: --actor.compile on, or auto on CUDA without
+    activation checkpointing or routing replay (which compiled layers do not combine with)."""
+    actor = config.actor
+    if actor.compile != "auto":
+        return actor.compile == "on"
+    return on_gpu and not actor.activation_checkpointing and not config.train.routing_replay
 
 
 def refit_backend(config: Config, *, on_gpu: bool) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from molt._lean import use_lean_modules
-from molt._placement import compute_dtype_name
+from molt._placement import compiles, compute_dtype_name
 from molt.config import Config, LoRA
 
 __all__ = [
@@ -134,7 +134,7 @@ def load_model(
     use_lean_modules(model, config)  # the same function in less memory (`molt._lean`)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
         shard_one_rank(model, setup.strategy_config, device)
-    if config.actor.compile:
+    if compiles(config, on_gpu=device.type == "cuda"):
         compile_layers(model)
     return model
 

@@ -62,7 +62,6 @@ _CUDA_ONLY = {
     "vllm.mtp_num_speculative_tokens": "the CPU engine runs without speculative decoding",
     "fsdp.tp_size": "the CPU actor runs FSDP2 data parallelism only (TP needs AutoModel's CUDA loader)",
     "fsdp.ep_size": "the CPU actor runs FSDP2 data parallelism only (EP needs AutoModel's CUDA loader)",
-    "actor.compile": "the CPU actor trains small models in eager mode",
     "train.routing_replay": "vLLM captures routed experts in its GPU model runner only (use "
     "--actor.freeze_moe_router on a CPU)",
 }
@@ -139,14 +138,25 @@ def _check_machine(config: Config) -> None:
             f"--fsdp.ep_size {fsdp.ep_size} must divide --actor.num_ranks {ranks}: expert-parallel groups "
             "are carved out of the actor's ranks"
         )
-    if config.actor.compile and config.actor.activation_checkpointing:
+    budget, longest = config.actor.micro_batch_tokens, config.vllm.max_model_len
+    if 0 < budget < longest:
         raise ConfigError(
-            "--actor.compile with --actor.activation_checkpointing: AutoModel's checkpoint wrapper passes "
+            f"--actor.micro_batch_tokens {budget} is smaller than the longest row the run can produce, "
+            f"--vllm.max_model_len {longest}: raise it to at least {longest} (or 0, sized from free memory)"
+        )
+    if config.actor.compile == "on" and not _on_gpu():
+        raise ConfigError(
+            "--actor.compile on needs CUDA, and this machine has none: the CPU actor trains in eager "
+            "mode; drop it"
+        )
+    if config.actor.compile == "on" and config.actor.activation_checkpointing:
+        raise ConfigError(
+            "--actor.compile on with --actor.activation_checkpointing: AutoModel's checkpoint wrapper passes "
             "torch.utils.checkpoint a context that torch.compile refuses; drop one of the two"
         )
-    if config.actor.compile and config.train.routing_replay:
+    if config.actor.compile == "on" and config.train.routing_replay:
         raise ConfigError(
-            "--actor.compile with --train.routing_replay: replay swaps each router's choice per call from "
+            "--actor.compile on with --train.routing_replay: replay swaps each router's choice per call from "
             "Python hooks, which compiled layers are not tested to follow; drop one of the two"
         )
 
@@ -171,6 +181,14 @@ def start_notes(config: Config) -> list[str]:
             "optimizer step, so the ratio to the old policy is 1 and the surrogate reduces to pg (the "
             "clip never binds); raise --train.mini_batches for a trust region"
         )
+    if config.actor.pack and config.model.path:  # the tiny default model packs
+        from transformers import AutoConfig
+
+        from molt._packing import packing_refusal
+
+        refusal = packing_refusal(AutoConfig.from_pretrained(config.model.path))
+        if refusal:
+            notes.append(f"the actor pads its micro-batches (--actor.pack): {refusal}")
     actor_dtype = compute_dtype_name(config)
     if actor_dtype != "float32" and not config.vllm.urls and not _on_gpu():
         notes.append(

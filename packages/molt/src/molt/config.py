@@ -122,14 +122,20 @@ class Actor(_Group):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward pass; does not change the update."""
+    micro_batch_tokens: int = 0
+    """Tokens per forward/backward pass (a micro-batch's packed rows, or its padded slots for a model that
+    cannot pack); does not change the update. At least --vllm.max_model_len; 0 = sized from the memory
+    the actor has free once loaded (`molt._packing.auto_micro_batch_tokens`; 4 GiB of activations on a
+    CPU)."""
+    pack: bool = True
+    """Lay each micro-batch's rows end to end without padding, attention within each row (varlen on CUDA);
+    false pads rows to the micro-batch's longest. Models that cannot pack are padded either way."""
     activation_checkpointing: bool = False
-    """Recompute activations in the backward pass to save memory."""
-    compile: bool = False
+    """Recompute activations in the backward pass to save memory (then --actor.compile auto is off)."""
+    compile: Literal["auto", "on", "off"] = "auto"
     """Compile each decoder layer with torch.compile (CUDA only): its elementwise work (norms, rotary
-    embeddings, activations, casts) fuses into fewer kernels. The first steps of each new row length pay
-    the compilation."""
+    embeddings, activations, casts) fuses into fewer kernels. auto = on with CUDA unless activation
+    checkpointing or routing replay is on; the first steps of new packed lengths pay the compilation."""
     compute_dtype: Literal["model", "float32", "bfloat16"] = "model"
     """dtype of the forward and backward passes and of the weights a refit sends; model = --model.dtype.
     --model.dtype float32 with bfloat16 here keeps float32 master weights and optimizer state (FSDP2 mixed

@@ -64,6 +64,8 @@ REQUIRED_METRICS = frozenset(
         "pool/dropped_stale",
         "pool/dropped_stale_rate",
         "pool/filtered",
+        "actor/padding_frac",
+        "actor/tokens_per_s",
         "timing/generation",
         "timing/policy_train",
         "timing/broadcast",
@@ -167,6 +169,7 @@ async def run_steps(config: Config, run: Run) -> None:
         if critic_args is not None:  # the critic's steps run beside the policy's
             steps.append(asyncio.to_thread(train_windows, run.critic, windows, *critic_args))
         train_metrics = {name: v for metrics in await asyncio.gather(*steps) for name, v in metrics.items()}
+        train_metrics |= await asyncio.to_thread(policy.pass_metrics)  # actor/padding_frac, tokens_per_s
         train_s = time.monotonic() - train_started
 
         broadcast_started = time.monotonic()
@@ -217,7 +220,9 @@ def train_windows(group, windows: list[tuple[TrainBatch, slice]], *tensors_BT) -
     rows of the [B, T] `tensors_BT` (None stays None). Metrics: the windows' token-weighted mean; the
     learning rate is the first step's."""
     results = [
-        group.train_step(window, *(None if t_BT is None else t_BT[rows] for t_BT in tensors_BT))
+        group.train_step(
+            window, *(None if t is None else t[rows, : window.tokens_BT.shape[1]] for t in tensors_BT)
+        )
         for window, rows in windows
     ]
     weights = [window.num_tokens for window, _ in windows]

@@ -1,0 +1,329 @@
+"""Packed micro-batches: the actor's rows laid end to end without padding, attention kept inside each row.
+
+Agent batches hold rows of very different lengths (a 40-token refusal beside a 15k-token tool episode);
+right-padded to the longest, most of the actor's token slots would be padding. Every pass over a batch
+(the old logprobs, the reference, the teacher, the critic's values, the step) instead runs micro-batches
+planned here:
+
+- `plan_micro_batches` puts rows into micro-batches of at most `--actor.micro_batch_tokens` tokens and
+  deals them to the data-parallel ranks: every rank gets the same number (FSDP2 runs them in lock-step),
+  and the micro-batches that run side by side cost about the same (length plus the quadratic attention
+  term, `row_cost`).
+- `PackedRows` lays one micro-batch's rows end to end as one row of N tokens: positions restart at 0 for
+  each row, and `packed_attention` (registered with transformers' attention interface as "molt_packed")
+  attends within each row only: `torch.nn.attention.varlen.varlen_attn` (flash varlen) on CUDA in 16-bit,
+  causal SDPA per row otherwise (a CPU, float32). No [N, N] mask is built. The per-token results come
+  back as [rows, T] tensors (`unpack`), so the loss, the correction and every metric see exactly the rows
+  they saw padded.
+- A model whose layers would mix packed rows (recurrent and linear-attention hybrids carry state from one
+  token to the next across the boundary) or whose positions are not one row's 0..n-1 (a vision-language
+  model's M-RoPE) is not packed (`packing_refusal`): its micro-batches are padded, grouped by length
+  under the same token budget (padded slots counted), and the run says why once.
+
+On CUDA the packed length is rounded up to a multiple of `CUDA_PACK_MULTIPLE` (a padding row no real row
+attends to) and the longest row up to a power of two, so compiled layers see few distinct shapes.
+
+Legend: B rows, T tokens (columns), N packed tokens, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ATTENTION",
+    "BF16_PEAK",
+    "CUDA_PACK_MULTIPLE",
+    "PackedRows",
+    "auto_micro_batch_tokens",
+    "model_flops",
+    "packed_attention",
+    "packing_refusal",
+    "plan_micro_batches",
+    "row_cost",
+    "use_packed_attention",
+]
+
+ATTENTION = "molt_packed"  # its name in transformers' AttentionInterface
+CUDA_PACK_MULTIPLE = 256
+ATTENTION_TOKENS = 8192
+"""`row_cost`'s quadratic scale: at about this length a row's attention costs what its linear layers do
+(a 1-2B model: 2 x layers x hidden x n attention FLOPs per token against 2 x parameters)."""
+
+
+def row_cost(length: int) -> float:
+    """The compute a row of `length` tokens costs, in tokens: its linear layers plus its attention."""
+    return length + length * length / ATTENTION_TOKENS
+
+
+def _fits(lengths: list[int], length: int, budget: int, packed: bool) -> bool:
+    """Whether a row of `length` joins a micro-batch of rows `lengths` within `budget` token slots."""
+    if packed:
+        return sum(lengths) + length <= budget
+    return (len(lengths) + 1) * max([length, *lengths]) <= budget
+
+
+def _fill(order: list[int], lengths: Sequence[int], num_bins: int, budget: int, packed: bool):
+    """Rows (longest first) into `num_bins` micro-batches: each row into the cheapest one it fits in;
+    None if one fits nowhere."""
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    costs = [0.0] * num_bins
+    for row in order:
+        fitting = [
+            b for b in range(num_bins) if _fits([lengths[r] for r in bins[b]], lengths[row], budget, packed)
+        ]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda b: costs[b])
+        bins[best].append(row)
+        costs[best] += row_cost(lengths[row])
+    return bins
+
+
+def plan_micro_batches(
+    lengths: Sequence[int], *, num_ranks: int, budget: int, packed: bool = True
+) -> list[list[list[int]]]:
+    """Row indices per rank, per micro-batch: every rank the same number of micro-batches (some may be
+    empty), each within `budget` (packed: the rows' tokens; padded: rows x the longest), as few as the
+    budget allows, the ones each rank runs at the same point of about the same cost.
+
+    Rows are placed longest first into the cheapest micro-batch they fit in, over the fewest micro-batches
+    per rank for which that places every row; the micro-batches, by cost, are then dealt to the ranks in
+    snake order (0, 1, .., R-1, R-1, .., 0), so the i-th micro-batches of the ranks are neighbours by cost.
+    Rows of zero length (none to compute) are left out. A row longer than `budget` is refused: the run
+    checks the budget against --vllm.max_model_len before it starts.
+    """
+    if num_ranks < 1 or budget < 1:
+        raise ValueError(f"num_ranks and budget must be >= 1, got {num_ranks} and {budget}")
+    too_long = [length for length in lengths if length > budget]
+    if too_long:
+        raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")
+    order = sorted((r for r, n in enumerate(lengths) if n > 0), key=lambda r: -lengths[r])
+    total = sum(lengths[r] for r in order)
+    per_rank = max(1, -(-total // (budget * num_ranks)))  # the fewest the tokens allow
+    while (bins := _fill(order, lengths, per_rank * num_ranks, budget, packed)) is None:
+        per_rank += 1
+    bins.sort(key=lambda rows: -sum(row_cost(lengths[r]) for r in rows))
+    plan: list[list[list[int]]] = [[] for _ in range(num_ranks)]
+    for index, rows in enumerate(bins):
+        lap, seat = divmod(index, num_ranks)
+        plan[seat if lap % 2 == 0 else num_ranks - 1 - seat].append(sorted(rows))
+    return plan
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One micro-batch's rows end to end: row b's tokens at packed positions starts[b] .. starts[b] + n_b,
+    then a padding row (on CUDA) to the rounded length."""
+
+    lengths: tuple[int, ...]
+    num_packed: int
+    """N, the packed length, padding row included."""
+    max_length: int
+    """The longest row (rounded up on CUDA); varlen attention's bound."""
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], *, cuda: bool) -> PackedRows:
+        total, longest = sum(lengths), max(lengths)
+        if cuda:  # few distinct shapes for compiled layers (module docstring)
+            padded = -(-total // CUDA_PACK_MULTIPLE) * CUDA_PACK_MULTIPLE
+            return cls(tuple(lengths), padded, max(1 << (longest - 1).bit_length(), padded - total))
+        return cls(tuple(lengths), total, longest)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [rows + 1 (+1 with a padding row)]: where each row starts, then N."""
+        bounds = [0, *itertools.accumulate(self.lengths)]
+        if self.num_packed > bounds[-1]:
+            bounds.append(self.num_packed)
+        return torch.tensor(bounds, dtype=torch.int32)
+
+    def pack(self, values_BT: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """[1, N, ...]: each row's first n_b columns, end to end, then `fill` to N."""
+        parts = [values_BT[b, :n] for b, n in enumerate(self.lengths)]
+        missing = self.num_packed - sum(self.lengths)
+        if missing:
+            parts.append(values_BT.new_full((missing, *values_BT.shape[2:]), fill))
+        return torch.cat(parts)[None]
+
+    def position_ids(self) -> torch.Tensor:
+        """[1, N] int64: 0 .. n_b - 1 for each row (and the padding row)."""
+        pieces = [torch.arange(n) for n in self.lengths]
+        missing = self.num_packed - sum(self.lengths)
+        return torch.cat([*pieces, torch.arange(missing)])[None]
+
+    def model_kwargs(self, device: torch.device) -> dict:
+        """The forward's keyword arguments that make it packed: positions, and the row bounds that
+        `packed_attention` reads (transformers passes them to the attention function unchanged)."""
+        cu_seqlens = self.cu_seqlens.to(device)
+        return {
+            "position_ids": self.position_ids().to(device),
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
+
+    def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
+        """[B, num_cols, ...] from [1, N, ...]: row b's values in its first n_b columns, 0 past them."""
+        index_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.int64)
+        valid_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.bool)
+        start = 0
+        for b, n in enumerate(self.lengths):
+            index_BT[b, :n] = torch.arange(start, start + n)
+            valid_BT[b, :n] = True
+            start += n
+        index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
+        gathered = values_1N[0][index_BT]
+        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
+        return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+
+
+def packed_attention(
+    module: torch.nn.Module,
+    query_1HND: torch.Tensor,
+    key_1HND: torch.Tensor,
+    value_1HND: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract ([B, H, N, D] in, [B, N, H, D] out) over one packed row:
+    causal attention within each row of `cu_seq_lens_q`, never across. Without row bounds (an unpacked
+    forward of the same model) it is transformers' SDPA, causal over right-padded rows."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module,
+            query_1HND,
+            key_1HND,
+            value_1HND,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            **kwargs,
+        )
+    assert query_1HND.shape[0] == 1 and dropout == 0.0, "packed attention runs one row, without dropout"
+    if query_1HND.is_cuda and query_1HND.dtype in (torch.bfloat16, torch.float16):  # flash takes 16-bit only
+        from torch.nn.attention.varlen import varlen_attn
+
+        q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query_1HND, key_1HND, value_1HND))
+        window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
+        cu_seqlens = cu_seq_lens_q.to(torch.int32)
+        out_NHD = varlen_attn(
+            q_NHD,
+            k_NHD,
+            v_NHD,
+            cu_seqlens,
+            cu_seqlens,
+            max_length_q,
+            max_length_q,
+            scale=scaling,
+            window_size=window,
+        )
+        return out_NHD[None], None
+    outs = []
+    for start, stop in itertools.pairwise(cu_seq_lens_q.tolist()):
+        q, k, v = (t[:, :, start:stop] for t in (query_1HND, key_1HND, value_1HND))
+        mask = None
+        if (
+            sliding_window is not None
+        ):  # causal within the window: key j is seen from query i when i - w < j <= i
+            i, j = torch.arange(stop - start)[:, None], torch.arange(stop - start)[None]
+            mask = ((j <= i) & (j > i - sliding_window)).to(q.device)
+        outs.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
+            )
+        )
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+# Model types whose layers carry state from token to token (state-space, recurrent and linear-attention
+# layers): packed, a row would start from the state the previous row left.
+_RECURRENT = (
+    "mamba",
+    "jamba",
+    "zamba",
+    "bamba",
+    "falcon_h1",
+    "lfm2",
+    "rwkv",
+    "recurrent_gemma",
+    "next",
+    "hybrid",
+)
+_RECURRENT_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "ssm")
+
+
+def packing_refusal(model_config) -> str | None:
+    """Why rows of this model (a transformers config) cannot be packed, or None if they can."""
+    model_type = getattr(model_config, "model_type", "")
+    if hasattr(model_config, "vision_config"):
+        return (
+            f"{model_type} is a vision-language model: its M-RoPE positions follow each row's images, "
+            "which packed positions would not"
+        )
+    text = getattr(model_config, "text_config", None) or model_config
+    layer_types = set(getattr(text, "layer_types", None) or ())
+    recurrent = sorted(t for t in layer_types if any(word in t for word in _RECURRENT_LAYERS))
+    if recurrent or any(word in model_type for word in _RECURRENT):
+        layers = f" ({', '.join(recurrent)} layers)" if recurrent else ""
+        return (
+            f"{model_type}{layers} carries state from token to token: a packed row would start from the "
+            "state its neighbour left"
+        )
+    return None
+
+
+def use_packed_attention(model: torch.nn.Module) -> None:
+    """Register `packed_attention` with transformers and make `model` use it (its unpacked forwards
+    stay SDPA's); called once a model that packs is loaded."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, packed_attention)
+    model.config._attn_implementation = ATTENTION  # the attention layers read it at each call
+
+
+def auto_micro_batch_tokens(
+    model_config, *, free_bytes: float, dtype_bytes: int, checkpointing: bool, at_least: int
+) -> int:
+    """--actor.micro_batch_tokens 0: the tokens whose activations fit in `free_bytes`, a multiple of
+    1024, at least `at_least` (the longest row) and at most 65,536.
+
+    A token keeps, per decoder layer, about 3 x intermediate + 8 x hidden values for the backward (the
+    attention's inputs and outputs, the MLP's two projections that `molt._lean.LeanMLP` keeps, its down
+    projection's input): 1.7 MiB a token for a Qwen3-1.7B in bfloat16, as measured. With activation
+    checkpointing, a layer's input alone (one layer's full set is rebuilt at a time).
+    """
+    text = getattr(model_config, "text_config", None) or model_config
+    hidden, layers = text.hidden_size, text.num_hidden_layers
+    intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+    per_layer = 3 * intermediate + 8 * hidden
+    values = hidden * layers + per_layer if checkpointing else per_layer * layers
+    tokens = int(free_bytes // (values * dtype_bytes)) // 1024 * 1024
+    return max(at_least, min(tokens, 65536))
+
+
+# Dense bfloat16 peak of the GPUs `actor/mfu` is reported for (the vendors' figures, FLOP/s).
+BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def model_flops(lengths: Sequence[int], model_config, num_params: int, *, backward: bool) -> float:
+    """Model FLOPs of a pass over rows of `lengths`: per token 2 x the matmul parameters, plus causal
+    attention's 2 x n x (heads x head dim) per layer for a row of n; x 3 with the backward."""
+    text = getattr(model_config, "text_config", None) or model_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    q_dim = text.num_attention_heads * head_dim
+    forward = sum(n * (2 * num_params + 2 * text.num_hidden_layers * n * q_dim) for n in lengths)
+    return 3 * forward if backward else forward
