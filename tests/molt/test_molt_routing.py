@@ -63,11 +63,11 @@ def test_segment_routes_become_the_batch_routes_padded_with_minus_one():
 
     empty = batch.select([])  # a rank's empty turn: a row without routes
     assert empty.experts_BTLK.shape == (1, 1, LAYERS, TOP_K) and (empty.experts_BTLK == -1).all()
-    assert torch.equal(batch.select([1]).experts_BTLK, batch.experts_BTLK[1:, :4])  # its 4 tokens
+    assert torch.equal(batch.select([1]).experts_BTLK, batch.experts_BTLK[1:, :5])  # its 5 tokens
     from molt._packing import PackedRows
 
     packed = PackedRows.of(batch.row_lengths, cuda=False).pack(batch.experts_BTLK, fill=-1)
-    assert torch.equal(packed[0], torch.cat([batch.experts_BTLK[0, :8], batch.experts_BTLK[1, :4]]))
+    assert torch.equal(packed[0], torch.cat([batch.experts_BTLK[0, :8], batch.experts_BTLK[1, :5]]))
 
     with pytest.raises(RuntimeError, match=r"rows \[1\] have no MoE routes.*--enable-return-routed-experts"):
         with_routes(batch, [segments[0].routes(), None])
@@ -98,10 +98,10 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return param.detach().full_tensor() if isinstance(param, DTensor) else param.detach()
 
 
-def _experts_seen(model, run) -> torch.Tensor:
-    """The expert indices each MoE block used during `run()`, call by call: [routers, C, N, K] (a forward
-    of a micro-batch of N tokens is one call per block, and so is its recomputation under activation
-    checkpointing). transformers' Qwen3-MoE: what its experts module is handed; AutoModel: what its
+def _experts_seen(model, run) -> list[list[torch.Tensor]]:
+    """The expert indices each MoE block used during `run()`, per router, call by call: [N, K] each (a
+    forward of a micro-batch of N packed tokens is one call per block, and so is its recomputation under
+    activation checkpointing). transformers' Qwen3-MoE: what its experts module is handed; AutoModel: what its
     `Gate` returns (it applies the replay inside its forward)."""
     seen, hooks = {}, []
     for module in model.modules():
@@ -118,7 +118,12 @@ def _experts_seen(model, run) -> torch.Tensor:
     finally:
         for hook in hooks:
             hook.remove()
-    return torch.stack([torch.stack(calls) for calls in seen.values()])
+    return list(seen.values())
+
+
+def _rows_routes(seen: list[list[torch.Tensor]], calls: list[int]) -> torch.Tensor:
+    """[routers, N, K]: the given calls' routes end to end."""
+    return torch.stack([torch.cat([per_call[c] for c in calls]) for per_call in seen])
 
 
 def _replays_the_engines_experts(tmp_path, dense_layers: list[int]) -> None:
@@ -151,22 +156,27 @@ def _replays_the_engines_experts(tmp_path, dense_layers: list[int]) -> None:
         known_BT = (routed.experts_BTLK >= 0).all(-1).all(-1)  # tokens with a route
         want_RBTK = routed.experts_BTLK[:, :, replay.layer_ids].long().permute(2, 0, 1, 3)
 
-        # Micro-batches of one row: one call per row and block.
-        free_RBTK = _experts_seen(worker.model, lambda: worker.logprobs(batch))
-        assert not torch.equal(free_RBTK[:, known_BT], want_RBTK[:, known_BT]), "the drift changes routes"
-        replayed_RBTK = _experts_seen(worker.model, lambda: worker.logprobs(routed))
-        assert torch.equal(replayed_RBTK[:, known_BT], want_RBTK[:, known_BT])
+        # Micro-batches of one row (8 tokens each at most), packed: one call per row and block.
+        lengths = batch.row_lengths
+        known_N = torch.cat([known_BT[row, :n] for row, n in enumerate(lengths)])
+        want_RNK = torch.cat([want_RBTK[:, row, :n] for row, n in enumerate(lengths)], dim=1)
+        free_RNK = _rows_routes(_experts_seen(worker.model, lambda: worker.logprobs(batch)), [0, 1])
+        assert not torch.equal(free_RNK[:, known_N], want_RNK[:, known_N]), "the drift changes routes"
+        replayed_RNK = _rows_routes(_experts_seen(worker.model, lambda: worker.logprobs(routed)), [0, 1])
+        assert torch.equal(replayed_RNK[:, known_N], want_RNK[:, known_N])
 
         router_before = [_full(router.weight).clone() for router in worker.replay.routers]
         metrics = {}
-        stepped_RCTK = _experts_seen(worker.model, lambda: metrics.update(worker.train_step(routed)))
+        stepped = _experts_seen(worker.model, lambda: metrics.update(worker.train_step(routed)))
         # With activation checkpointing, each row's forward and its recomputation in the backward (the
         # two calls of a row are consecutive): every one routes as the engine did.
-        num_calls = stepped_RCTK.shape[1]
+        num_calls = len(stepped[0])
         assert num_calls == 4 or (num_calls == 2 and worker.device.type == "cuda")
         for call in range(num_calls):
             row = call // (num_calls // 2)
-            assert torch.equal(stepped_RCTK[:, call][:, known_BT[row]], want_RBTK[:, row][:, known_BT[row]])
+            known_T, n = known_BT[row, : lengths[row]], lengths[row]
+            stepped_RTK = _rows_routes(stepped, [call])
+            assert torch.equal(stepped_RTK[:, known_T], want_RBTK[:, row, :n][:, known_T])
         assert 0 < metrics["train/routing_mismatch_frac"] <= 1
         for before, router in zip(router_before, worker.replay.routers, strict=True):
             assert not torch.equal(_full(router.weight), before), "the routers still train"
