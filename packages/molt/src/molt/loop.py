@@ -64,6 +64,7 @@ REQUIRED_METRICS = frozenset(
         "pool/dropped_stale",
         "pool/dropped_stale_rate",
         "pool/filtered",
+        "pool/wasted_frac",
         "timing/generation",
         "timing/policy_train",
         "timing/broadcast",
