@@ -173,7 +173,7 @@ async def run_steps(config: Config, run: Run) -> None:
         broadcast_started = time.monotonic()
         async with _quiesced(pool, hold=not config.rollout.partial_rollout):
             refit_s = await refit_engines(policy, run.tito, step)  # engines pause (keeping requests)
-        pool.version = step  # groups older than max_lag versions are dropped from now on
+        pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
         broadcast_s = time.monotonic() - broadcast_started
 
         every = config.eval.every
