@@ -8,9 +8,9 @@ mode (`--modes`, default `sync,async`) as subprocesses, one after the other, wit
   sync    `--train.force_on_policy`: one step of groups in flight, max lag 0, no partial rollout; the
           engine generates a batch, waits for its slowest tool call, then waits for training and refit
   async   molt's defaults: 2 x prompts per step groups in flight, max lag 1, partial rollout
-  async-lag2  the defaults with `--rollout.max_lag 2` (`--modes sync,async,async-lag2`): with
-          heavy-tailed episodes, max lag 1 drops as stale the groups whose slowest episode spans two
-          refits, and reruns them
+  async-lag2  the defaults with `--rollout.max_lag 2` (`--modes sync,async,async-lag2`): the pool
+          admits a group only when it can be trained within max lag, so with max lag 1 the engine gets
+          one step of groups while the actor trains; max lag 2 lets it run further ahead
 
 and reports for each, from steps 2..N (step 1 carries the start-up; the run's start-up and shutdown are
 outside every figure):
@@ -30,8 +30,9 @@ outside every figure):
                   the engine, is what a step waits for
 
 It prints the ratio of each mode's steps per hour to sync's, and the stages (medians of `timing/*`), the
-staleness, the groups dropped as stale and the agents' own turn and tool times beside them, which say
-where a gap comes from. Flags after `--` go to every run (larger batches and replies on a GPU).
+staleness, the groups dropped as stale, the share of generated tokens never trained (`pool/wasted_frac`
+at step N) and the agents' own turn and tool times beside them, which say where a gap comes from. Flags
+after `--` go to every run (larger batches and replies on a GPU).
 
     uv run python bench/async_gain.py                        # CPU, the tiny model, 20 steps each
     uv run python bench/async_gain.py --modes sync,async,async-lag2 --steps 30 -- --rollout.max_new_tokens 8
@@ -199,6 +200,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path, extra: list[str]) 
         notes={
             "staleness_mean": statistics.mean(row["train/staleness_mean"] for row in later),
             "dropped_stale": rows[-1]["pool/dropped_stale"],
+            "wasted_frac": rows[-1]["pool/wasted_frac"],
             "turn_s": median("rollout/turn_s"),
             "tool_s": statistics.mean(row["rollout/tool_s"] for row in later),
         },
@@ -215,14 +217,15 @@ def report(runs: dict[str, Run], args: argparse.Namespace) -> None:
     print(
         f"| mode | steps/hour (2..{n}) | engine idle | no-token | run cores | machine cores | "
         f"final reward (last {k}) | s/step | "
-        "generation | policy_train | broadcast | staleness | dropped stale | turn s | tool s |"
+        "generation | policy_train | broadcast | staleness | dropped stale | wasted | turn s | tool s |"
     )
-    print("| --- |" + " ---: |" * 14)
+    print("| --- |" + " ---: |" * 15)
     for mode, r in runs.items():
         cells = [f"{r.steps_per_hour:.0f}", f"{r.engine_idle:.2f}", f"{r.no_token:.2f}"]
         cells += [f"{r.run_cores:.2f}", f"{r.machine_cores:.2f}", f"{r.final_reward:.3f}"]
         cells += [f"{r.stages[name]:.2f}" for name in STAGES]
-        cells += [f"{r.notes[name]:.2f}" for name in ("staleness_mean", "dropped_stale", "turn_s", "tool_s")]
+        notes = ("staleness_mean", "dropped_stale", "wasted_frac", "turn_s", "tool_s")
+        cells += [f"{r.notes[name]:.2f}" for name in notes]
         print(f"| {mode} | " + " | ".join(cells) + " |")
     for mode in [mode for mode in runs if mode != "sync" and "sync" in runs]:
         print(f"{mode} / sync steps per hour: {runs[mode].steps_per_hour / runs['sync'].steps_per_hour:.2f}x")

@@ -2,12 +2,16 @@
 
 A fake stands in for the engine because the pool's contract is about ordering and accounting, not about
 tokens: `ScriptedRollout` waits until the test finishes each call by hand (exact completion order, no
-sleeps); `RandomRollout` finishes after a seeded random number of event-loop turns. Both stamp the
-pool's version when a call starts and when it ends, the way an engine stamps tokens across a refit.
+sleeps); `RandomRollout` finishes after a seeded random number of event-loop turns; `HeavyTailRollout`
+after a lognormal number (a long-episode agent against a trainer that bumps the version every few
+turns). Each stamps the pool's version when a call starts and when it ends, the way an engine stamps
+tokens across a refit.
 """
 
 import asyncio
+import math
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +93,30 @@ class RandomRollout:
         return FakeSample(prompt, index, started, self.pool.version)
 
 
+class HeavyTailRollout:
+    """A call lasts round(lognormal) event-loop turns, median `median_turns` (x `long_factor` for every
+    `long_every`-th prompt: a long-episode agent), log-std `sigma`; versions stamped at start and end.
+    `starts` counts the groups started per prompt (reruns after stale drops included)."""
+
+    def __init__(self, seed, *, median_turns, sigma, long_every=0, long_factor=1.0):
+        self.pool: Any = None
+        self.rng = random.Random(seed)
+        self.median_turns, self.sigma = median_turns, sigma
+        self.long_every, self.long_factor = long_every, long_factor
+        self.starts: Counter = Counter()
+
+    def is_long(self, prompt):
+        return bool(self.long_every) and prompt % self.long_every == 0
+
+    async def __call__(self, prompt, index):
+        self.starts[prompt] += index == 0
+        median = self.median_turns * (self.long_factor if self.is_long(prompt) else 1.0)
+        started = self.pool.version
+        for _ in range(round(self.rng.lognormvariate(math.log(median), self.sigma))):
+            await asyncio.sleep(0)
+        return FakeSample(prompt, index, started, self.pool.version)
+
+
 @pytest.fixture
 def rollout() -> ScriptedRollout:
     return ScriptedRollout()
@@ -97,3 +125,8 @@ def rollout() -> ScriptedRollout:
 @pytest.fixture
 def random_rollout() -> type[RandomRollout]:
     return RandomRollout
+
+
+@pytest.fixture
+def heavy_tail_rollout() -> type[HeavyTailRollout]:
+    return HeavyTailRollout

@@ -49,9 +49,9 @@ def test_take_returns_whole_groups_in_completion_order(rollout):
     asyncio.run(main())
 
 
-def test_depth_counts_running_and_ready_groups_and_take_backfills(rollout):
+def test_depth_counts_running_and_ready_groups_and_the_next_version_backfills(rollout):
     async def main():
-        pool = GroupPool(rollout, itertools.count(), group_size=2, depth=3)
+        pool = GroupPool(rollout, itertools.count(), group_size=2, depth=3, max_lag=2)
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -62,6 +62,9 @@ def test_depth_counts_running_and_ready_groups_and_take_backfills(rollout):
             assert pool.stats.ready == 1
             assert [group.prompt for group in await pool.take(1)] == [0]
             await rollout.settle()
+            assert rollout.running_prompts() == [1, 2]  # admission: a third would be taken 3 versions late
+            pool.version = 1
+            await rollout.settle()
             assert rollout.running_prompts() == [1, 2, 3]
             assert len(rollout.calls) == 8  # the infinite source is read lazily, one prompt per start
 
@@ -70,7 +73,7 @@ def test_depth_counts_running_and_ready_groups_and_take_backfills(rollout):
 
 def test_stale_group_is_dropped_counted_and_its_prompt_requeued(rollout):
     async def main():
-        pool = GroupPool(rollout, ["a", "b"], group_size=2, depth=1, max_lag=1)
+        pool = GroupPool(rollout, ["a", "b"], group_size=2, depth=1, max_lag=1, stale="drop")
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -88,7 +91,7 @@ def test_stale_group_is_dropped_counted_and_its_prompt_requeued(rollout):
 
 def test_ready_group_that_turns_stale_before_take_is_not_returned(rollout):
     async def main():
-        pool = GroupPool(rollout, ["a", "b"], group_size=1, depth=2, max_lag=1)
+        pool = GroupPool(rollout, ["a", "b"], group_size=1, depth=2, max_lag=1, stale="drop")
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -136,7 +139,8 @@ def test_no_prompt_is_lost_or_duplicated(random_rollout, seed):
     rollout = random_rollout(seed)
 
     async def main():
-        pool = GroupPool(rollout, range(60), group_size=3, depth=8, keep=lambda group: group.prompt % 7 != 3)
+        keep = lambda group: group.prompt % 7 != 3  # noqa: E731
+        pool = GroupPool(rollout, range(60), group_size=3, depth=8, keep=keep, stale="drop")
         rollout.pool = pool
         returned = []
         async with pool:

@@ -1,16 +1,12 @@
 """Stale groups cannot starve a run: the per-prompt requeue cap, `stale="keep"`, and heavy-tailed agents.
 
-`HeavyTailRollout` stands in for a long-episode agent (the pool sees only versions, not tokens): each call
-lasts a lognormal number of event-loop turns, and a trainer loop advances the version every few turns, so
-slow groups arrive stale the way they do against a real trainer.
+`HeavyTailRollout` (conftest) stands in for a long-episode agent: each call lasts a lognormal number of
+event-loop turns, and a trainer loop advances the version every few turns, so slow groups arrive stale the
+way they do against a real trainer.
 """
 
 import asyncio
-import math
 import pickle
-import random
-from collections import Counter
-from dataclasses import dataclass
 
 import pytest
 
@@ -19,7 +15,9 @@ from asyncpool import GroupPool, PoolExhausted, PromptStarved
 
 def test_a_prompt_dropped_stale_past_the_cap_raises_from_take_naming_it(rollout):
     async def main():
-        pool = GroupPool(rollout, ["slow", "other", "fresh"], group_size=1, depth=2, max_requeues=2)
+        pool = GroupPool(
+            rollout, ["slow", "other", "fresh"], group_size=1, depth=2, max_requeues=2, stale="drop"
+        )
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -51,7 +49,7 @@ def test_a_prompt_dropped_stale_past_the_cap_raises_from_take_naming_it(rollout)
 
 def test_a_prompt_starved_while_take_waits_ends_that_take(rollout):
     async def main():
-        pool = GroupPool(rollout, ["slow", "b"], group_size=1, depth=2, max_requeues=1)
+        pool = GroupPool(rollout, ["slow", "b"], group_size=1, depth=2, max_requeues=1, stale="drop")
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -69,9 +67,10 @@ def test_a_prompt_starved_while_take_waits_ends_that_take(rollout):
     asyncio.run(main())
 
 
-def test_stale_keep_returns_stale_groups_and_counts_them(rollout):
+@pytest.mark.parametrize("kwargs", [{}, {"stale": "keep"}], ids=["default", "keep"])
+def test_stale_keep_returns_stale_groups_and_counts_them(rollout, kwargs):
     async def main():
-        pool = GroupPool(rollout, ["a", "b"], group_size=2, depth=2, max_lag=1, stale="keep")
+        pool = GroupPool(rollout, ["a", "b"], group_size=2, depth=2, max_lag=1, **kwargs)
         rollout.pool = pool
         async with pool:
             await rollout.settle()
@@ -98,36 +97,6 @@ def test_bad_stale_arguments_raise_value_error(rollout, kwargs, message):
         GroupPool(rollout, ["a"], group_size=1, depth=1, **kwargs)
 
 
-@dataclass(frozen=True)
-class Sample:
-    min_version: int
-    max_version: int
-
-
-class HeavyTailRollout:
-    """A call lasts round(lognormal) event-loop turns, median `median_turns` (x `long_factor` for every
-    `long_every`-th prompt: a long-episode agent), log-std `sigma`; versions stamped at start and end.
-    `starts` counts the groups started per prompt (reruns after stale drops included)."""
-
-    def __init__(self, seed, *, median_turns, sigma, long_every=0, long_factor=1.0):
-        self.pool = None
-        self.rng = random.Random(seed)
-        self.median_turns, self.sigma = median_turns, sigma
-        self.long_every, self.long_factor = long_every, long_factor
-        self.starts = Counter()
-
-    def is_long(self, prompt):
-        return bool(self.long_every) and prompt % self.long_every == 0
-
-    async def __call__(self, prompt, index):
-        self.starts[prompt] += index == 0
-        median = self.median_turns * (self.long_factor if self.is_long(prompt) else 1.0)
-        started = self.pool.version
-        for _ in range(round(self.rng.lognormvariate(math.log(median), self.sigma))):
-            await asyncio.sleep(0)
-        return Sample(started, self.pool.version)
-
-
 async def _train(pool, *, batch, train_turns):
     """A trainer: take a batch, train for a few turns, bump the version; until the prompts run out.
     Returns the prompts returned, how many versions behind the trainer each was when returned, the
@@ -150,18 +119,20 @@ async def _train(pool, *, batch, train_turns):
             pool.version += 1
 
 
-def _run(rollout, num_prompts, **pool_kwargs):
-    pool = GroupPool(rollout, range(num_prompts), group_size=4, depth=8, max_lag=1, **pool_kwargs)
+def _run(rollout, num_prompts, stale="drop", **pool_kwargs):
+    pool = GroupPool(
+        rollout, range(num_prompts), group_size=4, depth=8, max_lag=1, stale=stale, **pool_kwargs
+    )
     rollout.pool = pool
     return asyncio.run(_train(pool, batch=4, train_turns=20))
 
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("long_factor", [1.0, 6.0], ids=["same-tail", "long-agent"])
-def test_heavy_tailed_rollouts_are_not_dropped_forever(seed, long_factor):
+def test_heavy_tailed_rollouts_are_not_dropped_forever(heavy_tail_rollout, seed, long_factor):
     # Lognormal latency (sigma 1) for every prompt; with long-agent, every 4th prompt is also 6x slower,
     # so its groups often finish several versions behind. Under the default cap each prompt comes back.
-    rollout = HeavyTailRollout(seed, median_turns=10, sigma=1.0, long_every=4, long_factor=long_factor)
+    rollout = heavy_tail_rollout(seed, median_turns=10, sigma=1.0, long_every=4, long_factor=long_factor)
     returned, lags, starved, stats = _run(rollout, 200)
     assert starved == []
     assert sorted(returned) == list(range(200))  # each prompt returned once, none lost
@@ -170,8 +141,8 @@ def test_heavy_tailed_rollouts_are_not_dropped_forever(seed, long_factor):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_a_long_episode_agent_past_the_cap_is_named_never_lost(seed):
-    rollout = HeavyTailRollout(seed, median_turns=10, sigma=1.0, long_every=4, long_factor=6.0)
+def test_a_long_episode_agent_past_the_cap_is_named_never_lost(heavy_tail_rollout, seed):
+    rollout = heavy_tail_rollout(seed, median_turns=10, sigma=1.0, long_every=4, long_factor=6.0)
     returned, lags, starved, stats = _run(rollout, 200, max_requeues=2)
     assert starved, "the test must drive a long prompt past the cap"
     assert all(rollout.is_long(prompt) for prompt in starved)  # only the long agent starves
@@ -181,8 +152,8 @@ def test_a_long_episode_agent_past_the_cap_is_named_never_lost(seed):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_stale_keep_drops_nothing_from_a_long_episode_agent(seed):
-    rollout = HeavyTailRollout(seed, median_turns=10, sigma=1.0, long_every=4, long_factor=6.0)
+def test_stale_keep_drops_nothing_from_a_long_episode_agent(heavy_tail_rollout, seed):
+    rollout = heavy_tail_rollout(seed, median_turns=10, sigma=1.0, long_every=4, long_factor=6.0)
     returned, lags, starved, stats = _run(rollout, 200, stale="keep")
     assert (starved, stats.dropped_stale) == ([], 0)
     assert sorted(returned) == list(range(200))

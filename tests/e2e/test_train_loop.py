@@ -20,7 +20,7 @@ REQUIRED_METRICS = {
     "rollout/reward_mean", "rollout/reward_std_in_group", "rollout/response_len_mean",
     "rollout/truncated_frac", "train/policy_loss", "train/kl", "train/entropy", "train/grad_norm",
     "train/lr", "train/clip_frac", "train/mismatch_kl", "train/seq_masked_frac", "train/staleness_mean",
-    "pool/dropped_stale", "pool/filtered", "timing/generation", "timing/policy_train",
+    "pool/dropped_stale", "pool/filtered", "pool/wasted_frac", "timing/generation", "timing/policy_train",
     "timing/broadcast", "timing/step_total",
 }  # fmt: skip
 

@@ -15,7 +15,7 @@ import pytest
 
 from asyncpool import GroupPool, PoolStats
 from molt._flags import resolve
-from molt._metrics import pool_metrics
+from molt._metrics import pool_metrics, sampled_tokens
 from molt.config import ConfigError
 from molt.loop import take
 
@@ -42,14 +42,31 @@ def test_stale_keep_and_the_cap_resolve():
     assert (rollout.stale, rollout.max_stale_requeues) == ("keep", 3)
 
 
-def test_pool_metrics_log_the_counters_and_the_steps_stale_rate():
-    before = PoolStats(in_flight=4, started=10, returned=4, dropped_stale=2)
-    now = PoolStats(in_flight=6, started=22, returned=8, dropped_stale=5, filtered=1, failed=1, ready=1)
+def test_pool_metrics_log_the_counters_the_steps_stale_rate_and_the_wasted_share():
+    before = PoolStats(in_flight=4, started=10, returned=4, dropped_stale=2, spent=600, wasted=200)
+    now = PoolStats(
+        in_flight=6,
+        started=22,
+        returned=8,
+        dropped_stale=5,
+        filtered=1,
+        failed=1,
+        ready=1,
+        spent=1600,
+        wasted=400,
+    )
     metrics = pool_metrics(now, before)
     # this step 4 returned, 3 dropped as stale, 1 filtered, 1 failed: 3 of the 9 groups that left
     assert metrics["pool/dropped_stale_rate"] == pytest.approx(3 / 9)
     assert (metrics["pool/dropped_stale"], metrics["pool/filtered"], metrics["pool/kept_stale"]) == (5, 1, 0)
     assert pool_metrics(now, now)["pool/dropped_stale_rate"] == 0.0  # nothing left the pool: no rate
+    assert metrics["pool/wasted_frac"] == pytest.approx(400 / 1600)  # since the run began, in tokens
+    assert pool_metrics(PoolStats(), PoolStats())["pool/wasted_frac"] == 0.0  # nothing generated yet
+
+
+def test_the_pools_cost_is_the_tokens_the_engine_sampled():
+    rollout = SimpleNamespace(sampled=[5, 6, 7])
+    assert sampled_tokens(rollout) == 3
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,8 @@ def test_a_prompt_past_the_stale_cap_stops_the_run_naming_it_and_the_flags():
     async def main():
         rows = [{"id": "long-episode-7", "messages": []}, {"id": "b", "messages": []}]
         rollout = _LateRollout()
-        pool = rollout.pool = GroupPool(rollout, rows, group_size=2, depth=1, max_lag=1, max_requeues=2)
+        pool = GroupPool(rollout, rows, group_size=2, depth=1, max_lag=1, max_requeues=2, stale="drop")
+        rollout.pool = pool
         pool.version = 5
         tito = SimpleNamespace(router=SimpleNamespace(engines=[SimpleNamespace(alive=True)]))
         async with pool:

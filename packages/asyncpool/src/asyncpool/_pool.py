@@ -1,17 +1,20 @@
 """GroupPool: keeps prompt groups in flight and hands a trainer whole groups in the order they complete.
 
 What it is for: an asynchronous RL trainer asks for `n` groups (a group is every sample of one prompt, the
-unit that group-baseline estimators need); the pool keeps `depth` groups running or waiting so the engines
-never drain while the trainer trains, drops groups that are too stale for the policy, backfills groups the
-trainer's filter rejects, and retries rollouts that raise. A prompt whose groups keep arriving stale is
-rerun at most `max_requeues` times; then `take` raises `PromptStarved` naming it, so a long-episode prompt
-can neither be dropped forever in silence nor hold a slot forever (or, with `stale="keep"`, stale groups
-are returned for the trainer's importance correction to weigh).
+unit that group-baseline estimators need); the pool keeps up to `depth` groups running or waiting so the
+engines never drain while the trainer trains, backfills groups the trainer's filter rejects, and retries
+rollouts that raise. It admits a group only when that group can still be taken within `max_lag` versions
+(AReaL's staleness control: a rollout is started only if it can be consumed in time), so what it generates
+is trained rather than thrown away. A group that goes stale anyway (overtaken by faster ones) is returned
+for the trainer's importance correction to weigh (`stale="keep"`, the default), or with `stale="drop"`
+dropped and its prompt rerun, at most `max_requeues` times; then `take` raises `PromptStarved` naming it, so
+a long-episode prompt can neither be dropped forever in silence nor hold a slot forever.
 
 What it refuses to do: it knows nothing of engines, tokens or rewards (a sample is opaque apart from its
-`min_version`/`max_version`); it never cancels in-flight work on a version bump (partial rollout, paper
-sec. 3.1: the loss corrects mixed-version tokens); it never returns part of a group; it never lets a user
-error (a rollout or `keep` that raises) escape into the trainer. It is built for one trainer calling `take`.
+`min_version`/`max_version`, and what the caller's `cost` makes of it); it never cancels in-flight work on a
+version bump (partial rollout, paper sec. 3.1: the loss corrects mixed-version tokens); it never returns part
+of a group; it never lets a user error (a rollout or `keep` that raises) escape into the trainer. It is built
+for one trainer calling `take`.
 """
 
 import asyncio
@@ -34,7 +37,7 @@ class PoolExhausted(Exception):
 
 
 class PromptStarved(Exception):
-    """Raised by `take` when a prompt's group was dropped as stale more than `max_requeues` times.
+    """Raised by `take` when a prompt's group was dropped as stale (stale="drop") over `max_requeues` times.
 
     The prompt is not run again (its last drop is counted in `dropped_stale`); `.prompt`, `.prompt_index`
     and `.drops` name it. The pool stays open: a caller that catches this may go on taking.
@@ -92,6 +95,8 @@ class PoolStats:
 
     While the pool is open every started group is in exactly one place:
     `started == in_flight + ready + returned + dropped_stale + filtered + failed`.
+    `spent` and `wasted` are in the units of the pool's `cost` (samples, unless the caller says otherwise,
+    e.g. sampled tokens): `wasted / spent` is the share of generation that never reached the trainer.
     """
 
     in_flight: int = 0  # groups with rollouts still running
@@ -104,6 +109,8 @@ class PoolStats:
     failed: int = 0  # a rollout raised `retries + 1` times, or `keep` raised
     retried: int = 0  # single rollouts run again after raising
     take_wait_s: float = 0.0  # event-loop time the trainer spent inside `take`
+    spent: float = 0.0  # cost of the samples of groups returned, dropped as stale or filtered
+    wasted: float = 0.0  # the part of `spent` in groups dropped as stale or filtered (never returned)
 
     def metrics(self, prefix: str = "pool/") -> dict[str, float]:
         """The counters as flat metrics, e.g. `{"pool/dropped_stale": 3, ...}`."""
@@ -113,10 +120,15 @@ class PoolStats:
 class GroupPool[P, S: _Versioned]:
     """A pool of prompt groups in flight; see the package README for the full semantics.
 
-    `depth` bounds the groups the pool holds at once, running or complete-and-waiting for `take`; while
-    prompts last and nothing holds it, it holds exactly `depth`. `max_lag=0` also holds new starts from
-    the end of each `take` until the version changes (or the next `take` begins): anything started in
-    between would be stale on arrival. With `depth == n` that is strict on-policy training.
+    `depth` bounds the groups the pool holds at once, running or complete-and-waiting for `take`.
+    Admission bounds them too, by the `n` of the latest `take(n)`: the trainer takes `n` groups per
+    version, so a group started now, behind `held` others, is taken `ceil((held + 1) / n)` takes from now;
+    those takes happen at the current version and the next ones, or from the next version on if the trainer
+    has taken its batch at this one and not yet moved the version (it is training). The group is started
+    only if that last take is within `max_lag` versions: `held < (max_lag + 1) * n`, or `max_lag * n`
+    between a take and the next version. Before the first take (`n` unknown) the pool fills to `depth`.
+    With `max_lag=0` nothing starts between a take and the next version (or the next take, so taking twice
+    without a refit cannot deadlock); with `depth == n` that is strict on-policy training.
     """
 
     def __init__(
@@ -130,8 +142,9 @@ class GroupPool[P, S: _Versioned]:
         keep: Callable[[Group[P, S]], bool] | None = None,
         retries: int = 2,
         retry_delay: float = 0.1,
-        stale: Literal["drop", "keep"] = "drop",
+        stale: Literal["drop", "keep"] = "keep",
         max_requeues: int = 16,
+        cost: Callable[[S], float] | None = None,
     ) -> None:
         for name, value, low in (
             ("group_size", group_size, 1),
@@ -151,6 +164,7 @@ class GroupPool[P, S: _Versioned]:
         self._starved: deque[PromptStarved] = deque()  # raised by the next takes, one each
         self._logged_errors: set[tuple] = set()  # kinds of error whose traceback was logged already
         self._rollout, self._keep = rollout, keep
+        self._cost = cost or (lambda sample: 1)  # what a sample cost to generate, for `spent`/`wasted`
         self._source: Iterator[tuple[int, P]] = enumerate(prompts)
         self._source_done = False
         self._source_error: Exception | None = None
@@ -159,7 +173,8 @@ class GroupPool[P, S: _Versioned]:
         self._ready: list[Group[P, S]] = []  # completion order
         self._version = 0
         self._pauses = 0
-        self._wait_for_version = False  # the max_lag=0 hold between a take and the next refit
+        self._batch: int | None = None  # the n of the latest take(n): the groups consumed per version
+        self._took_at_version = False  # a take returned at this version and none has begun since
         self._state = "new"  # -> "open" -> "closed"
         self._changed = asyncio.Event()
         self._stats = PoolStats()
@@ -189,7 +204,7 @@ class GroupPool[P, S: _Versioned]:
         if value < self._version:
             raise ValueError(f"pool.version only grows: it is {self._version}, got {value}")
         if value > self._version:
-            self._wait_for_version = False
+            self._took_at_version = False
         self._version = value
         stale = [group for group in self._ready if self._is_stale(group)]
         self._ready = [group for group in self._ready if not self._is_stale(group)]
@@ -218,11 +233,12 @@ class GroupPool[P, S: _Versioned]:
             self._changed.set()
 
     async def take(self, n: int) -> list[Group[P, S]]:
-        """The first `n` groups to complete, in completion order, leaving out stale and rejected ones.
+        """The first `n` groups to complete, in completion order, leaving out rejected ones (and stale ones,
+        with stale="drop"; with the default stale="keep" they are returned and counted in `kept_stale`).
 
         Returns fewer than `n` only when the prompt source is used up; after the last group, raises
-        `PoolExhausted`. Raises `PromptStarved` (one per call) once a prompt has been dropped as stale
-        more than `max_requeues` times. With stale="keep", stale groups are returned too.
+        `PoolExhausted`. With stale="drop", raises `PromptStarved` (one per call) once a prompt has been
+        dropped as stale more than `max_requeues` times. `n` also sizes admission (class docstring).
         """
         if not 1 <= n <= self.depth:
             raise ValueError(f"take(n) needs 1 <= n <= depth ({self.depth}), got {n}")
@@ -230,7 +246,8 @@ class GroupPool[P, S: _Versioned]:
             raise RuntimeError("take() needs an open pool: use it inside `async with pool:`")
         loop = asyncio.get_running_loop()
         began = loop.time()
-        self._wait_for_version = False  # a caller asking again wants data at the current version
+        self._batch = n
+        self._took_at_version = False  # a caller asking again wants data at the current version
         self._fill()
         try:
             self._raise_starved()
@@ -250,7 +267,8 @@ class GroupPool[P, S: _Versioned]:
         self._stats.kept_stale += sum(self._version - group.min_version > self.max_lag for group in groups)
         for group in groups:
             self._stale_drops.pop(group.prompt_index, None)
-        self._wait_for_version = self.max_lag == 0
+            self._spend(group, wasted=False)
+        self._took_at_version = True
         self._fill()
         return groups
 
@@ -265,8 +283,15 @@ class GroupPool[P, S: _Versioned]:
         """Too old to return: more than `max_lag` versions behind (never, with stale="keep")."""
         return self.stale == "drop" and self._version - group.min_version > self.max_lag
 
+    def _spend(self, group: Group[P, S], *, wasted: bool) -> None:
+        """Count what the group's samples cost in `spent`, and in `wasted` if it never reaches the trainer."""
+        cost = sum(self._cost(sample) for sample in group.samples)
+        self._stats.spent += cost
+        self._stats.wasted += cost if wasted else 0
+
     def _drop_stale(self, group: Group[P, S]) -> None:
         self._stats.dropped_stale += 1
+        self._spend(group, wasted=True)
         index = group.prompt_index
         drops = self._stale_drops[index] = self._stale_drops.get(index, 0) + 1
         if drops <= self.max_requeues:
@@ -276,13 +301,18 @@ class GroupPool[P, S: _Versioned]:
         self._starved.append(PromptStarved(group.prompt, index, drops, self.max_lag))
         logger.error("%s", self._starved[-1])
 
+    def _admits(self) -> bool:
+        """Whether a group started now can still be taken within `max_lag` versions (class docstring)."""
+        held = len(self._running) + len(self._ready)
+        if held >= self.depth:
+            return False
+        if self._batch is None:  # no take yet: how many groups a version consumes is unknown
+            return True
+        takes_within_lag = self.max_lag + (0 if self._took_at_version else 1)
+        return held < takes_within_lag * self._batch
+
     def _fill(self) -> None:
-        while (
-            self._state == "open"
-            and not self._pauses
-            and not self._wait_for_version
-            and len(self._running) + len(self._ready) < self.depth
-        ):
+        while self._state == "open" and not self._pauses and self._admits():
             item = self._next_prompt()
             if item is None:
                 return
@@ -371,6 +401,7 @@ class GroupPool[P, S: _Versioned]:
             self._ready.append(group)  # its stale drops are forgotten when `take` returns it
         else:
             self._stats.filtered += 1
+            self._spend(group, wasted=True)
             self._stale_drops.pop(group.prompt_index, None)
 
 

@@ -25,6 +25,7 @@ from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
+from molt._metrics import sampled_tokens
 from molt._rollout import RolloutRunner
 from molt._runners import launch_hosts
 from molt._startup import StartupClock, allow_bytecode
@@ -194,6 +195,7 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
                 retry_delay=0.5,
                 stale=rollout.stale,
                 max_requeues=rollout.max_stale_requeues,
+                cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
             )
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:

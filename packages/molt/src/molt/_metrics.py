@@ -9,7 +9,7 @@ import torch
 from asyncpool import PoolStats
 from molt._rollout import Rollout
 
-__all__ = ["pool_metrics", "rollout_metrics", "staleness_mean"]
+__all__ = ["pool_metrics", "rollout_metrics", "sampled_tokens", "staleness_mean"]
 
 
 def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float]:
@@ -43,10 +43,20 @@ def staleness_mean(rollouts: list[Rollout], trainer_version: int) -> float:
     return sum(lags) / len(lags)
 
 
+def sampled_tokens(rollout: Rollout) -> int:
+    """The pool's `cost` of a rollout: the tokens the engines generated for it (so `pool/spent` and
+    `pool/wasted` count generated tokens)."""
+    return len(rollout.sampled)
+
+
 def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
-    """The pool's counters (`pool/<name>`, cumulative) and `pool/dropped_stale_rate`: of the groups that
+    """The pool's counters (`pool/<name>`, cumulative), `pool/dropped_stale_rate`: of the groups that
     left the pool since `before` (the last step's log: returned, dropped as stale, filtered or failed),
-    the share dropped as stale; 0 when none left."""
+    the share dropped as stale, 0 when none left; and `pool/wasted_frac`: of the tokens generated for
+    every group that has left the pool since the run began, the share never trained (groups dropped as
+    stale or filtered out; `pool/wasted` / `pool/spent`, with `sampled_tokens` as the pool's cost). Not
+    counted: groups still running or waiting to be taken, and the samples of groups that failed (their
+    rollouts returned nothing to measure)."""
 
     def ended(stats: PoolStats) -> int:
         return stats.returned + stats.dropped_stale + stats.filtered + stats.failed
@@ -56,4 +66,5 @@ def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
     return {
         **{name: float(value) for name, value in now.metrics().items()},
         "pool/dropped_stale_rate": dropped / num_ended if num_ended else 0.0,
+        "pool/wasted_frac": now.wasted / now.spent if now.spent else 0.0,
     }

@@ -64,6 +64,7 @@ REQUIRED_METRICS = frozenset(
         "pool/dropped_stale",
         "pool/dropped_stale_rate",
         "pool/filtered",
+        "pool/wasted_frac",
         "actor/padding_frac",
         "actor/tokens_per_s",
         "timing/generation",
@@ -175,7 +176,7 @@ async def run_steps(config: Config, run: Run) -> None:
         broadcast_started = time.monotonic()
         async with _quiesced(pool, hold=not config.rollout.partial_rollout):
             refit_s = await refit_engines(policy, run.tito, step)  # engines pause (keeping requests)
-        pool.version = step  # groups older than max_lag versions are dropped from now on
+        pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
         broadcast_s = time.monotonic() - broadcast_started
 
         every = config.eval.every
