@@ -446,7 +446,7 @@ def _reads(package: Path) -> set[str]:
     """Every `group.field` the package's code reads from a config (`config.rollout.top_p`, or through a
     local name: `rollout = config.rollout; rollout.top_p`), outside the config, flag and validation
     modules. An alias is known by the last attribute it was bound to."""
-    skipped = {"config.py", "_flags.py", "_validate.py", "_checks.py"}
+    skipped = {"config.py", "_flags.py", "_validate.py", "_checks.py", "_checks_model.py"}
     reads = set()
     for file in sorted(package.rglob("*.py")):
         if file.name in skipped:
