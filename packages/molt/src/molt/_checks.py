@@ -206,6 +206,13 @@ def check_algorithm(config: Config) -> None:
             f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
             "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
         )
+    if algo.kl.coef and not algo.kl.in_reward and algo.kl.kind == "k1":
+        raise ConfigError(
+            "--algo.kl.kind k1 as a loss term has zero expected gradient (its derivative on a sampled token "
+            "is grad log pi, whose mean over pi's samples is 0): the penalty would do nothing while train/kl "
+            "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
+            "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
+        )
     if algo.advantage.estimator == "opd" and not algo.teacher.model:
         raise ConfigError(
             "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"

@@ -56,12 +56,15 @@ class Correction(Group):
 
 
 class KL(Group):
-    """KL penalty against the reference policy."""
+    """KL penalty against the reference policy (the initial weights): a loss term, or a penalty in the
+    reward. train/kl is the mean of the estimator's value per trained token, an estimate of KL(pi || ref)."""
 
     coef: float = 0.0
     """KL coefficient; 0 disables the penalty and loads no reference model."""
-    kind: KLKind = "k3"
-    """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    kind: KLKind = "k2"
+    """KL estimator (Schulman 2020). As a loss term, k2's expected gradient is that of KL(pi || ref); k3's
+    (GRPO's) is that of KL(ref || pi), the other direction, though its value estimates KL(pi || ref); k1's
+    is zero, so k1 is refused there and belongs in the reward (--algo.kl.in_reward true)."""
     in_reward: bool = False
     """true: subtract the KL from the reward; false: add it to the loss."""
 
