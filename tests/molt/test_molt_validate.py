@@ -517,7 +517,7 @@ _CHANGED = {  # a valid value other than the default, where flipping or nudging 
     "algo.gae.lam": "0.95",
     "logger.wandb_project": "molt-runs",
     "actor.lora.target_modules": "q_proj,v_proj",
-    "actor.lora.dropout": "0.1",
+    "actor.lora.dropout": "0.0",  # the only accepted value: another would train a thinned policy (below)
     "actor.micro_batch_tokens": "4096",  # at least --vllm.max_model_len
     "actor.compile": "off",  # on needs CUDA (refused above)
 }
@@ -645,6 +645,11 @@ def test_delta_refit_is_accepted_on_a_cpu(cpu_only):
             ["--actor.lora.rank", "8", "--actor.lora.target_modules", ""],
             "target_modules is empty",
             id="empty",
+        ),
+        pytest.param(
+            ["--actor.lora.rank", "8", "--actor.lora.dropout", "0.05"],
+            "--actor.lora.dropout 0.05: dropout in the loss's forward would train a randomly thinned policy",
+            id="dropout",
         ),
     ],
 )

@@ -80,10 +80,11 @@ def check_model(config: Config, model_dir: str | Path) -> None:
 
 
 def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads: int, kv_heads: int) -> None:
-    """LoRA's flags are set only with a rank, the rank is below every wrapped projection's smaller side
-    (else the adapter is no low-rank update and costs more than the weight) and within what vLLM serves,
-    the refit is not a delta (it sends the adapter), and the model is dense: AutoModel's LinearLoRA and
-    the export's merge cover linear layers, not grouped experts."""
+    """LoRA's flags are set only with a rank, there is no dropout (the ratio's policy must be the one that
+    scored the old logprobs), the rank is below every wrapped projection's smaller side (else the adapter
+    is no low-rank update and costs more than the weight) and within what vLLM serves, the refit is not a
+    delta (it sends the adapter), and the model is dense: AutoModel's LinearLoRA and the export's merge
+    cover linear layers, not grouped experts."""
     lora, default = config.actor.lora, Config().actor.lora
     if not lora.rank:
         fields = ("alpha", "target_modules", "dropout")
@@ -94,6 +95,14 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
                 "drop it"
             )
         return
+    if lora.dropout:
+        raise ConfigError(
+            f"--actor.lora.dropout {lora.dropout}: dropout in the loss's forward would train a randomly "
+            "thinned policy, not the one that scored the old logprobs and sampled the tokens (the logprob "
+            "passes and the engines run without it), so every ratio and correction weight would compare two "
+            "different policies; pass --actor.lora.dropout 0 (regularise with --actor.weight_decay or a "
+            "smaller --actor.lora.rank)"
+        )
     if num_experts(model_config):
         raise ConfigError(
             f"--actor.lora.rank with --model.path {model_dir}, an MoE model: its experts' adapters would not "
