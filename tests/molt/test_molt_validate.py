@@ -397,6 +397,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
     "algo.correction.token_bounds": ["0.0,3", "-1.0,3", "2.0,1.0", "0.5,inf"],
     "algo.correction.seq_bounds": ["0.0,3", "1.01,0.99", "nan,1.0"],
     "algo.kl.coef": ["-0.1", *_NOT_FINITE], "algo.entropy_coef": ["-0.01", *_NOT_FINITE],
+    "algo.dynamic_filter_max_batches": ["0", "-1"],
     "algo.gae.gamma": ["-0.1", "1.01", "nan"], "algo.gae.lam": ["-0.1", "1.5", "nan"],
     "algo.critic.lr": ["0", "-1e-3", *_NOT_FINITE], "algo.critic.value_clip": ["0", "-0.2", "inf"],
     "actor.lr": ["0", "-1e-3", *_NOT_FINITE], "actor.weight_decay": ["-0.1", "nan"],
@@ -546,6 +547,7 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
     needs = {"algo.critic.model": ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir)],
              "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
              "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
+             "algo.dynamic_filter_max_batches": ["--algo.dynamic_filter"],
              "ray.num_cpus": [], "train.mini_batches": [],
              **{f"actor.lora.{name}": ["--actor.lora.rank", "8"]
                 for name in ("alpha", "target_modules", "dropout")}}  # fmt: skip

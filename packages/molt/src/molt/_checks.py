@@ -68,6 +68,7 @@ RANGES: dict[str, Range] = {
     "algo.correction.token_cap": _POSITIVE,
     "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
     "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
+    "algo.dynamic_filter_max_batches": _AT_LEAST_1,
     "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
     "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
     "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
@@ -212,6 +213,14 @@ def check_algorithm(config: Config) -> None:
             "is grad log pi, whose mean over pi's samples is 0): the penalty would do nothing while train/kl "
             "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
             "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
+        )
+    if (
+        not algo.dynamic_filter
+        and algo.dynamic_filter_max_batches != Config().algo.dynamic_filter_max_batches
+    ):
+        raise ConfigError(
+            "--algo.dynamic_filter_max_batches bounds the groups --algo.dynamic_filter drops, which is off: "
+            "pass --algo.dynamic_filter, or drop it"
         )
     if algo.advantage.estimator == "opd" and not algo.teacher.model:
         raise ConfigError(

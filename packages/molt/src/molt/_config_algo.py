@@ -109,6 +109,9 @@ class Algo(Group):
     """Entropy bonus coefficient; 0 disables it."""
     dynamic_filter: bool = False
     """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
+    dynamic_filter_max_batches: int = 10
+    """With --algo.dynamic_filter: the run stops when more than this many x --rollout.prompts_per_step groups
+    are dropped while one step waits for its groups (verl's max_num_gen_batches), naming their prompts."""
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
     critic: Critic = Critic()
