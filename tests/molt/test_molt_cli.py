@@ -137,6 +137,58 @@ def test_resume_continues_the_run_with_its_config_and_the_new_flags(fake_loop, t
     assert not_a_run.exit_code == 2 and "not a run directory" in not_a_run.output
 
 
+def _resumed(run_dir, first_flags: list[str], resume_flags: list[str], fake_loop) -> Config:
+    """The config a run started with `first_flags` resumes with, given `resume_flags` (checkpoint faked)."""
+    first_run = runner.invoke(app, ["train", "--logger.run_dir", str(run_dir), *first_flags])
+    assert first_run.exit_code == 0, first_run.output
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "latest").write_text("step_000002\n")
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), *resume_flags])
+    assert result.exit_code == 0, result.output
+    return fake_loop[-1]
+
+
+@pytest.mark.parametrize(
+    ("first_flags", "resume_flags", "rollout"),
+    [
+        pytest.param(
+            ["--train.force_on_policy"], ["--train.force_on_policy", "false"], (1, True, 32), id="off-policy"
+        ),
+        pytest.param([], ["--train.force_on_policy"], (0, False, 16), id="on-policy"),
+        pytest.param(
+            ["--train.force_on_policy"], ["--rollout.prompts_per_step", "24"], (0, False, 24), id="on-24"
+        ),
+        pytest.param([], ["--rollout.prompts_per_step", "24"], (1, True, 48), id="deeper-queue"),
+        pytest.param(
+            ["--rollout.queue_depth", "40"], ["--rollout.prompts_per_step", "20"], (1, True, 40), id="set"
+        ),
+    ],
+)
+def test_resume_derives_again_from_the_flags_given_then(
+    fake_loop, tmp_path, first_flags, resume_flags, rollout
+):
+    """(max_lag, partial_rollout, queue_depth) on resume are what the same flags give at a fresh start; a
+    queue depth the user set stays theirs."""
+    resumed = _resumed(tmp_path / "run", first_flags, resume_flags, fake_loop)
+    assert (resumed.rollout.max_lag, resumed.rollout.partial_rollout, resumed.rollout.queue_depth) == rollout
+    assert resumed.rollout == resolve([*first_flags, *resume_flags]).rollout
+
+
+def test_resume_keeps_the_latest_settings_and_refuses_flags_on_a_run_without_them(fake_loop, tmp_path):
+    run_dir = tmp_path / "run"
+    _resumed(run_dir, ["--train.force_on_policy"], ["--train.force_on_policy", "false"], fake_loop)
+    again = runner.invoke(app, ["train", "--resume", str(run_dir), "--rollout.prompts_per_step", "8"])
+    assert again.exit_code == 0, again.output
+    assert (fake_loop[-1].rollout.max_lag, fake_loop[-1].rollout.queue_depth) == (1, 16)  # off-policy stays
+    (run_dir / "given.toml").unlink()  # a run from before given.toml: its config.toml has derived values
+    refused = runner.invoke(app, ["train", "--resume", str(run_dir), "--train.force_on_policy"])
+    assert refused.exit_code == 2 and "has no given.toml" in refused.stderr, refused.output
+    assert "resume it without flags" in refused.stderr
+    plain = runner.invoke(app, ["train", "--resume", str(run_dir)])
+    assert plain.exit_code == 0, plain.output
+    assert fake_loop[-1] == fake_loop[-2]
+
+
 def test_a_run_dir_that_already_holds_a_run_is_refused(tmp_path):
     from typer.testing import CliRunner
 

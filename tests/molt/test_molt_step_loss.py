@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from molt._flags import resolve
 from molt._objective import step_loss
-from molt.config import KL, Algo, Correction, Loss
+from molt.config import KL, Algo, ConfigError, Correction, Loss
 
 # Trainable tokens per row; row 3 is all masked, like the padding rows of a rank's shard.
 MASK_BT = torch.tensor(
@@ -92,10 +93,9 @@ def _surrogate(kind: str, ratio: float, adv: float, logp: float, loss: Loss) -> 
 
 
 def _kl(kind: str, logp: float, ref: float) -> tuple[float, float]:
-    """Schulman's estimators of KL(policy || reference) with log r = ref - logp, and d / d logp."""
+    """Schulman's k2 and k3 with log r = ref - logp, and d / d logp (what each follows in expectation, and
+    why k1 is refused in the loss, is tests/rlestimators/test_rlestimators_kl_gradients.py's)."""
     log_r = ref - logp
-    if kind == "k1":
-        return -log_r, 1.0
     if kind == "k2":
         return log_r**2 / 2, -log_r
     return math.exp(log_r) - 1 - log_r, 1 - math.exp(log_r)
@@ -216,9 +216,7 @@ def test_the_dual_clip_caps_the_loss_of_a_large_ratio_on_a_negative_advantage():
     assert_close(plain - capped, torch.tensor((math.exp(1.5) - 3.0) / NUM_TOKENS), rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize(
-    "kl_kind", [pytest.param("k1", id="k1"), pytest.param("k2", id="k2"), pytest.param("k3", id="k3")]
-)
+@pytest.mark.parametrize("kl_kind", [pytest.param("k2", id="k2"), pytest.param("k3", id="k3")])
 def test_each_kl_estimator_adds_its_term(kl_kind):
     x, algo = _inputs(1), _algo(kl_kind=kl_kind)
     expected = _reference(x, algo)
@@ -226,6 +224,21 @@ def test_each_kl_estimator_adds_its_term(kl_kind):
     assert_close(loss, torch.tensor(expected["loss"]), rtol=1e-5, atol=1e-6)
     assert_close(grads["logp_BT"], expected["grad_logp_BT"], rtol=1e-4, atol=1e-7)
     assert sums["train/kl"].item() == pytest.approx(expected["sums"]["train/kl"], rel=1e-5)
+
+
+def test_k1_in_the_loss_is_refused_naming_why_and_the_fix_and_stays_valid_in_the_reward():
+    kl_term = ["--algo.kl.coef", "0.1", "--algo.kl.kind", "k1"]
+    with pytest.raises(ConfigError) as error:
+        resolve(kl_term)
+    for says in (
+        "--algo.kl.kind k1",
+        "zero expected gradient",
+        "--algo.kl.kind k2",
+        "--algo.kl.in_reward true",
+    ):
+        assert says in str(error.value), str(error.value)
+    assert resolve([*kl_term, "--algo.kl.in_reward", "true"]).algo.kl.kind == "k1"
+    assert resolve(kl_term[:2]).algo.kl.kind == "k2"  # the default: its gradient is KL(pi || ref)'s
 
 
 def test_without_reference_logprobs_there_is_no_kl_term():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
@@ -384,19 +383,46 @@ def test_every_numeric_field_has_a_range():
     assert numeric == set(RANGES)
 
 
-def _bad_numbers(path: str) -> list[str]:
-    """Values just outside the field's range, and NaN for a float."""
-    allowed, leaf_type = RANGES[path], _leaves()[path].type
-    bad = []
-    if allowed.low != -math.inf:
-        bad.append(allowed.low if allowed.open_low else allowed.low - 1)
-    if allowed.high != math.inf:
-        bad.append(allowed.high if allowed.open_high else allowed.high + 1)
-    is_int = int in get_args(leaf_type) or leaf_type is int
-    texts = [str(int(v)) if is_int else repr(float(v)) for v in bad]
-    if get_origin(leaf_type) is tuple:
-        return [f"{text},3" for text in texts] + ["2.0,1.0"]  # one end out of range; low above high
-    return texts + ([] if is_int else ["nan", "inf"])
+_NOT_FINITE = ["nan", "inf", "-inf"]
+
+# Values just outside each numeric field's range, written out here rather than read from `RANGES`, so a
+# range that is loosened (or a bound that is lost) fails this test. A float field also refuses a non-finite
+# value; a pair refuses one end out of range and low above high.
+_BAD_NUMBERS: dict[str, list[str]] = {
+    "data.seed": ["-1"],
+    "agent.timeout": ["0", "-1.5", *_NOT_FINITE], "agent.max_turns": ["0"], "agent.num_runners": ["-1"],
+    "algo.loss.clip_low": ["-0.1", "1.0", "nan"], "algo.loss.clip_high": ["-0.01", *_NOT_FINITE],
+    "algo.loss.dual_clip": ["1.0", "0.5", "inf"],
+    "algo.correction.token_cap": ["0", "-2.0", *_NOT_FINITE],
+    "algo.correction.token_bounds": ["0.0,3", "-1.0,3", "2.0,1.0", "0.5,inf"],
+    "algo.correction.seq_bounds": ["0.0,3", "1.01,0.99", "nan,1.0"],
+    "algo.kl.coef": ["-0.1", *_NOT_FINITE], "algo.entropy_coef": ["-0.01", *_NOT_FINITE],
+    "algo.dynamic_filter_max_batches": ["0", "-1"],
+    "algo.gae.gamma": ["-0.1", "1.01", "nan"], "algo.gae.lam": ["-0.1", "1.5", "nan"],
+    "algo.critic.lr": ["0", "-1e-3", *_NOT_FINITE], "algo.critic.value_clip": ["0", "-0.2", "inf"],
+    "actor.lr": ["0", "-1e-3", *_NOT_FINITE], "actor.weight_decay": ["-0.1", "nan"],
+    "actor.grad_clip": ["0", "-1.0", "inf"],
+    "actor.micro_batch_tokens": ["-1"], "actor.warmup_steps": ["-1"], "actor.num_ranks": ["0"],
+    "fsdp.tp_size": ["0"], "fsdp.ep_size": ["0"], "fsdp.cp_size": ["0"],
+    "vllm.num_engines": ["0"], "vllm.tensor_parallel_size": ["0"], "vllm.data_parallel_size": ["0"],
+    "vllm.max_num_batched_tokens": ["0"], "vllm.mtp_num_speculative_tokens": ["-1"],
+    "vllm.max_model_len": ["1", "0"], "vllm.gpu_memory_utilization": ["0", "1.01", "nan"],
+    "rollout.group_size": ["0"], "rollout.prompts_per_step": ["0"], "rollout.max_new_tokens": ["0"],
+    "rollout.temperature": ["0", "-1.0", *_NOT_FINITE], "rollout.top_p": ["0", "1.01", "nan"],
+    "rollout.queue_depth": ["-1"], "rollout.max_lag": ["-1"], "rollout.max_stale_requeues": ["0"],
+    "train.num_steps": ["0"], "train.seed": ["-1"], "train.mini_batches": ["0"],
+    "eval.every": ["-1"], "eval.num_prompts": ["0"], "eval.n": ["0"], "eval.k": ["0"],
+    "eval.pass_reward": _NOT_FINITE,
+    "actor.lora.rank": ["-1"], "actor.lora.alpha": ["0", "-16.0", "inf"],
+    "actor.lora.dropout": ["-0.1", "1.0", "nan"],
+    "ckpt.every": ["-1"],
+    "ray.num_cpus": ["0"],
+}  # fmt: skip
+
+
+def test_every_numeric_field_has_bad_values_written_out():
+    numeric = {path for path, leaf in _leaves().items() if _numeric(leaf.type)}
+    assert numeric == set(_BAD_NUMBERS)
 
 
 def _file(tmp_path: Path) -> str:
@@ -424,8 +450,8 @@ _BAD_TEXT = {  # the string fields' bad values (tmp_path -> value)
 
 def _bad_values(path: str, tmp_path: Path) -> list[str]:
     leaf_type = _leaves()[path].type
-    if path in RANGES:
-        return _bad_numbers(path)
+    if path in _BAD_NUMBERS:
+        return _BAD_NUMBERS[path]
     if leaf_type is bool:
         return ["maybe"]
     if get_origin(leaf_type) is Literal:
@@ -446,7 +472,7 @@ def _reads(package: Path) -> set[str]:
     """Every `group.field` the package's code reads from a config (`config.rollout.top_p`, or through a
     local name: `rollout = config.rollout; rollout.top_p`), outside the config, flag and validation
     modules. An alias is known by the last attribute it was bound to."""
-    skipped = {"config.py", "_flags.py", "_validate.py", "_checks.py"}
+    skipped = {"config.py", "_flags.py", "_validate.py", "_checks.py", "_checks_model.py"}
     reads = set()
     for file in sorted(package.rglob("*.py")):
         if file.name in skipped:
@@ -492,7 +518,7 @@ _CHANGED = {  # a valid value other than the default, where flipping or nudging 
     "algo.gae.lam": "0.95",
     "logger.wandb_project": "molt-runs",
     "actor.lora.target_modules": "q_proj,v_proj",
-    "actor.lora.dropout": "0.1",
+    "actor.lora.dropout": "0.0",  # the only accepted value: another would train a thinned policy (below)
     "actor.micro_batch_tokens": "4096",  # at least --vllm.max_model_len
     "actor.compile": "off",  # on needs CUDA (refused above)
 }
@@ -521,6 +547,7 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
     needs = {"algo.critic.model": ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir)],
              "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
              "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
+             "algo.dynamic_filter_max_batches": ["--algo.dynamic_filter"],
              "ray.num_cpus": [], "train.mini_batches": [],
              **{f"actor.lora.{name}": ["--actor.lora.rank", "8"]
                 for name in ("alpha", "target_modules", "dropout")}}  # fmt: skip
@@ -620,6 +647,11 @@ def test_delta_refit_is_accepted_on_a_cpu(cpu_only):
             ["--actor.lora.rank", "8", "--actor.lora.target_modules", ""],
             "target_modules is empty",
             id="empty",
+        ),
+        pytest.param(
+            ["--actor.lora.rank", "8", "--actor.lora.dropout", "0.05"],
+            "--actor.lora.dropout 0.05: dropout in the loss's forward would train a randomly thinned policy",
+            id="dropout",
         ),
     ],
 )

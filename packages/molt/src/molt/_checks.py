@@ -2,18 +2,15 @@
 numeric field against its range (`RANGES`: a finite number in the stated interval; `0` never means
 unbounded), the files and addresses the run reads, the combinations of flags (asynchrony without importance
 correction, DESIGN invariant 2; a group baseline over groups of one; a sampler the trainer does not
-reproduce, invariant 3), the model's shape against the parallel sizes, a teacher's or critic's tokenizer,
-and the agent module against the data settings. What this machine can run is `molt._validate`'s; the order
-of the pass is `validate`'s. Every message names the flags and what to do.
-
-Imports transformers only for a teacher or critic model.
+reproduce, invariant 3), and the agent module against the data settings. The checks that read the model
+are `molt._checks_model`'s; what this machine can run is `molt._validate`'s; the order of the pass is
+`validate`'s. Every message names the flags and what to do.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import math
 import re
 from pathlib import Path
@@ -28,13 +25,10 @@ __all__ = [
     "Range",
     "check_agent",
     "check_algorithm",
-    "check_companions",
-    "check_model",
     "check_paths",
     "check_ranges",
     "check_sampling",
     "field_value",
-    "num_experts",
     "on_policy",
 ]
 
@@ -74,6 +68,7 @@ RANGES: dict[str, Range] = {
     "algo.correction.token_cap": _POSITIVE,
     "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
     "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
+    "algo.dynamic_filter_max_batches": _AT_LEAST_1,
     "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
     "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
     "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
@@ -96,11 +91,6 @@ RANGES: dict[str, Range] = {
     "ckpt.every": _AT_LEAST_0,
     "ray.num_cpus": _AT_LEAST_1,
 }  # fmt: skip
-
-
-# Where Hugging Face configs keep the number of routed experts: Qwen-MoE, DeepSeek, Mixtral.
-_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.26's --max-lora-rank choices (MaxLoRARanks)
 
 
 def field_value(config: Config, path: str) -> Any:
@@ -217,6 +207,21 @@ def check_algorithm(config: Config) -> None:
             f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
             "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
         )
+    if algo.kl.coef and not algo.kl.in_reward and algo.kl.kind == "k1":
+        raise ConfigError(
+            "--algo.kl.kind k1 as a loss term has zero expected gradient (its derivative on a sampled token "
+            "is grad log pi, whose mean over pi's samples is 0): the penalty would do nothing while train/kl "
+            "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
+            "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
+        )
+    if (
+        not algo.dynamic_filter
+        and algo.dynamic_filter_max_batches != Config().algo.dynamic_filter_max_batches
+    ):
+        raise ConfigError(
+            "--algo.dynamic_filter_max_batches bounds the groups --algo.dynamic_filter drops, which is off: "
+            "pass --algo.dynamic_filter, or drop it"
+        )
     if algo.advantage.estimator == "opd" and not algo.teacher.model:
         raise ConfigError(
             "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
@@ -243,144 +248,6 @@ def check_sampling(config: Config) -> None:
             "weight would be off; sample with --rollout.top_p 1 (shape the distribution with "
             "--rollout.temperature)"
         )
-
-
-def num_experts(model_config: dict) -> int:
-    """Routed experts per MoE layer; 0 for a dense model."""
-    return next((int(model_config[key]) for key in _EXPERT_KEYS if model_config.get(key)), 0)
-
-
-def check_model(config: Config, model_dir: str | Path) -> None:
-    """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
-    vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
-    if model_dir:
-        model_config = json.loads((Path(model_dir) / "config.json").read_text())
-    else:
-        from molt.tiny import TINY_SHAPE
-
-        model_dir, model_config = "(the tiny model)", dict(TINY_SHAPE)
-    fsdp, algo = config.fsdp, config.algo
-    if "vision_config" in model_config and (fsdp.tp_size > 1 or fsdp.cp_size > 1):
-        raise ConfigError(
-            f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
-            f"now: --fsdp.tp_size 1 --fsdp.cp_size 1 (got {fsdp.tp_size}, {fsdp.cp_size})"
-        )
-    if "vision_config" in model_config and config.actor.lora.rank:
-        raise ConfigError(
-            f"--actor.lora.rank with --model.path {model_dir}, a vision-language model: the engines serve "
-            "adapters on a language model only, and the target modules would wrap the vision tower too; "
-            "LoRA runs on text models for now"
-        )
-    if "vision_config" in model_config and algo.advantage.estimator == "gae":
-        raise ConfigError(
-            f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
-            "pick an outcome estimator"
-        )
-    model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
-    experts = num_experts(model_config)
-    if config.train.routing_replay and not experts:
-        raise ConfigError(
-            f"--train.routing_replay replays MoE routing, but --model.path {model_dir} is dense (its "
-            f"config.json has none of {', '.join(_EXPERT_KEYS)}): drop --train.routing_replay"
-        )
-    if fsdp.ep_size > 1 and (not experts or experts % fsdp.ep_size):
-        raise ConfigError(
-            f"--fsdp.ep_size {fsdp.ep_size} must divide the model's {experts} experts (config.json of "
-            f"--model.path {model_dir}): pick a divisor, or 1 for a dense model"
-        )
-    heads = int(model_config["num_attention_heads"])
-    kv_heads = int(model_config.get("num_key_value_heads") or heads)
-    if heads % fsdp.tp_size or kv_heads % fsdp.tp_size:
-        raise ConfigError(
-            f"--fsdp.tp_size {fsdp.tp_size} must divide the model's {heads} attention heads and {kv_heads} "
-            f"key-value heads (config.json of --model.path {model_dir})"
-        )
-    _check_lora(config, model_dir, model_config, heads, kv_heads)
-    tp = config.vllm.tensor_parallel_size
-    if not config.vllm.urls and (heads % tp or (kv_heads % tp and tp % kv_heads)):
-        raise ConfigError(
-            f"--vllm.tensor_parallel_size {tp} must divide the model's {heads} attention heads, and divide "
-            f"or be a multiple of its {kv_heads} key-value heads (config.json of --model.path {model_dir})"
-        )
-
-
-def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads: int, kv_heads: int) -> None:
-    """LoRA's flags are set only with a rank, the rank is below every wrapped projection's smaller side
-    (else the adapter is no low-rank update and costs more than the weight) and within what vLLM serves,
-    the refit is not a delta (it sends the adapter), and the model is dense: AutoModel's LinearLoRA and
-    the export's merge cover linear layers, not grouped experts."""
-    lora, default = config.actor.lora, Config().actor.lora
-    if not lora.rank:
-        fields = ("alpha", "target_modules", "dropout")
-        changed = [name for name in fields if getattr(lora, name) != getattr(default, name)]
-        if changed:
-            raise ConfigError(
-                f"--actor.lora.{changed[0]} is set but --actor.lora.rank is 0 (LoRA off): pass a rank, or "
-                "drop it"
-            )
-        return
-    if num_experts(model_config):
-        raise ConfigError(
-            f"--actor.lora.rank with --model.path {model_dir}, an MoE model: its experts' adapters would not "
-            "be merged into the weights the engines serve; LoRA runs on dense models for now"
-        )
-    if lora.rank > LORA_RANKS[-1]:
-        raise ConfigError(
-            f"--actor.lora.rank {lora.rank} is above {LORA_RANKS[-1]}, the largest adapter rank vLLM serves "
-            f"(--max-lora-rank): pass {LORA_RANKS[-1]} or less"
-        )
-    if config.refit.delta:
-        raise ConfigError(
-            "--refit.delta with --actor.lora.rank: a LoRA refit sends the adapters alone, whole (they are "
-            "small); drop --refit.delta"
-        )
-    if not lora.target_modules:
-        raise ConfigError(
-            "--actor.lora.target_modules is empty: name at least one projection, or --actor.lora.rank 0"
-        )
-    hidden = int(model_config.get("hidden_size", 0))
-    head_dim = int(model_config.get("head_dim") or (hidden // heads if hidden else 0))
-    sides = {  # each projection's (input, output) size; a size the config does not state is 0 (unchecked)
-        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-        "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-        "gate_proj": (hidden, int(model_config.get("intermediate_size", 0))),
-        "up_proj": (hidden, int(model_config.get("intermediate_size", 0))),
-        "down_proj": (int(model_config.get("intermediate_size", 0)), hidden),
-    }  # fmt: skip
-    for name in lora.target_modules:
-        smaller = min((side for side in sides[name] if side), default=0)
-        if smaller and lora.rank >= smaller:
-            raise ConfigError(
-                f"--actor.lora.rank {lora.rank} does not fit {name}, whose smaller side is {smaller} "
-                f"(config.json of --model.path {model_dir}): a rank-{smaller} update is the full weight; "
-                "pass a rank below it"
-            )
-
-
-def check_companions(config: Config) -> None:
-    """A teacher or critic reads the policy's token ids, so it must tokenize exactly as the policy does."""
-    algo = config.algo
-    others = {}
-    if algo.advantage.estimator == "opd":
-        others["--algo.teacher.model"] = algo.teacher.model
-    if algo.advantage.estimator == "gae" and algo.critic.model:
-        others["--algo.critic.model"] = algo.critic.model
-    if not others:
-        return
-    if not config.model.path:
-        raise ConfigError(
-            f"{', '.join(others)} needs --model.path: the seeded tiny policy has its own tokenizer, which no "
-            "other model shares"
-        )
-    from transformers import AutoTokenizer
-
-    policy = AutoTokenizer.from_pretrained(config.model.path).get_vocab()
-    for flag, path in others.items():
-        if AutoTokenizer.from_pretrained(path).get_vocab() != policy:
-            raise ConfigError(
-                f"{flag} {path} has another tokenizer than the policy ({config.model.path}): it would read "
-                "the policy's token ids as other tokens; pick a model of the policy's family"
-            )
 
 
 def check_agent(config: Config) -> None:

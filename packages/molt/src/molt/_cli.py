@@ -16,9 +16,10 @@ from typing import Annotated
 import msgspec
 import typer
 
-from molt._flags import flag_help, render_toml, resolve
+from molt._flags import flag_help, parse, render_toml
 from molt._log import quiet_console
 from molt._startup import allow_bytecode
+from molt._validate import validate
 from molt.config import Config, ConfigError, with_run_dir
 
 __all__ = ["app"]
@@ -35,8 +36,9 @@ Every option is a dotted flag on the typed config (molt/config.py): --group.fiel
 (a bare boolean flag means true), optional values take none, pairs are comma separated (0.5,2.0).
 
   --config FILE.toml    settings from a TOML file, in the format --print-config writes
-  --resume RUN_DIR      continue a run from its newest checkpoint (--ckpt.every), with its config.toml;
-                        flags given here override it (e.g. --train.num_steps to train longer)
+  --resume RUN_DIR      continue a run from its newest checkpoint (--ckpt.every), with its settings
+                        (given.toml); flags given here override them (e.g. --train.num_steps to train
+                        longer), and what derives from them (the queue depth, ...) is derived again
   --print-config        print the resolved config as TOML and exit without training
   --help                show this message and exit"""
 
@@ -74,9 +76,11 @@ def train(ctx: typer.Context) -> None:
     args = [arg for arg in args if arg != "--print-config"]
     resume_dir = _take_resume(args)
     try:
-        if resume_dir is not None:  # the run's own config, then the flags given now
-            args = ["--config", str(resume_dir / "config.toml"), *args, "--logger.run_dir", str(resume_dir)]
-        config = resolve(args)
+        if resume_dir is not None:  # the run's settings as given, then the flags given now
+            settings = _resume_settings(resume_dir, args)
+            args = ["--config", str(settings), *args, "--logger.run_dir", str(resume_dir)]
+        given = parse(args)
+        config = validate(given)  # derived values (queue depth, on-policy settings, ...) follow `given`
     except ConfigError as error:
         typer.echo(f"molt train: {error}", err=True)
         raise typer.Exit(2) from None
@@ -96,7 +100,8 @@ def train(ctx: typer.Context) -> None:
         typer.echo(f"molt train: --resume {resume_dir}: no checkpoint in {config.ckpt.dir}", err=True)
         raise typer.Exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(render_toml(config))
+    (run_dir / "config.toml").write_text(render_toml(config, _RESOLVED))
+    (run_dir / "given.toml").write_text(render_toml(given, _GIVEN))
     typer.echo(f"run dir: {run_dir}")
     # Ray's workers run in this process's environment (the project's venv). Without this, Ray notices
     # `uv run` and starts workers through `uv run` in a copy of the working directory, a fresh venv.
@@ -107,6 +112,29 @@ def train(ctx: typer.Context) -> None:
         from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
 
         run_training(config, resume=resume_dir is not None)
+
+
+_RESOLVED = "The run's resolved config, derived values filled in (molt train --resume reads given.toml)."
+_GIVEN = (
+    "The run's settings as given, before derived values are filled in: molt train --resume reads this\n"
+    "file, then its own flags, and derives again what derives from them (the queue depth from\n"
+    "--rollout.prompts_per_step, --train.force_on_policy's settings, the GPU placement). The run's\n"
+    "resolved config is config.toml."
+)
+
+
+def _resume_settings(run_dir: Path, flags: list[str]) -> Path:
+    """The file `--resume RUN_DIR` starts from: given.toml, or, in a run written before it was kept,
+    config.toml, whose derived values no flag given now may change, so none is taken."""
+    if (run_dir / "given.toml").is_file():
+        return run_dir / "given.toml"
+    if flags:
+        raise ConfigError(
+            f"--resume {run_dir} has no given.toml (the settings as given, before derived values), only "
+            f"config.toml, whose derived values (the queue depth, the on-policy settings, the placement) "
+            f"{flags[0]} and the other flags could not change: resume it without flags"
+        )
+    return run_dir / "config.toml"
 
 
 def _take_resume(args: list[str]) -> Path | None:

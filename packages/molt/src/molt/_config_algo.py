@@ -56,12 +56,15 @@ class Correction(Group):
 
 
 class KL(Group):
-    """KL penalty against the reference policy."""
+    """KL penalty against the reference policy (the initial weights): a loss term, or a penalty in the
+    reward. train/kl is the mean of the estimator's value per trained token, an estimate of KL(pi || ref)."""
 
     coef: float = 0.0
     """KL coefficient; 0 disables the penalty and loads no reference model."""
-    kind: KLKind = "k3"
-    """KL estimator: k1, k2 or k3 (Schulman's approximations)."""
+    kind: KLKind = "k2"
+    """KL estimator (Schulman 2020). As a loss term, k2's expected gradient is that of KL(pi || ref); k3's
+    (GRPO's) is that of KL(ref || pi), the other direction, though its value estimates KL(pi || ref); k1's
+    is zero, so k1 is refused there and belongs in the reward (--algo.kl.in_reward true)."""
     in_reward: bool = False
     """true: subtract the KL from the reward; false: add it to the loss."""
 
@@ -106,6 +109,9 @@ class Algo(Group):
     """Entropy bonus coefficient; 0 disables it."""
     dynamic_filter: bool = False
     """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
+    dynamic_filter_max_batches: int = 10
+    """With --algo.dynamic_filter: the run stops when more than this many x --rollout.prompts_per_step groups
+    are dropped while one step waits for its groups (verl's max_num_gen_batches), naming their prompts."""
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
     critic: Critic = Critic()

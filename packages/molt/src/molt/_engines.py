@@ -15,7 +15,7 @@ from pathlib import Path
 
 import ray
 
-from molt._checks import LORA_RANKS
+from molt._checks_model import LORA_RANKS
 from molt._placement import compute_dtype_name, engine_gpus, engine_memory_utilization, refit_backend
 from molt.config import Config
 from molt.vllm_server import VLLMServer

@@ -30,7 +30,7 @@ from molt import config as config_module
 from molt._validate import validate
 from molt.config import Config, ConfigError
 
-__all__ = ["flag_help", "render_toml", "resolve", "type_name"]
+__all__ = ["flag_help", "parse", "render_toml", "resolve", "type_name"]
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -229,7 +229,14 @@ def _read_toml(file: str) -> dict[str, Any]:
 
 
 def resolve(args: Sequence[str]) -> Config:
-    """The validated `Config` of `molt train` arguments: defaults < `--config FILE.toml` < dotted flags."""
+    """The validated `Config` of `molt train` arguments: defaults < `--config FILE.toml` < dotted flags,
+    with the derived values filled (`molt._validate.validate`)."""
+    return validate(parse(args))
+
+
+def parse(args: Sequence[str]) -> Config:
+    """The `Config` the arguments give, typed but not yet validated: no derived value is filled in, so a
+    file `render_toml` writes of it, read back with other flags, derives again from those."""
     config_file, raw_flags = _split_args(args)
     values: dict[str, Any] = {}
     sources: dict[str, tuple[str, Any]] = {}  # path -> (where it was set, the value as written)
@@ -245,7 +252,7 @@ def resolve(args: Sequence[str]) -> Config:
         config = msgspec.convert(_nest(values), Config, strict=False)
     except msgspec.ValidationError as error:
         raise ConfigError(_explain(error, sources)) from None
-    return validate(config)
+    return config
 
 
 def _toml_value(value: Any) -> str:
@@ -261,12 +268,14 @@ def _toml_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def render_toml(config: Config) -> str:
-    """`config` as a TOML file that `--config` reads back to an equal Config, each key under its help."""
+def render_toml(config: Config, heading: str = "") -> str:
+    """`config` as a TOML file that `--config` reads back to an equal Config, each key under its help;
+    `heading`: comment lines first."""
     tables: dict[str, list[str]] = {}  # one [table] per Struct, in definition order
     for path in _leaves():
         tables.setdefault(path.rsplit(".", 1)[0], []).append(path)
-    lines = ["# molt run configuration: defaults < --config FILE.toml < --group.field flags"]
+    lines = [f"# {line}" for line in heading.splitlines()]
+    lines += ["# molt run configuration: defaults < --config FILE.toml < --group.field flags"]
     for table, paths in tables.items():
         lines += ["", f"[{table}]"]
         for path in paths:

@@ -9,6 +9,7 @@ and Ray itself is stopped. It is public as `molt.loop.train`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import secrets
@@ -35,7 +36,7 @@ from molt.config import Config, with_run_dir
 from rlestimators import dynamic_filter
 from tito import Tito, create_app, serve_on_loop
 
-__all__ = ["start_extra_groups", "train"]
+__all__ = ["DynamicFilter", "start_extra_groups", "train"]
 
 
 def train(config: Config, *, resume: bool = False) -> None:
@@ -104,6 +105,9 @@ def train(config: Config, *, resume: bool = False) -> None:
         log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
+        algo = config.algo  # --algo.dynamic_filter: the pool's keep, bounded in each take
+        max_filtered = algo.dynamic_filter_max_batches * config.rollout.prompts_per_step
+        dynamic = DynamicFilter(max_filtered) if algo.dynamic_filter else None
         parts = dict(
             policy=policy,
             rows=rows,
@@ -112,6 +116,7 @@ def train(config: Config, *, resume: bool = False) -> None:
             eval_rows=evaluation,
             first_step=first_step,
             startup=clock,
+            dynamic_filter=dynamic,
             **groups,
         )
         asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
@@ -184,14 +189,13 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
             parts["startup"].end("tito")
             runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
-            keep = _keep_varied if config.algo.dynamic_filter else None
             pool = GroupPool(
                 runner,
                 parts["rows"],
                 group_size=rollout.group_size,
                 depth=rollout.queue_depth,
                 max_lag=rollout.max_lag,
-                keep=keep,
+                keep=parts["dynamic_filter"],
                 retry_delay=0.5,
                 stale=rollout.stale,
                 max_requeues=rollout.max_stale_requeues,
@@ -220,7 +224,27 @@ def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
     return model_dir
 
 
-def _keep_varied(group) -> bool:
-    """--algo.dynamic_filter (DAPO): a group whose rewards are all equal has no gradient; backfill it."""
-    rewards_S = torch.tensor([sample.reward for sample in group.samples])
-    return bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all())
+class DynamicFilter:
+    """--algo.dynamic_filter (DAPO's dynamic sampling, Yu et al. 2025): the pool's `keep`. A group whose
+    rewards are all equal has every advantage 0, so no gradient: it is rejected and the pool backfills it.
+    Each rejection is counted by prompt (its row, shown) and the reward all its samples had, so that
+    `molt.loop.take`, which stops the run past `max_groups` rejections in one take, can name them."""
+
+    def __init__(self, max_groups: int) -> None:
+        self.max_groups = max_groups
+        self.all_equal: collections.Counter[tuple[str, float]] = collections.Counter()
+
+    def __call__(self, group) -> bool:
+        rewards_S = torch.tensor([sample.reward for sample in group.samples])
+        if bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all()):
+            return True
+        shown = repr(group.prompt) if len(repr(group.prompt)) <= 120 else repr(group.prompt)[:117] + "..."
+        self.all_equal[shown, rewards_S[0].item()] += 1
+        return False
+
+    def most_rejected(self, limit: int = 5) -> str:
+        """The prompts rejected most often, with their count and reward, e.g. `{...} (40 x, reward 0)`."""
+        shown = [f"{prompt} ({count} x, reward {reward:g})" for (prompt, reward), count in
+                 self.all_equal.most_common(limit)]  # fmt: skip
+        more = len(self.all_equal) - len(shown)
+        return "; ".join(shown) + (f"; and {more} other prompts" if more > 0 else "")

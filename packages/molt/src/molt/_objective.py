@@ -5,10 +5,13 @@
 over the micro-batch's trainable tokens t, where w is the rollout correction's weight of the engine-vs-
 trainer mismatch (`rlestimators.rollout_correction`, DESIGN invariant 2), the surrogate is
 `--algo.loss.kind`'s (`rlestimators.policy_loss`), H the entropy of the distribution each token was
-sampled from and KL the estimate against the reference policy (`rlestimators.kl`). `num_tokens` is the ONE
-denominator of DESIGN §6 (paper §3.6): the trainable tokens of the whole optimizer step, on all ranks and
-in all micro-batches. The micro-batches' losses summed over ranks are the step's global token mean, so the
-update does not depend on how the step is split.
+sampled from and KL the estimator against the reference policy (`rlestimators.kl`, `--algo.kl.kind`: k2's
+expected gradient is that of KL(pi || ref), k3's that of KL(ref || pi); k1's is 0, and validation refuses
+it here). `train/kl` is the mean of the estimator's value, an estimate of KL(pi || ref) whichever kind
+trains (k2's biased at third order in the log-ratio). `num_tokens` is the ONE denominator of DESIGN §6
+(paper §3.6): the trainable tokens of the whole optimizer step, on all ranks and in all micro-batches.
+The micro-batches' losses summed over ranks are the step's global token mean, so the update does not
+depend on how the step is split.
 
 It lives in molt, not rlestimators, because it fixes what rlestimators refuses to: the denominator, the
 terms molt's config turns on, and the numerators of molt's `train/*` metrics. The policy worker

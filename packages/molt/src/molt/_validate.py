@@ -8,7 +8,8 @@ one; a sampler the trainer does not reproduce, invariant 3), what this machine c
 features, flags that would do nothing on a CPU, more GPUs than a local Ray has), the model's shape
 against the parallel sizes, a teacher's or critic's tokenizer, and the agent module against the data
 settings. Every message names the flags and what to do. The checks that read the config alone (and the
-files it names) are `molt._checks`; this module holds the pass, what this machine can run, and the GPUs.
+files it names) are `molt._checks`, those that read the model `molt._checks_model`; this module holds the
+pass, what this machine can run, and the GPUs.
 `molt train` calls it as soon as its flags are read, and `molt.loop.train` calls it again first thing
 (the Python API gets the same guards); it is idempotent. The one check that needs Ray, a joined cluster's
 GPUs, is `check_cluster_gpus`, called right after joining. `start_notes` lists what a run should say at
@@ -26,15 +27,13 @@ from molt._checks import (
     Range,
     check_agent,
     check_algorithm,
-    check_companions,
-    check_model,
     check_paths,
     check_ranges,
     check_sampling,
     field_value,
-    num_experts,
     on_policy,
 )
+from molt._checks_model import check_companions, check_model, num_experts
 from molt._placement import compute_dtype_name, engine_memory_utilization, extra_groups, resolve_placement
 from molt.config import Config, ConfigError
 

@@ -110,7 +110,8 @@ class LoRA(_Group):
     target_modules: list[LoRATarget] = msgspec.field(default_factory=lambda: list(get_args(LoRATarget)))
     """Linear layers that get an adapter, by name (comma-separated); the attention and MLP projections."""
     dropout: float = 0.0
-    """Dropout on the adapter's output in the loss's forward (not in the logprob passes)."""
+    """Dropout on the adapters; only 0 is accepted: in the loss's forward it would put a randomly thinned
+    policy in every ratio, against logprobs that the full policy scored (old logprobs, the engines')."""
 
 
 class Actor(_Group):

@@ -34,7 +34,7 @@ from molt._data import RowStream
 from molt._dumps import write_rollouts
 from molt._eval import evaluate
 from molt._group import EnginesLost, PolicyGroup
-from molt._launch import train
+from molt._launch import DynamicFilter, train
 from molt._log import RunLog, progress
 from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
 from molt._rollout import Rollout, RolloutRunner
@@ -92,6 +92,7 @@ class Run:
     reference: PolicyGroup | None = None  # --algo.kl.coef != 0: the frozen initial policy
     critic: CriticGroup | None = None  # --algo.advantage.estimator gae: the value model
     teacher: PolicyGroup | None = None  # --algo.advantage.estimator opd: the frozen teacher
+    dynamic_filter: DynamicFilter | None = None  # --algo.dynamic_filter: the pool's keep
 
 
 async def run_steps(config: Config, run: Run) -> None:
@@ -104,7 +105,7 @@ async def run_steps(config: Config, run: Run) -> None:
     pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
-        groups = await take(pool, config.rollout.prompts_per_step, run.tito)  # whole, completion order
+        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.dynamic_filter)  # whole
         generation_s = time.monotonic() - started
         startup = run.startup if step == run.first_step else None  # timing/startup_* with this step
         if startup is not None:
@@ -234,11 +235,15 @@ def train_windows(group, windows: list[tuple[TrainBatch, slice]], *tensors_BT) -
     return {**metrics, **({"train/lr": results[0]["train/lr"]} if "train/lr" in results[0] else {})}
 
 
-async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
-    """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering
-    or when group after group fails (an agent that always raises), and stops naming the prompt when one
-    prompt's groups keep arriving stale (a long-episode agent past --rollout.max_stale_requeues)."""
+async def take(pool: GroupPool, num_groups: int, tito: Tito, dynamic: DynamicFilter | None = None) -> list:
+    """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering,
+    when group after group fails (an agent that always raises) or, under --algo.dynamic_filter (`dynamic`),
+    when more than `dynamic.max_groups` groups come back all-equal (as verl's max_num_gen_batches), and
+    stops naming the prompt when one prompt's groups keep arriving stale (a long-episode agent past
+    --rollout.max_stale_requeues)."""
     before = pool.stats
+    if dynamic is not None:
+        dynamic.all_equal.clear()  # the prompts this take drops
     taking = asyncio.ensure_future(pool.take(num_groups))
     while not (await asyncio.wait({taking}, timeout=1.0))[0]:
         problem = None
@@ -248,6 +253,16 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito) -> list:
             problem = (
                 f"{failed} groups failed every attempt while waiting for {num_groups}: the agent keeps "
                 "failing (its first traceback is logged above)"
+            )
+        elif dynamic is not None and (filtered := pool.stats.filtered - before.filtered) > dynamic.max_groups:
+            problem = (
+                f"{filtered} groups came back with all-equal rewards while waiting for {num_groups}, more "
+                f"than {dynamic.max_groups} (--algo.dynamic_filter_max_batches x "
+                "--rollout.prompts_per_step); "
+                f"those dropped most often: {dynamic.most_rejected()}. Their rewards do not vary within a "
+                "group: check the reward function, let samples differ (--rollout.temperature, "
+                "--rollout.group_size) or pick prompts of another difficulty, raise "
+                "--algo.dynamic_filter_max_batches, or drop --algo.dynamic_filter"
             )
         if problem:
             taking.cancel()

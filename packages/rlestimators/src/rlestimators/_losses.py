@@ -166,13 +166,28 @@ def policy_loss(
     return loss_sum, metrics
 
 
-def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) on samples from pi (Schulman 2020, "Approximating KL
-    Divergence"), with log_r = ref_logp - logp:
+def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor:
+    """Per-token KL estimators of Schulman 2020 ("Approximating KL Divergence"), with log_r = ref_logp - logp.
+
+    Their values, on tokens sampled from pi, estimate KL(pi || pi_ref):
 
     - `k1` = -log_r (unbiased, high variance, can be negative)
-    - `k2` = log_r**2 / 2 (biased, low variance)
-    - `k3` = (exp(log_r) - 1) - log_r (unbiased, >= 0; GRPO's KL term, Shao et al. 2024, Eq. 4)
+    - `k2` = log_r**2 / 2 (biased, exact to second order in log_r; low variance, >= 0)
+    - `k3` = (exp(log_r) - 1) - log_r (unbiased, low variance, >= 0; GRPO's KL term, Shao et al. 2024, Eq. 4)
+
+    As a loss term their gradient is what counts, and that is another matter (Tang & Munos 2025, "On a few
+    pitfalls in KL divergence gradient estimation for RL"): differentiated on sampled tokens (the sampling
+    is not differentiated), each gives g(x) * grad logp(x), whose expectation over x ~ pi is
+
+    - `k1`: g = 1, so sum_x grad pi(x) = 0: the term moves nothing, whatever its value;
+    - `k2`: g = -log_r, so sum_x grad pi(x) * log(pi / pi_ref) = grad KL(pi || pi_ref);
+    - `k3`: g = 1 - exp(log_r), so sum_x (pi - pi_ref) * grad log pi = grad KL(pi_ref || pi), the other
+      direction: the forward, mass-covering KL, though its value estimates KL(pi || pi_ref).
+
+    A loss term therefore takes k2 (or k3, naming KL(pi_ref || pi)), never k1. A penalty in the reward is
+    detached and enters through the score function, where E[k1 * grad logp] = grad KL(pi || pi_ref): k1
+    is right there. Each statement holds per token for samples of pi itself (on-policy); tests/rlestimators
+    checks them by exact enumeration.
 
     Returns [B, T] with gradient through `logp` only; reduce it with `masked_sum`.
     """
