@@ -25,8 +25,8 @@ from molt.loop import take
     [
         pytest.param(["--rollout.max_stale_requeues", "0"], ["--rollout.max_stale_requeues"], id="cap"),
         pytest.param(
-            ["--rollout.stale", "keep", "--algo.correction.mode", "none", "--train.force_on_policy"],
-            ["--rollout.stale", "--algo.correction.mode"],
+            ["--rollout.stale", "keep", "--algo.correction.mode", "none"],
+            ["--algo.correction.mode none needs on-policy rollouts"],
             id="keep-without-correction",
         ),
     ],
@@ -37,9 +37,12 @@ def test_stale_flags_are_refused_naming_them(args, flags):
     assert all(flag in str(error.value) for flag in flags), str(error.value)
 
 
-def test_stale_keep_and_the_cap_resolve():
-    rollout = resolve(["--rollout.stale", "keep", "--rollout.max_stale_requeues", "3"]).rollout
-    assert (rollout.stale, rollout.max_stale_requeues) == ("keep", 3)
+def test_stale_keep_is_the_default_and_the_cap_resolves():
+    assert resolve([]).rollout.stale == "keep"  # admission makes stale groups rare: train them corrected
+    rollout = resolve(["--rollout.stale", "drop", "--rollout.max_stale_requeues", "3"]).rollout
+    assert (rollout.stale, rollout.max_stale_requeues) == ("drop", 3)
+    on_policy = resolve(["--algo.correction.mode", "none", "--train.force_on_policy"])  # nothing goes stale
+    assert on_policy.rollout.stale == "keep"
 
 
 def test_pool_metrics_log_the_counters_the_steps_stale_rate_and_the_wasted_share():

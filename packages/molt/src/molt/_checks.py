@@ -196,12 +196,8 @@ def check_algorithm(config: Config) -> None:
             f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
             "or pass --train.force_on_policy"
         )
-    if rollout.stale == "keep" and algo.correction.mode == "none":  # invariant 2 again
-        raise ConfigError(
-            "--rollout.stale keep trains groups sampled by older policies, which needs the importance "
-            "correction, but --algo.correction.mode is none: pick tis, mis or seq-mask-tis, or pass "
-            "--rollout.stale drop"
-        )
+    # --rollout.stale keep needs no check of its own: a group can go stale only with max_lag >= 1 (the
+    # pool admits no more than one step of groups at max_lag 0), which already needs the correction.
     if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
         raise ConfigError(
             f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "

@@ -213,8 +213,10 @@ class Rollout(_Group):
     """Prompt groups in flight; 0 = 2 x --rollout.prompts_per_step."""
     max_lag: int = 1
     """Most policy versions a group's oldest token may lag the trainer."""
-    stale: Literal["drop", "keep"] = "drop"
-    """A group past --rollout.max_lag: drop it and rerun its prompt, or keep it and train it corrected."""
+    stale: Literal["drop", "keep"] = "keep"
+    """A group past --rollout.max_lag (the pool admits a group only when it can be trained in time, so
+    this is rare: one overtaken by faster ones): keep it and train it corrected, or drop it and rerun its
+    prompt (its tokens wasted)."""
     max_stale_requeues: int = 16
     """Reruns of one prompt after stale drops before the run stops, naming it (>= 1)."""
     partial_rollout: bool = True
