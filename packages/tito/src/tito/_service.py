@@ -61,10 +61,11 @@ class Tito:
     trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
     trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
-    there). `idle_timeout`: seconds after its last request at which a session not in a request is
-    ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live sessions at
-    most; a new one past it raises `TooManySessions`. `worker`: (index, count) of this process among
-    `tito serve --workers` processes; its sessions get the ids `_workers.session_owner` maps to it.
+    there). `idle_timeout`: seconds (more than 0) after its last request at which a session not in
+    a request is ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live
+    sessions at most (at least 1; None: no cap); a new one past it raises `TooManySessions`. `worker`:
+    (index, count) of this process among `tito serve --workers` processes; its sessions get the ids
+    `_workers.session_owner` maps to it.
     `engine_model`: the model every engine request names, a LoRA adapter the engines serve (None: their
     base model).
     """
@@ -86,6 +87,13 @@ class Tito:
     ) -> None:
         from transformers import AutoProcessor
 
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(
+                f"idle_timeout must be more than 0 seconds (None keeps sessions until they are ended), "
+                f"got {idle_timeout}"
+            )
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1 (None: no cap), got {max_sessions}")
         self.model_name = served_model_name or str(model)
         # A text model's AutoProcessor is its tokenizer; a vision-language model's holds both.
         processor = AutoProcessor.from_pretrained(model)
