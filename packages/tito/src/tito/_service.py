@@ -46,6 +46,7 @@ class Session:
     finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
     responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
     last_used: float = field(default_factory=time.monotonic)  # when a request last named it
+    committed: bool = False  # whether its last chat request committed its turn (`ChatTurn`'s `retry`)
 
 
 class TooManySessions(RuntimeError):
@@ -218,28 +219,40 @@ class Tito:
         routes_from: int,
         *,
         turn: Turn | None = None,
+        retry: bool = False,
     ) -> None:
-        """Put a completed turn into the session's capture (`turn`: how it was asked for). The caller
-        holds the session's lock and does not await between this and recording the turn's messages
-        (`ChatState.record`)."""
-        session.capture.commit_turn(prompt_ids, images, whole, routes_from=routes_from, turn=turn)
+        """Put a completed turn into the session's capture (`turn`: how it was asked for; `retry`: it
+        replaces the last turn if it asks the same, `Capture.begin_turn`). The caller holds the session's
+        lock and does not await between this and recording the turn's messages (`ChatState.record`)."""
+        session.capture.commit_turn(
+            prompt_ids, images, whole, routes_from=routes_from, turn=turn, retry=retry
+        )
         session.finish_reason = whole.finish_reason
 
     async def generate(
-        self, session: Session, prompt_ids: list[int], *, images: list[ImageSpan] = (), **sampling
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        *,
+        images: list[ImageSpan] = (),
+        retry: bool = False,
+        **sampling,
     ) -> Generation:
         """The Env form: token ids in (with the images on their placeholder tokens, see `ChatRenderer`),
-        sampled token ids (with logprobs and versions) out. A turn that fails is not captured."""
+        sampled token ids (with logprobs and versions) out. A turn that fails is not captured. The last
+        turn's prompt again is a second sample, kept beside the first; with `retry` it replaces the
+        last turn's reply instead (`Capture.begin_turn`)."""
         prompt_ids, images = list(prompt_ids), list(images)
         async with session.lock:
             params = await self.sampling(session, len(prompt_ids), **sampling)
-            routes_from = session.capture.routes_known_after(prompt_ids, images)
+            routes_from = session.capture.routes_known_after(prompt_ids, images, retry=retry)
             result = Generation()
             async for chunk in self.sample(
                 session, prompt_ids, params, images=images, stream=False, routes_from=routes_from
             ):
                 result = chunk
-            self.commit(session, prompt_ids, images, result, routes_from, turn=Turn(0, 0, 0, sampling=params))
+            turn = Turn(0, 0, 0, sampling=params)
+            self.commit(session, prompt_ids, images, result, routes_from, turn=turn, retry=retry)
             return result
 
     async def aclose(self) -> None:
