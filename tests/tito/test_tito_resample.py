@@ -54,10 +54,17 @@ def sdk_on(protocol: str, client, session: dict, lose: tuple[int, ...] = ()):
     return sdk, counts
 
 
-async def ask(protocol: str, sdk, messages: list[dict]) -> str:
+async def ask(protocol: str, sdk, messages: list[dict], *, stream: bool = False) -> str:
     if protocol == "openai":
-        reply = await sdk.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
+        reply = await sdk.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=16, stream=stream
+        )
+        if stream:
+            return "".join([chunk.choices[0].delta.content or "" async for chunk in reply if chunk.choices])
         return reply.choices[0].message.content
+    if stream:
+        async with sdk.messages.stream(model="tiny", max_tokens=16, messages=messages) as events:
+            return "".join([delta async for delta in events.text_stream])
     reply = await sdk.messages.create(model="tiny", max_tokens=16, messages=messages)
     return reply.content[0].text
 
@@ -94,8 +101,11 @@ async def test_best_of_two_trains_the_reply_the_conversation_continues_from(
     assert [(turn.segment, turn.start) for turn in turns] == [(0, len(first)), (1, len(first)), (0, len(on))]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_an_sdk_retry_of_a_committed_turn_replaces_its_reply(client, fake_engine, tokenizer, protocol):
+async def test_an_sdk_retry_of_a_committed_turn_replaces_its_reply(
+    client, fake_engine, tokenizer, protocol, stream
+):
     """tito committed the first turn but its reply was lost: the SDK's retry (retry count 1) samples again
     and takes its place, so the conversation's one segment holds the reply the agent received."""
     session = await new_session(client)
@@ -103,7 +113,7 @@ async def test_an_sdk_retry_of_a_committed_turn_replaces_its_reply(client, fake_
     owl, fox, done = words(tokenizer, "owl", "fox", "done")
     fake_engine.script = [owl, fox, done]
     messages = [{"role": "user", "content": "name an animal"}]
-    assert await ask(protocol, sdk, messages) == "fox"
+    assert await ask(protocol, sdk, messages, stream=stream) == "fox"
     messages += [{"role": "assistant", "content": "fox"}, {"role": "user", "content": "and now?"}]
     assert await ask(protocol, sdk, messages) == "done"
     assert counts == ["0", "1", "0"]
