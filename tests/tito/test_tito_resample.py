@@ -82,10 +82,13 @@ async def test_best_of_two_trains_the_reply_the_conversation_continues_from(
     client, fake_engine, tokenizer, protocol
 ):
     """Two samples of one request, the agent keeps the first: it is trained, where the conversation
-    goes on from it, and the second is kept as a segment of its own."""
+    goes on from it (from its sampled ids, here not the text's own tokenization), and the second is
+    kept as a segment of its own."""
     session = await new_session(client)
     sdk, counts = sdk_on(protocol, client, session)
-    owl, fox, done = words(tokenizer, "owl", "fox", "done")
+    fox, done = words(tokenizer, "fox", "done")
+    owl = tokenizer.convert_tokens_to_ids(["o", "w", "l"]) + [tokenizer.eos_token_id]
+    assert owl != words(tokenizer, "owl")[0]
     fake_engine.script = [owl, fox, done]
     messages = [{"role": "user", "content": "name an animal"}]
     assert [await ask(protocol, sdk, messages) for _ in range(2)] == ["owl", "fox"]
