@@ -88,8 +88,8 @@ def test_dumps_carry_the_images(tmp_path):
 
 async def _two_image_turns(engine_url: str, model_dir) -> Segment:
     """Two turns with an image each through tito's Env path (tito checks the engine's expansion). A
-    reply holding an image placeholder is sampled again, an identical retry that replaces it (molt
-    refuses a rollout with one, `_rollout.py`)."""
+    reply holding an image placeholder is sampled again, a retry that replaces it (molt refuses a
+    rollout with one, `_rollout.py`)."""
     tito = Tito([engine_url], model_dir)
     session, state = tito.new_session(), ChatState()
     messages = [image_message(64, 80, "what")]
@@ -97,7 +97,9 @@ async def _two_image_turns(engine_url: str, model_dir) -> Segment:
         prompt = state.prompt(tito.renderer, session.capture.tokens, messages, None, session.capture.images)
         out = await tito.generate(session, prompt.token_ids, images=prompt.images, max_tokens=5)
         while tito.renderer.images.image_token_id in out.token_ids:  # a random model may sample one
-            out = await tito.generate(session, prompt.token_ids, images=prompt.images, max_tokens=5)
+            out = await tito.generate(
+                session, prompt.token_ids, images=prompt.images, max_tokens=5, retry=True
+            )
         reply = {
             "role": "assistant",
             "content": tito.tokenizer.decode(out.token_ids, skip_special_tokens=True),

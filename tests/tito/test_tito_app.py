@@ -166,16 +166,17 @@ async def test_sampled_ids_that_are_not_the_canonical_tokenization_are_kept(clie
     assert sampled[:4] == letters + [tokenizer.eos_token_id]
 
 
-async def test_identical_retry_and_compaction(client, fake_engine, tokenizer):
+async def test_a_resample_and_a_compaction_each_open_a_segment(client, fake_engine, tokenizer):
     session = await new_session(client)
     sdk = openai_client(client, session)
     messages = [{"role": "user", "content": "copy the word: owl"}]
     await sdk.chat.completions.create(model="tiny", messages=messages)
-    await sdk.chat.completions.create(model="tiny", messages=messages)  # a retry
-    (segment,) = (await trajectory(client, session)).segments
-    assert segment.token_ids == fake_engine.prompts[1] + [fake_engine.prompts[1][-1], tokenizer.eos_token_id]
+    await sdk.chat.completions.create(model="tiny", messages=messages)  # a second sample (retry count 0)
+    first, second = (await trajectory(client, session)).segments
+    reply = [fake_engine.prompts[1][-1], tokenizer.eos_token_id]
+    assert first.token_ids == second.token_ids == fake_engine.prompts[1] + reply
     await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "summary: owl"}])
-    assert len((await trajectory(client, session)).segments) == 2
+    assert len((await trajectory(client, session)).segments) == 3
 
 
 async def test_env_form_goes_through_the_same_capture(fake_tito, fake_engine, tokenizer):

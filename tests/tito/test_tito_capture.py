@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import io
+
+import numpy as np
 import pytest
 
-from tito import Capture
+from tito import Capture, Generation
 from tito._chat import ChatRenderer, ChatState, parse_reply
 from tito._protocol import TextStream
 
@@ -33,16 +37,67 @@ def test_a_prefix_rewrite_seals_the_segment_and_opens_another():
     assert second.loss_mask == [0, 0, 1]
 
 
-def test_an_identical_retry_replaces_the_previous_reply_instead_of_duplicating():
+def test_a_retry_replaces_the_previous_reply_instead_of_duplicating():
     capture = Capture("s")
     capture.begin_turn([1, 2])
     capture.add_sampled([7, 8], [-0.1, -0.2], [0, 0])
-    capture.begin_turn([1, 2])
+    capture.begin_turn([1, 2], retry=True)
     capture.add_sampled([9], [-0.4], [1])
     (segment,) = capture.trajectory().segments
     assert segment.token_ids == [1, 2, 9]
     assert segment.loss_mask == [0, 0, 1]
     assert capture.replies == [[9]]
+
+
+def test_a_resample_is_kept_and_a_conversation_goes_on_from_the_reply_it_kept():
+    """The same prompt again without `retry` is a second sample: a segment of its own. A prompt that goes
+    on from the first sample extends the first segment, so the reply the agent kept is trained."""
+    capture = Capture("s")
+    capture.begin_turn([1, 2])
+    capture.add_sampled([7, 8], [-0.1, -0.2], [0, 0])
+    capture.begin_turn([1, 2])
+    capture.add_sampled([9], [-0.4], [1])
+    assert capture.tokens == [1, 2, 9]
+    capture.begin_turn([1, 2, 7, 8, 3])
+    capture.add_sampled([5], [-0.5], [2])
+    first, second = capture.trajectory().segments
+    assert (first.token_ids, first.loss_mask) == ([1, 2, 7, 8, 3, 5], [0, 0, 1, 1, 0, 1])
+    assert (second.token_ids, second.loss_mask) == ([1, 2, 9], [0, 0, 1])
+    assert capture.replies == [[7, 8], [9], [5]]
+    assert [(turn.segment, turn.start) for turn in capture.turns] == [(0, 2), (1, 2), (0, 5)]
+
+
+def _routes(rows: int) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, np.zeros((rows, 2, 1), dtype=np.uint8))
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(Generation([7, 8], [-0.1]), id="fewer-logprobs-than-tokens"),
+        pytest.param(Generation([7], [-0.1], routed_experts=_routes(9)), id="routes-past-the-segment"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("prompt", "retry"),
+    [
+        pytest.param([1, 2, 5, 3], False, id="extension"),
+        pytest.param([1, 9], False, id="rewrite"),
+        pytest.param([1, 2], False, id="resample"),
+        pytest.param([1, 2], True, id="retry"),
+    ],
+)
+def test_a_malformed_reply_leaves_the_capture_as_it_was(reply, prompt, retry):
+    """The engine's reply is checked before the turn is placed: no orphan prompt tokens, no empty new
+    segment, no retried reply dropped for a reply that is refused."""
+    capture = Capture("s")
+    capture.commit_turn([1, 2], [], Generation([5], [-0.1]))
+    before = capture.trajectory()
+    with pytest.raises(ValueError):
+        capture.commit_turn(prompt, [], reply, retry=retry)
+    assert capture.trajectory() == before and capture.replies == [[5]] and capture.tokens == [1, 2, 5]
 
 
 @pytest.mark.parametrize(

@@ -94,3 +94,15 @@ def test_the_served_model_name_defaults_to_the_engines(fake_engine):
         assert engine_model_name(engine.url) == "fake"
     with pytest.raises(typer.BadParameter, match="--served-model-name"):
         engine_model_name("http://127.0.0.1:1")
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        pytest.param({"idle_timeout": -1.0}, "idle_timeout must be more than 0 seconds", id="idle-timeout"),
+        pytest.param({"max_sessions": 0}, "max_sessions must be at least 1", id="max-sessions"),
+    ],
+)
+def test_session_limits_out_of_range_are_refused(fake_engine, tiny_model_dir, options, says):
+    with pytest.raises(ValueError, match=says):
+        tito_over(fake_engine, tiny_model_dir, **options)

@@ -51,13 +51,31 @@ async def test_a_retry_and_a_compaction_keep_routes_aligned_with_their_segment(f
     fake_engine.script = [[21, 22], [23], [41, 42]]
     session = fake_tito.new_session()
     await fake_tito.generate(session, [1, 2, 3])
-    await fake_tito.generate(session, [1, 2, 3])  # an identical retry replaces the reply and its routes
+    await fake_tito.generate(session, [1, 2, 3], retry=True)  # replaces the reply and its routes
     assert fake_engine.requests[1]["sampling_params"]["routed_experts_prompt_start"] == 3
     await fake_tito.generate(session, [1, 9])  # a rewritten prefix: a new segment, routes from token 0
     assert "routed_experts_prompt_start" not in fake_engine.requests[2]["sampling_params"]
 
     first, second = session.capture.trajectory().segments
     assert first.token_ids == [1, 2, 3, 23] and second.token_ids == [1, 9, 41, 42]
+    for segment in (first, second):
+        np.testing.assert_array_equal(segment.routes(), expected_routes(fake_engine, segment.token_ids))
+
+
+async def test_a_resample_keeps_its_own_routes_and_the_first_sample_goes_on_with_its_own(
+    fake_tito, fake_engine
+):
+    fake_engine.route_shape = (2, 1)
+    fake_engine.script = [[21, 22], [23], [31]]
+    session = fake_tito.new_session()
+    await fake_tito.generate(session, [1, 2, 3])
+    await fake_tito.generate(session, [1, 2, 3])  # a second sample: a segment of its own, routes from 0
+    assert "routed_experts_prompt_start" not in fake_engine.requests[1]["sampling_params"]
+    await fake_tito.generate(session, [1, 2, 3, 21, 22, 4])  # goes on from the first sample
+    assert fake_engine.requests[2]["sampling_params"]["routed_experts_prompt_start"] == 4
+
+    first, second = session.capture.trajectory().segments
+    assert first.token_ids == [1, 2, 3, 21, 22, 4, 31] and second.token_ids == [1, 2, 3, 23]
     for segment in (first, second):
         np.testing.assert_array_equal(segment.routes(), expected_routes(fake_engine, segment.token_ids))
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._fields import thinking_switch
@@ -173,13 +173,18 @@ class ChatRenderer:
 
 @dataclass
 class ChatState:
-    """What a session's chat turns have covered so far, to recognise a continuation or a retry."""
+    """What a session's chat turns have covered so far, to recognise a continuation, or the same request
+    again (an SDK's retry or a resample; `Capture` tells them apart)."""
 
     messages: list[dict] = field(default_factory=list)  # last prompt messages + the reply we returned
     known_keys: list[tuple] = field(default_factory=list)  # the message keys of `messages`
     tools_key: str = ""
     closing: list[int] = field(default_factory=list)
     last_prompt: Prompt = field(default_factory=lambda: Prompt([]))
+    # Earlier replies to the same request (a resample's siblings), latest first: a request may go on from
+    # any of them. Each holds `trace`, the tokens its reply ends, set when its request was asked again.
+    alternatives: list[ChatState] = field(default_factory=list)
+    trace: list[int] = field(default_factory=list)
 
     def prompt(
         self,
@@ -190,27 +195,50 @@ class ChatState:
         trace_images: list[ImageSpan] = (),
         switches: dict | None = None,
     ) -> Prompt:
-        """The full prompt of this turn: the trace (with its images) plus new tokens, or a fresh render
-        on a rewrite. `switches`: template variables (`ChatRenderer.render`); a change is a rewrite."""
+        """The full prompt of this turn: a trace (with its images) plus new tokens, or a fresh render
+        on a rewrite. `trace`: the session's current segment, which the last reply ends; a request that
+        goes on from an earlier reply to the same request (`alternatives`) continues that reply's trace.
+        `switches`: template variables (`ChatRenderer.render`); a change is a rewrite."""
         keys = [_message_key(m) for m in messages]
-        num_known = len(self.known_keys)
-        same_tools = _tools_key(tools, switches) == self.tools_key
-        if same_tools and num_known and keys == self.known_keys[:-1]:
-            return self.last_prompt  # an identical retry: Capture drops the previous reply
-        if same_tools and num_known and len(keys) > num_known and keys[:num_known] == self.known_keys:
-            # Render the known turns as remembered, so only the new messages' rendering matters.
-            old = renderer.render(self.messages, tools, add_generation_prompt=False, switches=switches)
-            new_messages = messages[num_known:]
-            new = renderer.render(
-                self.messages + new_messages, tools, add_generation_prompt=True, switches=switches
-            )
-            if new.startswith(old):
-                head = trace + self.closing
-                _check_no_stray_placeholder(renderer, head, trace_images)
-                tail = renderer.encode_with_images(new[len(old) :], new_messages, offset=len(head))
-                return Prompt(head + tail.token_ids, [*trace_images, *tail.images])
+        if _tools_key(tools, switches) == self.tools_key and self.known_keys:
+            if keys == self.known_keys[:-1]:  # the same request again: a retry or a resample
+                self.trace = list(trace)  # `record` sets this reply aside if the next one is kept
+                return self.last_prompt
+            branches = [(self, trace, trace_images)]
+            branches += [(reply, reply.trace, reply.last_prompt.images) for reply in self.alternatives]
+            for branch, branch_trace, images in branches:
+                prompt = branch._continue(renderer, branch_trace, images, messages, keys, tools, switches)
+                if prompt is not None:
+                    return prompt
         text = renderer.render(messages, tools, add_generation_prompt=True, switches=switches)
         return renderer.encode_with_images(text, messages, offset=0)
+
+    def _continue(
+        self,
+        renderer: ChatRenderer,
+        trace: list[int],
+        trace_images: list[ImageSpan],
+        messages: list[dict],
+        keys: list[tuple],
+        tools: list[dict] | None,
+        switches: dict | None,
+    ) -> Prompt | None:
+        """The prompt of a request that goes on from this reply (its `trace`), or None if it does not."""
+        num_known = len(self.known_keys)
+        if len(keys) <= num_known or keys[:num_known] != self.known_keys:
+            return None
+        # Render the known turns as remembered, so only the new messages' rendering matters.
+        old = renderer.render(self.messages, tools, add_generation_prompt=False, switches=switches)
+        new_messages = messages[num_known:]
+        new = renderer.render(
+            self.messages + new_messages, tools, add_generation_prompt=True, switches=switches
+        )
+        if not new.startswith(old):
+            return None
+        head = trace + self.closing
+        _check_no_stray_placeholder(renderer, head, trace_images)
+        tail = renderer.encode_with_images(new[len(old) :], new_messages, offset=len(head))
+        return Prompt(head + tail.token_ids, [*trace_images, *tail.images])
 
     def record(
         self,
@@ -221,12 +249,19 @@ class ChatState:
         closing: list[int],
         switches: dict | None = None,
     ) -> None:
-        """Remember the turn just served: its prompt, and the assistant message the client received."""
+        """Remember the turn just served: its prompt, and the assistant message the client received. A
+        reply to the same request as the last one keeps the last one among `alternatives`."""
+        keys = [_message_key(m) for m in messages]
+        tools_key = _tools_key(tools, switches)
+        again = bool(self.known_keys) and keys == self.known_keys[:-1] and tools_key == self.tools_key
+        assert self.trace or not again, "`prompt` keeps the trace of a reply whose request is asked again"
+        self.alternatives = [replace(self, alternatives=[]), *self.alternatives] if again else []
         self.messages = [*messages, reply]
-        self.known_keys = [_message_key(m) for m in self.messages]
-        self.tools_key = _tools_key(tools, switches)
+        self.known_keys = [*keys, _message_key(reply)]
+        self.tools_key = tools_key
         self.closing = closing
         self.last_prompt = prompt
+        self.trace = []
 
 
 def merge_system_messages(messages: list[dict]) -> list[dict]:

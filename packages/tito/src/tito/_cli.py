@@ -33,12 +33,17 @@ def serve(
     idle_timeout: Annotated[
         float | None,
         typer.Option(
-            help="End (and dump) a session this many seconds after its last request (default: never)."
+            help="End (and dump) a session this many seconds after its last request; more than 0 "
+            "(default: never)."
         ),
     ] = None,
     max_sessions: Annotated[
         int | None,
-        typer.Option(help="Live sessions at most (per worker); POST /sessions past it answers 429."),
+        typer.Option(
+            min=1,
+            help="Live sessions at most (per worker), at least 1; POST /sessions past it answers 429 "
+            "(default: no cap).",
+        ),
     ] = None,
     workers: Annotated[
         int,
@@ -51,6 +56,9 @@ def serve(
 ) -> None:
     """Serve OpenAI chat completions and responses and Anthropic messages, capturing token-exact
     trajectories."""
+    if idle_timeout is not None and not idle_timeout > 0:
+        why = f"{idle_timeout:g} is not more than 0 seconds: leave the flag out to keep sessions until ended"
+        raise typer.BadParameter(why, param_hint="'--idle-timeout'")
     if host not in LOOPBACK and not api_key:
         raise typer.BadParameter(f"binding {host} exposes the server beyond this machine; pass --api-key too")
     import uvicorn

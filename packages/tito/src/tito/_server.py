@@ -155,6 +155,7 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
             parse_tools=body.parse_tools(),
             id_prefix="call_",
             route="chat.completions",
+            retry=_sdk_retry(request),
         )
         asked = body.asked(tools, tito.vocab_size)
         request_id = "chatcmpl-" + secrets.token_hex(12)
@@ -182,6 +183,7 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
             parse_tools=body.parse_tools(),
             id_prefix="toolu_",
             route="messages",
+            retry=_sdk_retry(request),
         )
         asked = body.asked(tools, tito.vocab_size)
         if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
@@ -209,6 +211,7 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
             parse_tools=body.parse_tools(),
             id_prefix="call_",
             route="responses",
+            retry=_sdk_retry(request),
         )
         asked = body.asked(tools)
         response_id = "resp_" + secrets.token_hex(12)
@@ -234,6 +237,13 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
         )
 
     return app
+
+
+def _sdk_retry(request: Request) -> bool:
+    """Whether the request is an SDK's retry of an earlier attempt: the stock openai and anthropic SDKs
+    number each attempt in `x-stainless-retry-count`, 0 on the first (their `_base_client.py`)."""
+    count = request.headers.get("x-stainless-retry-count", "0")
+    return count.isdigit() and int(count) > 0
 
 
 async def _parsed(request: Request, model: type[BaseModel]) -> BaseModel:

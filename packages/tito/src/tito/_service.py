@@ -46,6 +46,7 @@ class Session:
     finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
     responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
     last_used: float = field(default_factory=time.monotonic)  # when a request last named it
+    committed: bool = False  # whether its last chat request committed its turn (`ChatTurn`'s `retry`)
 
 
 class TooManySessions(RuntimeError):
@@ -61,10 +62,11 @@ class Tito:
     trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
     trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
-    there). `idle_timeout`: seconds after its last request at which a session not in a request is
-    ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live sessions at
-    most; a new one past it raises `TooManySessions`. `worker`: (index, count) of this process among
-    `tito serve --workers` processes; its sessions get the ids `_workers.session_owner` maps to it.
+    there). `idle_timeout`: seconds (more than 0) after its last request at which a session not in
+    a request is ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live
+    sessions at most (at least 1; None: no cap); a new one past it raises `TooManySessions`. `worker`:
+    (index, count) of this process among `tito serve --workers` processes; its sessions get the ids
+    `_workers.session_owner` maps to it.
     `engine_model`: the model every engine request names, a LoRA adapter the engines serve (None: their
     base model).
     """
@@ -86,6 +88,13 @@ class Tito:
     ) -> None:
         from transformers import AutoProcessor
 
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(
+                f"idle_timeout must be more than 0 seconds (None keeps sessions until they are ended), "
+                f"got {idle_timeout}"
+            )
+        if max_sessions is not None and max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1 (None: no cap), got {max_sessions}")
         self.model_name = served_model_name or str(model)
         # A text model's AutoProcessor is its tokenizer; a vision-language model's holds both.
         processor = AutoProcessor.from_pretrained(model)
@@ -210,28 +219,40 @@ class Tito:
         routes_from: int,
         *,
         turn: Turn | None = None,
+        retry: bool = False,
     ) -> None:
-        """Put a completed turn into the session's capture (`turn`: how it was asked for). The caller
-        holds the session's lock and does not await between this and recording the turn's messages
-        (`ChatState.record`)."""
-        session.capture.commit_turn(prompt_ids, images, whole, routes_from=routes_from, turn=turn)
+        """Put a completed turn into the session's capture (`turn`: how it was asked for; `retry`: it
+        replaces the last turn if it asks the same, `Capture.begin_turn`). The caller holds the session's
+        lock and does not await between this and recording the turn's messages (`ChatState.record`)."""
+        session.capture.commit_turn(
+            prompt_ids, images, whole, routes_from=routes_from, turn=turn, retry=retry
+        )
         session.finish_reason = whole.finish_reason
 
     async def generate(
-        self, session: Session, prompt_ids: list[int], *, images: list[ImageSpan] = (), **sampling
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        *,
+        images: list[ImageSpan] = (),
+        retry: bool = False,
+        **sampling,
     ) -> Generation:
         """The Env form: token ids in (with the images on their placeholder tokens, see `ChatRenderer`),
-        sampled token ids (with logprobs and versions) out. A turn that fails is not captured."""
+        sampled token ids (with logprobs and versions) out. A turn that fails is not captured. The last
+        turn's prompt again is a second sample, kept beside the first; with `retry` it replaces the
+        last turn's reply instead (`Capture.begin_turn`)."""
         prompt_ids, images = list(prompt_ids), list(images)
         async with session.lock:
             params = await self.sampling(session, len(prompt_ids), **sampling)
-            routes_from = session.capture.routes_known_after(prompt_ids, images)
+            routes_from = session.capture.routes_known_after(prompt_ids, images, retry=retry)
             result = Generation()
             async for chunk in self.sample(
                 session, prompt_ids, params, images=images, stream=False, routes_from=routes_from
             ):
                 result = chunk
-            self.commit(session, prompt_ids, images, result, routes_from, turn=Turn(0, 0, 0, sampling=params))
+            turn = Turn(0, 0, 0, sampling=params)
+            self.commit(session, prompt_ids, images, result, routes_from, turn=turn, retry=retry)
             return result
 
     async def aclose(self) -> None:

@@ -3,8 +3,17 @@
 Both agent forms go through `Capture`: the Env form hands it prompt token ids directly, the chat form
 first turns messages into prompt token ids (`_chat.py`). A turn's prompt that extends the current
 segment appends only its new tokens; a prompt that rewrites the prefix (context compaction, a template
-that drops earlier reasoning) seals the segment and opens a new one. Sampled tokens are appended as the
-engine returned them, with their logprob and weight version, and are the only tokens with loss mask 1.
+that drops earlier reasoning) opens a new segment. Sampled tokens are appended as the engine returned
+them, with their logprob and weight version, and are the only tokens with loss mask 1.
+
+The last turn's prompt again is one of two things, which only the caller can tell apart. A retry
+(`retry=True`: an SDK retrying a request whose reply it never received) replaces that turn's reply. Any
+other is a second sample (best-of-n, self-consistency, a verifier picking one): it is kept, in a new
+segment that holds the prompt again and the new reply, so each sample sits whole after the prompt it
+answers. A prompt continues the segment it extends, the current one if it extends that, else the
+latest other: an agent that goes on from its first sample grows that sample's segment, and the reply it
+kept is trained as what it continued from.
+
 Images are part of a segment: each sits on its placeholder tokens (`ImageSpan`), and a prompt extends
 the segment only if its images on the shared tokens are the same images. Nothing here tokenizes or
 detokenizes.
@@ -66,6 +75,26 @@ def _decode_routes(encoded: str) -> np.ndarray:
     return routes
 
 
+def _check_sampled(token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    if not (len(token_ids) == len(logprobs) == len(versions)):
+        raise ValueError(
+            f"sampled tokens, logprobs and versions differ in length: "
+            f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
+        )
+
+
+def _check_routes(routes: np.ndarray, start: int, length: int, old: np.ndarray | None) -> None:
+    """Routes from token `start` must lie within the segment (of `length` tokens with the reply), in the
+    shape of the routes it holds (`old`)."""
+    if start + len(routes) > length:
+        raise ValueError(
+            f"the engine returned routes for tokens {start}..{start + len(routes) - 1} of a segment "
+            f"of {length} tokens"
+        )
+    if old is not None and old.shape[1:] != routes.shape[1:]:
+        raise ValueError(f"routes of shape {routes.shape[1:]} follow routes of shape {old.shape[1:]}")
+
+
 def _encode_routes(routes: np.ndarray | None) -> str:
     if routes is None:
         return ""
@@ -112,6 +141,7 @@ class Capture:
         self.session_id = session_id
         self.segments: list[Segment] = [Segment()]
         self._routes: list[np.ndarray | None] = [None]  # per segment: its first tokens' MoE routes
+        self._current = 0  # the segment the last turn went to
         self._turn_start = -1  # where the last turn's prompt ended in the current segment
         self._turn_prompt: tuple[list[int], list[ImageSpan]] | None = None
         self.replies: list[list[int]] = []  # each turn's sampled ids as appended; a retried turn's removed
@@ -120,24 +150,25 @@ class Capture:
     @property
     def tokens(self) -> list[int]:
         """The current segment's token ids (what the engine's prefix cache holds for this session)."""
-        return self.segments[-1].token_ids
+        return self.segments[self._current].token_ids
 
     @property
     def images(self) -> list[ImageSpan]:
         """The current segment's images."""
-        return self.segments[-1].images
+        return self.segments[self._current].images
 
     @property
     def routes_known(self) -> int:
         """How many leading tokens of the current segment have their MoE routes captured."""
-        routes = self._routes[-1]
+        routes = self._routes[self._current]
         return 0 if routes is None else len(routes)
 
-    def routes_known_after(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> int:
+    def routes_known_after(
+        self, prompt_ids: list[int], images: list[ImageSpan] = (), *, retry: bool = False
+    ) -> int:
         """`routes_known` as it will be once `prompt_ids` is placed (`begin_turn`), without placing it."""
-        if (prompt_ids, list(images)) == self._turn_prompt:
-            return min(self.routes_known, self._turn_start)
-        return self.routes_known if self._extends(self.segments[-1], prompt_ids, images) else 0
+        routes = self._routes_after(*self._place(prompt_ids, images, retry))
+        return 0 if routes is None else len(routes)
 
     def commit_turn(
         self,
@@ -147,17 +178,22 @@ class Capture:
         *,
         routes_from: int = 0,
         turn: Turn | None = None,
+        retry: bool = False,
     ) -> None:
         """A completed turn, placed in one step: its prompt (`begin_turn`), then what the engine sampled.
-        Nothing enters the capture before the turn completes, so a turn that fails leaves no trace."""
-        self.begin_turn(prompt_ids, images)
-        self.add_sampled(
-            sampled.token_ids,
-            sampled.logprobs,
-            sampled.versions,
-            routed_experts=sampled.routed_experts,
-            routes_from=routes_from,
-        )
+        Nothing enters the capture before the turn completes, and the engine's reply is checked before
+        anything is placed, so a turn that fails, at the engine or in that check, leaves no trace.
+        `retry`: the turn retries the last one (module docstring)."""
+        if not prompt_ids:
+            raise ValueError("a turn needs at least one prompt token")
+        _check_sampled(sampled.token_ids, sampled.logprobs, sampled.versions)
+        index, keep = self._place(prompt_ids, images, retry)
+        routes = _decode_routes(sampled.routed_experts) if sampled.routed_experts else None
+        if routes is not None:
+            length = len(prompt_ids) + len(sampled.token_ids)
+            _check_routes(routes, routes_from, length, self._routes_after(index, keep))
+        self._begin(prompt_ids, images, index, keep)
+        self._append(sampled.token_ids, sampled.logprobs, sampled.versions, routes, routes_from)
         if turn is not None:
             self.turns[-1] = msgspec.structs.replace(
                 turn,
@@ -167,26 +203,42 @@ class Capture:
                 finish_reason=sampled.finish_reason,
             )
 
-    def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = ()) -> None:
-        """Make the current segment equal `prompt_ids` with `images` (all of the prompt's, in order),
-        appending, rolling back or sealing as needed.
+    def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = (), *, retry: bool = False) -> None:
+        """Make the segment this prompt continues equal `prompt_ids` with `images` (all of the prompt's,
+        in order), appending, rolling back or opening a segment as needed.
 
-        - `prompt_ids` extends the segment: the new tokens are appended (loss mask 0).
-        - `prompt_ids` equals the previous turn's prompt (an identical retry): that turn's sampled tokens
-          are dropped, so a retry never duplicates tokens.
-        - anything else rewrites the prefix: the segment is sealed and a new one starts with `prompt_ids`.
+        - `retry` and `prompt_ids` equals the last turn's prompt: that turn's sampled tokens (and its
+          `Turn`) are dropped, so a retry never duplicates tokens.
+        - `prompt_ids` extends the current segment, or else another: the new tokens are appended to it
+          (loss mask 0), and it becomes the current one.
+        - anything else (a prefix rewrite, the last prompt again without `retry`): a new segment starts
+          with `prompt_ids`.
         """
         if not prompt_ids:
             raise ValueError("a turn needs at least one prompt token")
-        segment = self.segments[-1]
-        if (prompt_ids, list(images)) == self._turn_prompt:
-            if len(segment.token_ids) > self._turn_start:  # the retried turn got a reply
-                self.replies.pop()
-                self.turns.pop()
-            self._truncate(self._turn_start)
-        elif not self._extends(segment, prompt_ids, images):
-            self.segments.append(segment := Segment())
+        self._begin(prompt_ids, images, *self._place(prompt_ids, images, retry))
+
+    def _place(self, prompt_ids: list[int], images: list[ImageSpan], retry: bool) -> tuple[int, int]:
+        """Where a turn with this prompt goes: (segment index, how many of its tokens stay), the index
+        past the last segment for a new one. Checks the current segment first: the common case."""
+        if retry and (prompt_ids, list(images)) == self._turn_prompt:
+            return self._current, self._turn_start
+        order = [self._current, *(i for i in reversed(range(len(self.segments))) if i != self._current)]
+        for index in order:
+            if self._extends(self.segments[index], prompt_ids, images):
+                return index, len(self.segments[index].token_ids)
+        return len(self.segments), 0
+
+    def _begin(self, prompt_ids: list[int], images: list[ImageSpan], index: int, keep: int) -> None:
+        if index == len(self.segments):
+            self.segments.append(Segment())
             self._routes.append(None)
+        elif keep < len(self.segments[index].token_ids):  # a retry: the reply it replaces goes
+            self.replies.pop()
+            self.turns.pop()
+            self._truncate(index, keep)
+        self._current = index
+        segment = self.segments[index]
         new = prompt_ids[len(segment.token_ids) :]
         segment.images = list(images)
         segment.token_ids += new
@@ -200,6 +252,8 @@ class Capture:
     def _extends(segment: Segment, prompt_ids: list[int], images: list[ImageSpan]) -> bool:
         """Whether the prompt starts with the segment: its tokens, and the same images on them."""
         length = len(segment.token_ids)
+        if length and prompt_ids[length - 1 : length] != segment.token_ids[-1:]:
+            return False  # a cheap look at one token first: most segments a prompt does not extend
         shared = [image for image in images if image.offset < length]
         return prompt_ids[:length] == segment.token_ids and shared == segment.images
 
@@ -212,46 +266,49 @@ class Capture:
         routed_experts: str | None = None,
         routes_from: int = 0,
     ) -> None:
-        """Append tokens the engine sampled, exactly as it returned them. `routed_experts`: the routes
-        the engine returned for this turn, starting at token `routes_from` of the segment (module
-        docstring); only those of tokens without a route yet are kept."""
-        if not (len(token_ids) == len(logprobs) == len(versions)):
-            raise ValueError(
-                f"sampled tokens, logprobs and versions differ in length: "
-                f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
-            )
-        segment = self.segments[-1]
+        """Append tokens the engine sampled to the current segment, exactly as it returned them.
+        `routed_experts`: the routes the engine returned for this turn, starting at token `routes_from`
+        of the segment (module docstring); only those of tokens without a route yet are kept."""
+        _check_sampled(token_ids, logprobs, versions)
+        routes = _decode_routes(routed_experts) if routed_experts else None
+        if routes is not None:
+            length = len(self.tokens) + len(token_ids)
+            _check_routes(routes, routes_from, length, self._routes[self._current])
+        self._append(token_ids, logprobs, versions, routes, routes_from)
+
+    def _append(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        routes: np.ndarray | None,
+        routes_from: int,
+    ) -> None:
+        segment = self.segments[self._current]
         self.replies.append(list(token_ids))
-        self.turns.append(Turn(len(self.segments) - 1, len(segment.token_ids), len(token_ids)))
+        self.turns.append(Turn(self._current, len(segment.token_ids), len(token_ids)))
         segment.token_ids += token_ids
         segment.loss_mask += [1] * len(token_ids)
         segment.logprobs += logprobs
         segment.versions += versions
-        if routed_experts:
-            self._add_routes(_decode_routes(routed_experts), routes_from)
-
-    def _add_routes(self, routes: np.ndarray, start: int) -> None:
-        known, length = self.routes_known, len(self.segments[-1].token_ids)
-        if start + len(routes) > length:
-            raise ValueError(
-                f"the engine returned routes for tokens {start}..{start + len(routes) - 1} of a segment "
-                f"of {length} tokens"
-            )
-        if start > known:  # a gap: routes must cover the segment from its first token
+        known = self.routes_known
+        if routes is None or routes_from > known:  # a gap: routes must cover the segment from its start
             return
-        old = self._routes[-1]
-        if old is not None and old.shape[1:] != routes.shape[1:]:
-            raise ValueError(f"routes of shape {routes.shape[1:]} follow routes of shape {old.shape[1:]}")
-        new = routes[known - start :]
-        self._routes[-1] = new if old is None else np.concatenate([old, new])
+        old, new = self._routes[self._current], routes[known - routes_from :]
+        self._routes[self._current] = new if old is None else np.concatenate([old, new])
 
-    def _truncate(self, length: int) -> None:
-        segment = self.segments[-1]
+    def _routes_after(self, index: int, keep: int) -> np.ndarray | None:
+        """The routes segment `index` holds once cut to `keep` tokens (None for a new segment)."""
+        routes = self._routes[index] if index < len(self._routes) else None
+        return None if routes is None else routes[:keep]
+
+    def _truncate(self, index: int, length: int) -> None:
+        segment = self.segments[index]
         for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
             del field[length:]
         segment.images = [image for image in segment.images if image.offset < length]
-        if self._routes[-1] is not None:
-            self._routes[-1] = self._routes[-1][:length]
+        if self._routes[index] is not None:
+            self._routes[index] = self._routes[index][:length]
 
     def trajectory(self) -> Trajectory:
         """A copy of the capture, without a trailing empty segment."""

@@ -20,7 +20,10 @@ class ChatTurn:
     """Render the prompt (only new tokens for a continuation), sample, parse, remember the reply.
 
     `start()` opens the engine stream and waits for its first chunk, so an engine that does not answer
-    surfaces before a streamed response has sent anything.
+    surfaces before a streamed response has sent anything. `retry`: the request is an SDK's retry of an
+    earlier attempt (`x-stainless-retry-count` above 0). It replaces the session's last turn only if that
+    turn was the attempt it retries: the last request of the session, committed (its reply was lost on
+    the way back). The retry of an attempt that failed replaces nothing, since that attempt left no trace.
     """
 
     def __init__(
@@ -34,8 +37,9 @@ class ChatTurn:
         parse_tools: bool,
         id_prefix: str,
         route: str,
+        retry: bool = False,
     ) -> None:
-        self.tito, self.session, self.route = tito, session, route
+        self.tito, self.session, self.route, self.retry = tito, session, route, retry
         self.messages, self.tools = messages, tools
         self.parse_tools, self.id_prefix = parse_tools, id_prefix
         hold_all = parse_tools and tito.tool_calls.family != "hermes"
@@ -53,6 +57,7 @@ class ChatTurn:
     async def start(self, asked: Asked, *, stream: bool) -> None:
         if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
             raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
+        self.retry, self.session.committed = self.retry and self.session.committed, False
         check_constraints(bool(self.tito.fixed_sampling), asked.constraints)
         family = self.tito.tool_calls.family
         forced = [c for c in asked.constraints if c.startswith("tool_choice")]
@@ -77,7 +82,9 @@ class ChatTurn:
         self.record = Turn(
             0, 0, 0, self.route, params, differs, fields=asked.fields, notes=[*asked.notes, *notes]
         )
-        self._routes_from = capture.routes_known_after(self.prompt.token_ids, self.prompt.images)
+        self._routes_from = capture.routes_known_after(
+            self.prompt.token_ids, self.prompt.images, retry=self.retry
+        )
         self._chunks = self.tito.sample(
             self.session,
             self.prompt.token_ids,
@@ -139,8 +146,9 @@ class ChatTurn:
             self.generation,
             self._routes_from,
             turn=record,
+            retry=self.retry,
         )
-        self.committed = True
+        self.committed = self.session.committed = True
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
         self.session.chat.record(
             self.messages, self.tools, self.prompt, reply_message, closing, self._switches_used
