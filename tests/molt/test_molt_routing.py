@@ -121,9 +121,12 @@ def _experts_seen(model, run) -> list[list[torch.Tensor]]:
     return list(seen.values())
 
 
-def _rows_routes(seen: list[list[torch.Tensor]], calls: list[int]) -> torch.Tensor:
-    """[routers, N, K]: the given calls' routes end to end."""
-    return torch.stack([torch.cat([per_call[c] for c in calls]) for per_call in seen])
+def _rows_routes(seen: list[list[torch.Tensor]], calls: list[int], lengths: list[int]) -> torch.Tensor:
+    """[routers, N, K]: the given calls' routes end to end, each cut to its row's `lengths` (on CUDA a
+    packed micro-batch ends in a padding row)."""
+    return torch.stack(
+        [torch.cat([per_call[c][:n] for c, n in zip(calls, lengths, strict=True)]) for per_call in seen]
+    )
 
 
 def _replays_the_engines_experts(tmp_path, dense_layers: list[int]) -> None:
@@ -160,9 +163,11 @@ def _replays_the_engines_experts(tmp_path, dense_layers: list[int]) -> None:
         lengths = batch.row_lengths
         known_N = torch.cat([known_BT[row, :n] for row, n in enumerate(lengths)])
         want_RNK = torch.cat([want_RBTK[:, row, :n] for row, n in enumerate(lengths)], dim=1)
-        free_RNK = _rows_routes(_experts_seen(worker.model, lambda: worker.logprobs(batch)), [0, 1])
+        free_RNK = _rows_routes(_experts_seen(worker.model, lambda: worker.logprobs(batch)), [0, 1], lengths)
         assert not torch.equal(free_RNK[:, known_N], want_RNK[:, known_N]), "the drift changes routes"
-        replayed_RNK = _rows_routes(_experts_seen(worker.model, lambda: worker.logprobs(routed)), [0, 1])
+        replayed_RNK = _rows_routes(
+            _experts_seen(worker.model, lambda: worker.logprobs(routed)), [0, 1], lengths
+        )
         assert torch.equal(replayed_RNK[:, known_N], want_RNK[:, known_N])
 
         router_before = [_full(router.weight).clone() for router in worker.replay.routers]
@@ -175,7 +180,7 @@ def _replays_the_engines_experts(tmp_path, dense_layers: list[int]) -> None:
         for call in range(num_calls):
             row = call // (num_calls // 2)
             known_T, n = known_BT[row, : lengths[row]], lengths[row]
-            stepped_RTK = _rows_routes(stepped, [call])
+            stepped_RTK = _rows_routes(stepped, [call], [n])
             assert torch.equal(stepped_RTK[:, known_T], want_RBTK[:, row, :n][:, known_T])
         assert 0 < metrics["train/routing_mismatch_frac"] <= 1
         for before, router in zip(router_before, worker.replay.routers, strict=True):

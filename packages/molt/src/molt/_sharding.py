@@ -140,8 +140,9 @@ def load_model(
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers: a ModuleList, or a ModuleDict in AutoModel's MoE models."""
-    layers = model.model.layers
+    """The decoder layers (a vision-language model's language model's): a ModuleList, or a ModuleDict in
+    AutoModel's MoE models."""
+    layers = getattr(model.model, "language_model", model.model).layers
     return list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)
 
 
