@@ -1,44 +1,45 @@
 """One full train step of Molt's policy actor on one GPU, against a plain transformers + AdamW loop.
 
 Two random-initialised models (nothing downloaded): a Qwen3-1.7B-shaped dense model (its sizes, tied
-embeddings, vocabulary 151,936) and a small Qwen3-MoE. For each model and context length, every case
-runs in its own subprocess, one after the other on the same GPU, on the same batch:
+embeddings, vocabulary 151,936) and a small Qwen3-MoE. Each batch (`--batches`) holds at least
+`--tokens-per-step` tokens, random ids: equal rows of N tokens (the first quarter of each a prompt, loss
+mask 0), or `agentic`: episodes of 1-12 turns with lognormal prompt, reply (trained) and tool-output
+lengths, about 3.2k tokens a row, at most `--agentic-max-len` (bench/agentic_batch.py). For each model
+and batch, every case runs in its own subprocess, one after the other on the same GPU:
 
 - `plain`: transformers' `AutoModelForCausalLM` in float32 on the GPU, computing in bf16 under
-  `torch.autocast`, activation checkpointing on (`gradient_checkpointing_enable`), naive float32
-  logprobs (`logits.float().log_softmax(-1)`), the PPO clipped loss, gradient clipping, torch AdamW.
-- `molt`, `molt-ac`, `molt-offload`, `molt-cudnn`, `molt-logits`: the real `molt._actor.PolicyWorker`
-  (NeMo AutoModel + FSDP2, one rank) built in-process as the GPU tests build it, with float32 master
-  weights and bf16 compute (`--model.dtype float32 --actor.compute_dtype bfloat16`); `molt-ac` adds
-  `--actor.activation_checkpointing`, `molt-offload` adds `--fsdp.offload`, `molt-compile*` add
-  `--actor.compile` (each decoder layer through torch.compile) to `molt` and `molt-offload` (with
-  `molt-ac` it is refused: AutoModel's checkpoint wrapper and torch.compile do not combine);
-  the compilation happens in the warm-up step, outside the timed ones. `molt-cudnn` is `molt` with
-  cuDNN's attention made the only SDPA kernel of the process (torch ranks it last), and `molt-logits` is
-  `molt` with the policy's LM head giving logits again (the path before `rlestimators.lm_head_logprobs`,
-  still the one under tensor parallelism): chunked logprobs and entropy from [B, T, V] logits. A step is
-  `train_step(batch)`: the forward gives the logprobs (old logprobs are that forward's, detached: one
-  update per batch), rollout correction, loss, entropy, backward, clipping and the AdamW step.
+  `torch.autocast`, activation checkpointing on, naive float32 logprobs (`logits.float().log_softmax(-1)`),
+  the PPO clipped loss, gradient clipping, torch AdamW; micro-batches of consecutive rows, as many as
+  `--micro-batch-tokens` allows of the batch's longest, each right-padded to its own longest row.
+- `molt-packed`: the real `molt._actor.PolicyWorker` (NeMo AutoModel + FSDP2, one rank, float32 master
+  weights computing in bf16) with Molt's defaults: rows packed end to end with varlen attention in
+  micro-batches of `--actor.micro_batch_tokens` (0 = sized from free memory; `--molt-micro-batch-tokens`),
+  `--actor.compile auto` (on: compiled in the warm-up step, outside the timed ones).
+  `molt-padded` is that with `--actor.pack false` (rows padded, grouped by length under the same budget);
+  `molt-eager` with `--actor.compile off`; `molt-ac` with `--actor.activation_checkpointing` (compile then
+  off); `molt-offload` with `--fsdp.offload`; `molt-logits` with the LM head giving [B, T, V] logits again
+  (the path tensor parallelism keeps) instead of `rlestimators.lm_head_logprobs`.
 
-Both sides take the old logprobs from the step's own forward, so each does one forward and one backward
-per micro-batch (plus the recomputed forward of activation checkpointing). The batch: rows of the context
-length, random token ids, the first quarter of each row a prompt (loss mask 0), the rest trained; the
-same number of tokens per step at every context. One warm-up step, then `--steps` timed steps (wall
-clock around a synchronised step); tokens/s is trained-row tokens (prompt included) over the median step.
+A step is `train_step(batch)`: the forward gives the logprobs (old logprobs are that forward's,
+detached: one update per batch), the loss, backward, clipping and AdamW; one forward and one backward per
+micro-batch on both sides (plus checkpointing's recomputed forward). One warm-up step, then `--steps`
+timed ones (wall clock around a synchronised step); tokens/s is the rows' tokens over the median step.
 Peak memory is `torch.cuda.max_memory_allocated` over the steps (the model loaded, stats reset first).
 
-`--profile`: each case also runs one more step under torch's profiler and prints where the GPU's time
-went: kernel time by kind (attention, matmul, elementwise, reduction, copy, other), the slowest kernels,
-and the torch ops (with their input shapes) that launched the most GPU time.
+MFU counts model FLOPs only: per token 6 x the parameters a token passes through (every linear layer and
+the LM head; for the MoE the router and its top-k experts) plus causal attention, 6 x layers x n x
+(heads x head_dim) for a row of n; checkpointing's recomputation is not counted. It is divided by a bf16
+8192^3 matmul measured in the same run (median of 20). Beside it, what the run would log
+(`PolicyWorker.take_pass_counts` as `actor/*`): `molt MFU` (its FLOPs over the GPU's datasheet bf16 peak,
+H100/H200 only), `molt tokens/s` (over the passes' seconds, without the optimizer step) and `padding`
+(the share of token slots that held no token; the plain loop's counted here). The table names the GPU;
+`x plain` and `x padded` are a case's speed over the plain loop's and molt-padded's on the same batch.
 
-MFU counts model FLOPs only: per token 6 x the parameters a token passes through (every linear layer
-including the LM head; for the MoE the router and its top-k experts, not all experts) plus causal
-attention, 6 x layers x context x (heads x head_dim) (forward 2 x ... averaged over positions, backward
-twice that); the recomputation of activation checkpointing is not counted. The rate it is divided by is
-a bf16 8192^3 matmul measured in the same run (median of 20).
+`--profile`: each case runs one more step under torch's profiler and prints GPU time by kernel kind, the
+slowest kernels and the torch ops (with input shapes) that launched the most GPU time.
 
-    python bench/actor_gpu.py                              # both models, 4k and 16k
-    python bench/actor_gpu.py --models dense --contexts 4096 --steps 1 --cases plain,molt   # smoke
+    python bench/actor_gpu.py --models dense --batches 16384,agentic     # the ratio table, ~12 minutes
+    python bench/actor_gpu.py --models dense --batches 4096 --steps 1 --cases plain,molt-packed   # smoke
 
 Needs CUDA, torch, transformers, NeMo AutoModel, msgspec; imports molt, rlestimators and refit from the
 workspace (PYTHONPATH=packages/*/src when the workspace is not installed).
@@ -57,6 +58,7 @@ import time
 from pathlib import Path
 
 import torch
+from agentic_batch import agentic_rows, train_batch
 
 MODELS = {
     "dense": dict(
@@ -70,9 +72,9 @@ MODELS = {
         mlp_only_layers=[], tie_word_embeddings=False,
     ),
 }  # fmt: skip
-CASES = ("plain", "molt", "molt-compile", "molt-ac", "molt-offload", "molt-compile-offload", "molt-logits",
-         "molt-cudnn")  # fmt: skip
-PROMPT_FRACTION = 4  # the first 1/4 of every row is prompt (not trained)
+CASES = ("plain", "molt-packed", "molt-padded", "molt-eager", "molt-ac", "molt-offload", "molt-logits")
+DEFAULT_CASES = "plain,molt-padded,molt-packed"
+PROMPT_FRACTION = 4  # the first 1/4 of every equal row is prompt (not trained)
 
 
 # --- the models and their FLOPs ---
@@ -97,8 +99,9 @@ def build_model(name: str, out_dir: Path) -> Path:
     return out_dir
 
 
-def flops_per_token(name: str, context: int) -> float:
-    """Model FLOPs of one trained token (module docstring): 6 x matmul parameters + causal attention."""
+def step_flops(name: str, lengths: list[int]) -> float:
+    """Model FLOPs of a step over rows of `lengths` (module docstring): per token 6 x the matmul
+    parameters, plus causal attention."""
     m = MODELS[name]
     hidden, layers = m["hidden_size"], m["num_hidden_layers"]
     q_dim, kv_dim = m["num_attention_heads"] * m["head_dim"], m["num_key_value_heads"] * m["head_dim"]
@@ -109,7 +112,7 @@ def flops_per_token(name: str, context: int) -> float:
         expert = 3 * hidden * m["moe_intermediate_size"]
         mlp_params = hidden * m["num_experts"] + m["num_experts_per_tok"] * expert
     params = layers * (attention_params + mlp_params) + hidden * m["vocab_size"]  # + the LM head
-    return 6 * params + 6 * layers * context * q_dim
+    return sum(n * (6 * params + 6 * layers * n * q_dim) for n in lengths)
 
 
 def matmul_tflops() -> float:
@@ -129,31 +132,6 @@ def matmul_tflops() -> float:
     return 2 * 8192**3 / statistics.median(times) / 1e12
 
 
-# --- the batch ---
-
-
-def make_batch(vocab: int, context: int, tokens_per_step: int):
-    """`tokens_per_step / context` full rows; the first quarter of each is prompt (module docstring)."""
-    from molt._batch import TrainBatch
-
-    gen = torch.Generator().manual_seed(1)
-    num_rows = tokens_per_step // context
-    tokens_BT = torch.randint(0, vocab, (num_rows, context), generator=gen)
-    mask_BT = torch.zeros(num_rows, context)
-    mask_BT[:, context // PROMPT_FRACTION :] = 1.0
-    advantages_B = torch.where(torch.rand(num_rows, generator=gen) < 0.5, -1.0, 1.0)
-    # A random model gives each token about -log(vocab); the engine's logprobs sit near it.
-    noise_BT = 0.1 * torch.randn(num_rows, context, generator=gen)
-    rollout_logp_BT = (noise_BT - torch.log(torch.tensor(float(vocab)))) * mask_BT
-    return TrainBatch(
-        tokens_BT=tokens_BT,
-        loss_mask_BT=mask_BT,
-        rollout_logp_BT=rollout_logp_BT,
-        advantages_BT=advantages_B[:, None] * mask_BT,
-        num_tokens=int(mask_BT.sum()),
-    )
-
-
 # --- one case, in its own process ---
 
 
@@ -163,34 +141,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def molt_stepper(model_dir: str, case: str, micro_batch_size: int):
+def molt_stepper(model_dir: str, case: str, budget: int, max_len: int):
+    """The policy worker of `case` (module docstring); returns `step(batch)` and `counts()`, its own
+    pass counts since the last call as the run logs them (`molt._group.PolicyGroup.pass_metrics`)."""
     import msgspec
 
     from molt._actor import PolicyWorker
     from molt.config import FSDP, Config, Model
 
-    config = Config()
-    config = msgspec.structs.replace(
-        config,
-        model=Model(path=model_dir, dtype="float32"),
-        actor=msgspec.structs.replace(
-            config.actor,
-            lr=1e-6,
-            compute_dtype="bfloat16",
-            micro_batch_size=micro_batch_size,
-            activation_checkpointing=case == "molt-ac",
-            compile=case.startswith("molt-compile"),
-        ),
-        fsdp=FSDP(offload=case in ("molt-offload", "molt-compile-offload")),
-    )
+    config, replace = Config(), msgspec.structs.replace
+    actor = replace(config.actor, lr=1e-6, compute_dtype="bfloat16", micro_batch_tokens=budget,
+                    pack=case != "molt-padded", activation_checkpointing=case == "molt-ac",
+                    compile="off" if case == "molt-eager" else "auto")  # fmt: skip
+    vllm = replace(config.vllm, max_model_len=max_len)  # the auto budget's floor
+    fsdp = FSDP(offload=case == "molt-offload")
+    config = replace(config, model=Model(path=model_dir, dtype="float32"), actor=actor, fsdp=fsdp, vllm=vllm)
     worker = PolicyWorker(0, 1, "127.0.0.1", _free_port(), model_dir, config)
     if case == "molt-logits":
         worker._logprob_head = None  # the head's forward then gives logits (molt._lean.LogprobHead)
-    return worker.train_step
+
+    def counts() -> dict:
+        c = worker.take_pass_counts()
+        mfu = c["flops"] / (c["seconds"] * c["peak_flops"]) if c["peak_flops"] else None
+        return {"padding_frac": 1 - c["tokens"] / c["slots"], "molt_tokens_per_s": c["tokens"] / c["seconds"],
+                "molt_mfu": mfu, "budget": worker.budget, "packed": worker.packed}  # fmt: skip
+
+    return worker.train_step, counts
 
 
-def plain_stepper(model_dir: str, micro_batch_size: int, clip: tuple[float, float] = (0.2, 0.28)):
-    """The plain loop (module docstring); returns `step(batch)`."""
+def plain_stepper(model_dir: str, budget: int, clip: tuple[float, float] = (0.2, 0.28)):
+    """The plain loop (module docstring); returns `step(batch)` and `counts()` (its padding)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -199,9 +179,14 @@ def plain_stepper(model_dir: str, micro_batch_size: int, clip: tuple[float, floa
     model.config.use_cache = False
     model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    slots_tokens = [0, 0]  # since the last counts()
 
     def step(batch) -> None:
-        for mb in batch.micro_batches(micro_batch_size):
+        size = max(1, budget // max(batch.row_lengths))  # rows per micro-batch: as many longest as fit
+        for start in range(0, batch.num_rows, size):
+            mb = batch.select(range(start, min(start + size, batch.num_rows)))  # padded to its longest
+            slots_tokens[0] += mb.tokens_BT.numel()
+            slots_tokens[1] += sum(mb.row_lengths)
             tokens_BT, mask_BT = mb.tokens_BT.cuda(), mb.loss_mask_BT[:, 1:].cuda()
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 logits_BTV = model(input_ids=tokens_BT).logits
@@ -215,7 +200,12 @@ def plain_stepper(model_dir: str, micro_batch_size: int, clip: tuple[float, floa
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    def counts() -> dict:
+        padding = 1 - slots_tokens[1] / slots_tokens[0]
+        slots_tokens[:] = [0, 0]
+        return {"padding_frac": padding}
+
+    return step, counts
 
 
 KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name, lower case), the first match wins
@@ -271,18 +261,17 @@ def print_profile(label: str, profile: dict) -> None:
 
 
 def run_case(args: argparse.Namespace) -> dict:
-    batch = make_batch(MODELS[args.model]["vocab_size"], args.context, args.tokens_per_step)
-    micro_batch_size = max(1, args.micro_batch_tokens // args.context)
-    if args.case == "molt-cudnn":  # cuDNN's attention alone, process-wide: no other kernel to pick
-        for kernel in ("flash", "mem_efficient", "math"):
-            getattr(torch.backends.cuda, f"enable_{kernel}_sdp")(False)
+    if args.batch == "agentic":
+        max_len, rows = args.agentic_max_len, agentic_rows(args.tokens_per_step, args.agentic_max_len)
+    else:  # equal rows, the first quarter of each a prompt
+        n = max_len = int(args.batch)
+        prompt = n // PROMPT_FRACTION
+        rows = [[(prompt, False), (n - prompt, True)]] * (args.tokens_per_step // n)
+    batch = train_batch(MODELS[args.model]["vocab_size"], rows)
     if args.case == "plain":
-        step = plain_stepper(args.model_dir, micro_batch_size)
+        step, counts = plain_stepper(args.model_dir, args.micro_batch_tokens)
     else:
-        step = molt_stepper(args.model_dir, args.case, micro_batch_size)
-    cuda = torch.backends.cuda  # which attention kernels the step may pick from
-    attention = {"flash": cuda.flash_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled(),
-                 "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled()}  # fmt: skip
+        step, counts = molt_stepper(args.model_dir, args.case, args.molt_micro_batch_tokens, max_len)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     seconds = []
@@ -290,29 +279,36 @@ def run_case(args: argparse.Namespace) -> dict:
         began = time.perf_counter()
         step(batch)
         torch.cuda.synchronize()
-        if index > 0:  # the first step warms up (allocator, kernels, optimizer state)
+        if index > 0:  # the first step warms up (allocator, kernels, compilation, optimizer state)
             seconds.append(time.perf_counter() - began)
+        else:
+            counts()  # the warm-up's passes are not counted
+    measured = counts()
     profile = profile_step(step, batch) if args.profile else None
+    lengths = batch.row_lengths
     return {
         "profile": profile,
         "step_s": statistics.median(seconds),
         "steps_s": seconds,
-        "tokens": batch.tokens_BT.numel(),
-        "micro_batch_size": micro_batch_size,
+        "tokens": sum(lengths),
+        "rows": len(lengths),
+        "longest": max(lengths),
+        "flops": step_flops(args.model, lengths),
+        **measured,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
-        "attention_kernels_enabled": [name for name, enabled in attention.items() if enabled],
     }
 
 
 # --- the driver ---
 
 
-def run_in_subprocess(args: argparse.Namespace, model: str, model_dir: Path, context: int, case: str) -> dict:
+def run_in_subprocess(args: argparse.Namespace, model: str, model_dir: Path, batch: str, case: str) -> dict:
     command = [sys.executable, __file__, "--child", "--case", case, "--model", model,
-               "--model-dir", str(model_dir), "--context", str(context), "--steps", str(args.steps),
-               "--tokens-per-step", str(args.tokens_per_step),
+               "--model-dir", str(model_dir), "--batch", batch, "--steps", str(args.steps),
+               "--tokens-per-step", str(args.tokens_per_step), "--agentic-max-len", str(args.agentic_max_len),
                "--micro-batch-tokens", str(args.micro_batch_tokens),
+               "--molt-micro-batch-tokens", str(args.molt_micro_batch_tokens),
                *["--profile"] * args.profile]  # fmt: skip
     try:
         done = subprocess.run(
@@ -323,43 +319,52 @@ def run_in_subprocess(args: argparse.Namespace, model: str, model_dir: Path, con
             timeout=args.case_timeout,
         )
     except subprocess.TimeoutExpired:
-        print(f"  {model} {context} {case} took over {args.case_timeout} s", flush=True)
+        print(f"  {model} {batch} {case} took over {args.case_timeout} s", flush=True)
         return {"error": "timeout"}
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
-        print(f"  {model} {context} {case} FAILED (exit {done.returncode}):\n{tail}", flush=True)
+        print(f"  {model} {batch} {case} FAILED (exit {done.returncode}):\n{tail}", flush=True)
         return {"error": tail}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def print_table(results: list[dict], peak_tflops: float) -> None:
-    machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    print(f"\n{machine}, bf16 matmul {peak_tflops:.0f} TFLOP/s")
-    print("| model | context | case | step s | tokens/s | MFU | peak GiB | x plain |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    plain = {(r["model"], r["context"]): r for r in results if r["case"] == "plain" and "step_s" in r}
+    """Every case; `x plain` and `x padded` are its speed over the plain loop's and molt-padded's on the
+    same model and batch."""
+    print(f"\n{machine()}, bf16 matmul {peak_tflops:.0f} TFLOP/s")
+    print("| model | batch | case | rows | step s | tokens/s | MFU | molt MFU | molt tokens/s | padding | "
+          "budget | peak GiB | x plain | x padded |")  # fmt: skip
+    print("| --- | --- | --- |" + " ---: |" * 11)
+    done = {(r["model"], r["batch"], r["case"]): r for r in results if "step_s" in r}
     for r in results:
         if "step_s" not in r:
-            print(f"| {r['model']} | {r['context']} | {r['case']} | failed | | | | |")
+            print(f"| {r['model']} | {r['batch']} | {r['case']} | failed |" + " |" * 10)
             continue
-        tokens_per_s = r["tokens"] / r["step_s"]
-        mfu = tokens_per_s * flops_per_token(r["model"], r["context"]) / (peak_tflops * 1e12)
-        base = plain.get((r["model"], r["context"]))
-        ratio = f"{base['step_s'] / r['step_s']:.2f}" if base else "-"
-        print(f"| {r['model']} | {r['context']} | {r['case']} | {r['step_s']:.2f} | {tokens_per_s:,.0f} | "
-              f"{mfu:.1%} | {r['peak_gib']:.1f} | {ratio} |")  # fmt: skip
+        ratios = [done.get((r["model"], r["batch"], base)) for base in ("plain", "molt-padded")]
+        cells = [r["rows"], f"{r['step_s']:.2f}", f"{r['tokens'] / r['step_s']:,.0f}",
+                 f"{r['flops'] / r['step_s'] / (peak_tflops * 1e12):.1%}",
+                 f"{r['molt_mfu']:.1%}" if r.get("molt_mfu") else "-",
+                 f"{r['molt_tokens_per_s']:,.0f}" if "molt_tokens_per_s" in r else "-",
+                 f"{r['padding_frac']:.1%}", r.get("budget", "-"), f"{r['peak_gib']:.1f}",
+                 *[f"{base['step_s'] / r['step_s']:.2f}" if base else "-" for base in ratios]]  # fmt: skip
+        print(f"| {r['model']} | {r['batch']} | {r['case']} | " + " | ".join(map(str, cells)) + " |")
+
+
+def machine() -> str:
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, torch {torch.__version__}"
 
 
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
-    parser.add_argument("--contexts", default="4096,16384", help="comma-separated row lengths")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
-    parser.add_argument("--offload-contexts", default="16384", help="contexts that run molt-offload")
+    parser.add_argument("--batches", default="4096,16384,agentic", help="equal rows of N tokens, or agentic")
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
-    parser.add_argument("--tokens-per-step", type=int, default=65536)
-    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="micro-batch rows x context")
+    parser.add_argument("--tokens-per-step", type=int, default=65536, help="at least this many per batch")
+    parser.add_argument("--agentic-max-len", type=int, default=16384, help="the agentic rows' context")
+    parser.add_argument("--micro-batch-tokens", type=int, default=16384, help="plain: rows x longest row")
+    parser.add_argument("--molt-micro-batch-tokens", type=int, default=0, help="--actor.micro_batch_tokens")
     parser.add_argument("--workdir", default="/tmp/molt-actor-bench", help="where the random models go")
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--case-timeout", type=float, default=300, help="seconds one case may take")
@@ -368,29 +373,28 @@ def main() -> None:
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    parser.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_case(args)), flush=True)
         return
+    if unknown := set(args.cases.split(",")) - set(CASES):
+        raise ValueError(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
     # Both sides get the same allocator settings; fewer fragments let long rows fit.
     args.child_env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     peak_tflops = matmul_tflops()
-    print(f"{torch.cuda.get_device_name()}: bf16 matmul {peak_tflops:.0f} TFLOP/s", flush=True)
+    print(f"{machine()}: bf16 matmul {peak_tflops:.0f} TFLOP/s", flush=True)
     results = []
-    offload_contexts = {int(c) for c in args.offload_contexts.split(",") if c}
     for model in args.models.split(","):
         model_dir = build_model(model, Path(args.workdir) / model)
-        for context in (int(c) for c in args.contexts.split(",")):
+        for batch in args.batches.split(","):
             for case in args.cases.split(","):
-                if case.endswith("offload") and context not in offload_contexts:
-                    continue
-                result = run_in_subprocess(args, model, model_dir, context, case)
+                result = run_in_subprocess(args, model, model_dir, batch, case)
                 profile = result.pop("profile", None)
-                results.append({"model": model, "context": context, "case": case, **result})
+                results.append({"model": model, "batch": batch, "case": case, **result})
                 print(json.dumps(results[-1]), flush=True)
                 if profile:
-                    print_profile(f"{model} {context} {case}", profile)
+                    print_profile(f"{model} {batch} {case}", profile)
     if args.json:
         Path(args.json).write_text(json.dumps({"peak_tflops": peak_tflops, "results": results}, indent=1))
     print_table(results, peak_tflops)
