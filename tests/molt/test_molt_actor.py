@@ -2,8 +2,8 @@
 
 The actor tests share three groups started once for the module (starting a rank imports AutoModel,
 ~20 s): 1 rank at temperature 0.7 with every row in one padded micro-batch, 2 ranks at temperature 0.7
-with about one row per packed micro-batch (the two compared by the key test: padded against packed, one
-rank against two, one budget against another), and 1 rank at temperature 1 with lr 1e-2, packed.
+with one packed micro-batch each (the two compared by the key test: padded against packed, one rank
+against two, one budget against another), and 1 rank at temperature 1 with lr 1e-2, packed.
 
 Legend: B sequences, T tokens, V vocabulary.
 """
@@ -179,7 +179,7 @@ def _config(
 
 GROUPS = {  # name: (num_ranks, config)
     "one_rank": (1, _config(temperature=0.7, budget=4096, pack=False, lr=1e-3)),  # padded, one micro-batch
-    "two_ranks": (2, _config(temperature=0.7, budget=12, lr=1e-3)),  # packed, about a row per micro-batch
+    "two_ranks": (2, _config(temperature=0.7, budget=24, lr=1e-3)),  # packed: rows 11, 7, 6 | 10, 9
     "t1": (1, _config(temperature=1.0, budget=20, lr=1e-2, warmup_steps=2)),  # packed, two rows or so
 }
 
@@ -269,7 +269,7 @@ def test_a_step_without_old_logprobs_equals_one_given_the_logprob_pass(groups, t
     update as passing those of a separate `logprobs` pass, from the same checkpointed state."""
     from molt._checkpoint import write_loop_state
 
-    group = groups["two_ranks"]  # micro-batches of one row, an all-masked padding row on rank 1
+    group = groups["two_ranks"]  # one packed micro-batch a rank
     batch = collate(_sequences(10, [1.0, -0.5, 0.25, 2.0, -1.0]), pad_id=0)
     group.save(tmp_path / "ckpt")
     write_loop_state(tmp_path / "ckpt", 1, [], tiny_model_dir)
