@@ -89,6 +89,14 @@ def test_compile_auto_is_on_with_cuda_unless_checkpointing_or_replay_asks_otherw
     assert not compiles(resolve(["--actor.compile", "off"]), on_gpu=True)
 
 
+def test_a_gpu_run_says_when_compile_auto_leaves_the_layers_eager(with_cuda):
+    from molt._validate import start_notes
+
+    notes = start_notes(resolve(["--actor.activation_checkpointing"]))
+    assert any("run eager (--actor.compile auto): --actor.activation_checkpointing" in note for note in notes)
+    assert not any("run eager" in note for note in start_notes(resolve([])))
+
+
 def test_a_micro_batch_budget_below_the_longest_row_is_refused_naming_both():
     _refused(
         ["--actor.micro_batch_tokens", "1000", "--vllm.max_model_len", "1024"],

@@ -34,7 +34,13 @@ from molt._checks import (
     on_policy,
 )
 from molt._checks_model import check_companions, check_model, num_experts
-from molt._placement import compute_dtype_name, engine_memory_utilization, extra_groups, resolve_placement
+from molt._placement import (
+    compiles,
+    compute_dtype_name,
+    engine_memory_utilization,
+    extra_groups,
+    resolve_placement,
+)
 from molt.config import Config, ConfigError
 
 __all__ = [
@@ -188,6 +194,11 @@ def start_notes(config: Config) -> list[str]:
         refusal = packing_refusal(AutoConfig.from_pretrained(config.model.path))
         if refusal:
             notes.append(f"the actor pads its micro-batches (--actor.pack): {refusal}")
+    if config.actor.compile == "auto" and _on_gpu() and not compiles(config, on_gpu=True):
+        why = (
+            "--actor.activation_checkpointing" if config.actor.activation_checkpointing else "routing replay"
+        )
+        notes.append(f"the actor's layers run eager (--actor.compile auto): {why} does not combine with it")
     actor_dtype = compute_dtype_name(config)
     if actor_dtype != "float32" and not config.vllm.urls and not _on_gpu():
         notes.append(
