@@ -397,7 +397,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
     "algo.correction.token_bounds": ["0.0,3", "-1.0,3", "2.0,1.0", "0.5,inf"],
     "algo.correction.seq_bounds": ["0.0,3", "1.01,0.99", "nan,1.0"],
     "algo.kl.coef": ["-0.1", *_NOT_FINITE], "algo.entropy_coef": ["-0.01", *_NOT_FINITE],
-    "algo.dynamic_filter_max_batches": ["0", "-1"],
+    "algo.dynamic_filter_max_batches": ["0", "-1"], "algo.loss.agg_constant": ["-1"],
     "algo.gae.gamma": ["-0.1", "1.01", "nan"], "algo.gae.lam": ["-0.1", "1.5", "nan"],
     "algo.critic.lr": ["0", "-1e-3", *_NOT_FINITE], "algo.critic.value_clip": ["0", "-0.2", "inf"],
     "actor.lr": ["0", "-1e-3", *_NOT_FINITE], "actor.weight_decay": ["-0.1", "nan"],
@@ -548,6 +548,7 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
              "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
              "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
              "algo.dynamic_filter_max_batches": ["--algo.dynamic_filter"],
+             "algo.loss.agg_constant": ["--algo.loss.agg", "seq-mean-token-sum-norm"],
              "ray.num_cpus": [], "train.mini_batches": [],
              **{f"actor.lora.{name}": ["--actor.lora.rank", "8"]
                 for name in ("alpha", "target_modules", "dropout")}}  # fmt: skip
