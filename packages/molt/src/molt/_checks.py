@@ -246,10 +246,10 @@ def check_algorithm(config: Config) -> None:
             "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
             "drop --algo.kl.in_reward (the KL then is a loss term)"
         )
-    rows = rollout.prompts_per_step * rollout.group_size
-    if config.train.mini_batches > rows:
+    rollouts = rollout.prompts_per_step * rollout.group_size
+    if config.train.mini_batches > rollouts:
         raise ConfigError(
-            f"--train.mini_batches {config.train.mini_batches} is more than the step's {rows} sequences "
+            f"--train.mini_batches {config.train.mini_batches} is more than the step's {rollouts} rollouts "
             f"(--rollout.prompts_per_step x --rollout.group_size): each optimizer step needs one"
         )
 
