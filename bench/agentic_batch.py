@@ -106,6 +106,7 @@ def train_batch(vocab: int, rows: list[list[tuple[int, bool]]]):
         rollout_logp_BT=rollout_logp_BT,
         advantages_BT=advantages_B[:, None] * mask_BT,
         num_tokens=int(mask_BT.sum()),
+        num_seqs=int((mask_BT != 0).any(dim=1).sum()),
         lengths_B=torch.tensor(lengths, dtype=torch.int64),
     )
 

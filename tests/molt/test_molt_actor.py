@@ -103,24 +103,10 @@ def test_micro_batches_follow_the_plan_or_pack_within_the_budget():
     assert given.micro_batches(16) == [[4], [], [0, 1, 2, 3]]
 
 
-def test_windows_split_whole_rows_each_with_its_own_denominator():
-    batch = collate(_sequences(1, [1.0] * 5), pad_id=0)
-    windows = batch.windows(2)
-    assert [(w.num_rows, rows) for w, rows in windows] == [(2, slice(0, 2)), (3, slice(2, 5))]
-    for window, rows in windows:  # each window is one optimizer step: the mean over its own tokens
-        assert window.num_tokens == int(batch.loss_mask_BT[rows].sum())
-        num_cols = window.tokens_BT.shape[1]  # the window's longest row
-        torch.testing.assert_close(window.tokens_BT, batch.tokens_BT[rows, :num_cols])
-    assert sum(w.num_tokens for w, _ in windows) == batch.num_tokens
-    assert batch.windows(1)[0][0].num_tokens == batch.num_tokens
-    with pytest.raises(ValueError, match="splits into 1..5 windows, not 6"):
-        batch.windows(6)
-
-
 def test_train_batch_refuses_mismatched_tensors():
     batch = collate(_sequences(2, [1.0] * 2, lengths=(5, 6)), pad_id=0)
     with pytest.raises(ValueError, match="advantages_BT must be float32"):
-        TrainBatch(batch.tokens_BT, batch.loss_mask_BT, batch.rollout_logp_BT, batch.advantages_BT[:1], 1)
+        TrainBatch(batch.tokens_BT, batch.loss_mask_BT, batch.rollout_logp_BT, batch.advantages_BT[:1], 1, 1)
 
 
 def test_a_step_is_refused_rows_of_another_shape_or_no_trainable_token():
@@ -345,7 +331,9 @@ def test_each_loss_kind_gives_its_own_update_once_the_ratio_departs_from_one(gro
         batch = dataclasses.replace(batch, rollout_logp_BT=logp_BT * batch.loss_mask_BT)  # on-policy engine
         metrics, after = {}, {}
         for kind, group in started.items():
-            metrics[kind] = train_windows(group, batch.windows(2), group.logprobs(batch), None)
+            metrics[kind] = train_windows(
+                group, batch.windows(2, [1] * 6, (0, 1)), group.logprobs(batch), None
+            )
             after[kind] = group.full_state()
     finally:
         for group in started.values():

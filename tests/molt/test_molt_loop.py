@@ -22,7 +22,7 @@ from molt._launch import DynamicFilter
 from molt._metrics import rollout_metrics, staleness_mean
 from molt._rollout import Rollout
 from molt.config import Config, ConfigError, Data
-from molt.loop import check_token_identity, refit_engines, rollout_sums, take
+from molt.loop import check_token_identity, refit_engines, rollout_sums, take, train_windows
 from tito import Segment
 
 
@@ -147,6 +147,63 @@ def test_rows_without_the_messages_field_are_refused(tmp_path):
     config = msgspec.structs.replace(Config(), data=Data(path=str(path)))
     with pytest.raises(ValueError, match="needs a 'messages' field"):
         next(read_rows(config, agent_module=None))
+
+
+def _rows(*lengths: int) -> list[tuple[list[int], list[int], list[float], float]]:
+    """Rows of `lengths` tokens, the first two a prompt, the rest trainable."""
+    return [(list(range(1, n + 1)), [0, 0] + [1] * (n - 2), [-1.0] * n, 1.0) for n in lengths]
+
+
+def test_windows_split_whole_rollouts_each_with_its_own_denominator():
+    # 5 rollouts, the third compacted into two rows, the last with no trainable token
+    sequences = _rows(6, 7, 8, 9, 10, 6)
+    token_ids, loss_mask, logprobs, advantage = sequences[5]
+    sequences[5] = (token_ids, [0] * len(loss_mask), logprobs, advantage)
+    batch = collate(sequences, pad_id=0)
+    per_rollout = [1, 1, 2, 1, 1]
+    windows = batch.windows(2, per_rollout, seed=(0, 1))
+    owner = [0, 1, 2, 2, 3, 4]  # the rollout of each row
+    seen = [row for _, rows in windows for row in rows]
+    assert sorted(seen) == list(range(6))
+    for window, rows in windows:  # whole rollouts; each window is one step: its own tokens and sequences
+        assert all(
+            owner.count(r) == [owner[row] for row in rows].count(r) for r in {owner[row] for row in rows}
+        )
+        assert window.num_tokens == int(batch.loss_mask_BT[rows].sum())
+        assert window.num_seqs == int((batch.loss_mask_BT[rows] != 0).any(dim=1).sum())
+        num_cols = window.tokens_BT.shape[1]  # the window's longest row
+        torch.testing.assert_close(window.tokens_BT, batch.tokens_BT[rows, :num_cols])
+    assert sum(w.num_tokens for w, _ in windows) == batch.num_tokens
+    assert sum(w.num_seqs for w, _ in windows) == batch.num_seqs == 5
+    whole = batch.windows(1, per_rollout, seed=(0, 1))[0][0]
+    assert (whole.num_tokens, whole.num_seqs) == (batch.num_tokens, batch.num_seqs)
+    with pytest.raises(ValueError, match="5 rollouts split into 1..5 windows, not 6"):
+        batch.windows(6, per_rollout, seed=(0, 1))
+
+
+def test_windows_are_a_seeded_permutation_of_rollouts_not_completion_order():
+    batch = collate(_rows(*[6] * 16), pad_id=0)
+    firsts = {seed: batch.windows(2, [1] * 16, seed)[0][1] for seed in [(0, step) for step in range(1, 6)]}
+    assert all(rows != list(range(8)) for rows in firsts.values())  # not the 8 that finished first
+    assert len({tuple(sorted(rows)) for rows in firsts.values()}) == 5  # each step draws anew
+    assert batch.windows(2, [1] * 16, (0, 3))[0][1] == firsts[(0, 3)]  # the same seed, the same windows
+    assert batch.windows(2, [1] * 16, (1, 3))[0][1] != firsts[(0, 3)]  # --train.seed changes them
+
+
+def test_clip_fractions_are_over_the_windows_after_the_first():
+    """Window 1's ratio is 1 (its clip fraction 0): the reported fraction is over windows 2..N, token-
+    weighted; the other metrics are over all windows."""
+    batch = collate(_rows(6, 6, 10, 10, 6, 6), pad_id=0)
+    windows = batch.windows(3, [1] * 6, (0, 1))
+    clip = iter([0.0, 0.2, 0.5])
+    loss = iter([1.0, 2.0, 3.0])
+    group = SimpleNamespace(train_step=lambda window: {"train/clip_frac": next(clip), "train/x": next(loss)})
+    metrics = train_windows(group, windows)
+    tokens = [window.num_tokens for window, _ in windows]
+    assert metrics["train/clip_frac"] == pytest.approx((0.2 * tokens[1] + 0.5 * tokens[2]) / sum(tokens[1:]))
+    assert metrics["train/x"] == pytest.approx((tokens[0] + 2 * tokens[1] + 3 * tokens[2]) / sum(tokens))
+    one = train_windows(SimpleNamespace(train_step=lambda w: {"train/clip_frac": 0.0}), windows[:1])
+    assert one["train/clip_frac"] == 0.0  # one window: the ratio is 1, nothing clips
 
 
 def test_rollout_sums_add_each_rollouts_segments():

@@ -18,7 +18,7 @@ from torch.testing import assert_close
 
 from molt._flags import resolve
 from molt._objective import step_loss
-from molt.config import KL, Algo, ConfigError, Correction, Loss
+from molt.config import KL, Advantage, Algo, ConfigError, Correction, Loss
 
 # Trainable tokens per row; row 3 is all masked, like the padding rows of a rank's shard.
 MASK_BT = torch.tensor(
@@ -33,6 +33,8 @@ MASK_BT = torch.tensor(
 )
 ADVANTAGE_B = torch.tensor([1.5, -1.0, 0.5, 0.0, -2.0])
 NUM_TOKENS = int(MASK_BT.sum()) + 9  # the step's count: other micro-batches and ranks hold 9 more
+NUM_SEQS = 4 + 2  # the step's sequences: rows 0, 1, 2 and 4 here, 2 more elsewhere
+AGG_CONSTANT = 16  # --algo.loss.agg_constant (Dr. GRPO's generation budget)
 
 
 def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -54,10 +56,12 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _algo(kind="ppo", dual_clip=None, mode="tis", kl_kind="k3") -> Algo:
+def _algo(kind="ppo", dual_clip=None, mode="tis", kl_kind="k3", agg="auto") -> Algo:
     low, high = (0.02, 0.05) if kind == "gspo" else (0.2, 0.28)  # a sequence's ratio stays nearer 1
+    constant = AGG_CONSTANT if agg == "seq-mean-token-sum-norm" else 0
+    loss = Loss(kind=kind, clip_low=low, clip_high=high, dual_clip=dual_clip, agg=agg, agg_constant=constant)
     return Algo(
-        loss=Loss(kind=kind, clip_low=low, clip_high=high, dual_clip=dual_clip),
+        loss=loss,
         correction=Correction(mode=mode, token_cap=1.5, token_bounds=(0.8, 1.25), seq_bounds=(0.9, 1.1)),
         kl=KL(coef=0.05, kind=kl_kind),
         entropy_coef=0.01,
@@ -101,12 +105,22 @@ def _kl(kind: str, logp: float, ref: float) -> tuple[float, float]:
     return math.exp(log_r) - 1 - log_r, 1 - math.exp(log_r)
 
 
+def _aggregation(agg: str, kind: str, num_row_tokens: int) -> tuple[float, float]:
+    """A row's token weight and the step's denominator, as verl names them (auto: GSPO's for gspo)."""
+    if agg == "seq-mean-token-mean" or (agg == "auto" and kind == "gspo"):  # GSPO, Eq. 5
+        return 1 / num_row_tokens, NUM_SEQS
+    if agg == "seq-mean-token-sum-norm":  # Dr. GRPO: each sequence's token sum over a constant
+        return 1.0, NUM_SEQS * AGG_CONSTANT
+    return 1.0, NUM_TOKENS
+
+
 def _reference(x: dict[str, torch.Tensor], algo: Algo, *, with_reference: bool = True) -> dict:
     """The objective token by token: loss, d loss / d logp, d loss / d entropy, and the numerators."""
     t = {name: tensor.tolist() for name, tensor in x.items()}
     num_rows, num_cols = MASK_BT.shape
-    loss, sums = 0.0, dict.fromkeys(["policy", "entropy", "kl", "clipped", "mismatch", "weight", "dev"], 0.0)
+    loss, sums = 0.0, dict.fromkeys(["entropy", "kl", "clipped", "mismatch", "weight", "dev"], 0.0)
     rows = rows_rejected = 0
+    policy = 0.0  # the policy term as aggregated
     grad_logp = [[0.0] * num_cols for _ in range(num_rows)]
     grad_entropy = [[0.0] * num_cols for _ in range(num_rows)]
     for b in range(num_rows):
@@ -114,6 +128,7 @@ def _reference(x: dict[str, torch.Tensor], algo: Algo, *, with_reference: bool =
         if not tokens:
             continue
         rows += 1
+        scale, denominator = _aggregation(algo.loss.agg, algo.loss.kind, len(tokens))
         log_mismatch = [t["old_logp_BT"][b][c] - t["rollout_logp_BT"][b][c] for c in tokens]
         seq_mismatch = math.exp(sum(log_mismatch) / len(tokens))  # the geometric mean of the ratios
         low, high = algo.correction.seq_bounds
@@ -126,22 +141,22 @@ def _reference(x: dict[str, torch.Tensor], algo: Algo, *, with_reference: bool =
             ratio = seq_ratio if algo.loss.kind == "gspo" else math.exp(logp - t["old_logp_BT"][b][c])
             value, grad, is_clipped = _surrogate(algo.loss.kind, ratio, adv, logp, algo.loss)
             entropy = t["entropy_BT"][b][c]
-            loss += weight * value - algo.entropy_coef * entropy
-            grad_logp[b][c] += weight * grad
-            grad_entropy[b][c] = -algo.entropy_coef
+            loss += scale * (weight * value - algo.entropy_coef * entropy) / denominator
+            policy += scale * weight * value / denominator
+            grad_logp[b][c] += scale * weight * grad / denominator
+            grad_entropy[b][c] = -scale * algo.entropy_coef / denominator
             if with_reference:
                 kl_value, kl_grad = _kl(algo.kl.kind, logp, t["ref_logp_BT"][b][c])
-                loss += algo.kl.coef * kl_value
-                grad_logp[b][c] += algo.kl.coef * kl_grad
+                loss += scale * algo.kl.coef * kl_value / denominator
+                grad_logp[b][c] += scale * algo.kl.coef * kl_grad / denominator
                 sums["kl"] += kl_value
-            sums["policy"] += weight * value
             sums["entropy"] += entropy
             sums["clipped"] += is_clipped
             sums["mismatch"] += math.exp(log_m) - 1 - log_m  # k3 of KL(rollout || old)
             sums["weight"] += weight
             sums["dev"] += abs(weight - 1)
     numerators = {
-        "train/policy_loss": sums["policy"],
+        "train/policy_loss": policy * NUM_TOKENS,  # divided by the token count: the policy term
         "train/entropy": sums["entropy"],
         "train/clip_frac": sums["clipped"],
         "train/mismatch_kl": sums["mismatch"],
@@ -152,9 +167,9 @@ def _reference(x: dict[str, torch.Tensor], algo: Algo, *, with_reference: bool =
         **({"train/kl": sums["kl"]} if with_reference else {}),
     }
     return {
-        "loss": loss / NUM_TOKENS,
-        "grad_logp_BT": torch.tensor(grad_logp) / NUM_TOKENS,
-        "grad_entropy_BT": torch.tensor(grad_entropy) / NUM_TOKENS,
+        "loss": loss,
+        "grad_logp_BT": torch.tensor(grad_logp),
+        "grad_entropy_BT": torch.tensor(grad_entropy),
         "sums": numerators,
     }
 
@@ -166,7 +181,7 @@ def _run(x: dict[str, torch.Tensor], algo: Algo, **overrides):
     args = {**leaves, **overrides}
     loss, sums = step_loss(
         args["logp_BT"], args["entropy_BT"], args["old_logp_BT"], args["rollout_logp_BT"],
-        args["advantages_BT"], args["mask_BT"], num_tokens=NUM_TOKENS, algo=algo,
+        args["advantages_BT"], args["mask_BT"], num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, algo=algo,
         ref_logp_BT=args["ref_logp_BT"],
     )  # fmt: skip
     tracked = [name for name in leaves if name != "mask_BT"]
@@ -182,6 +197,7 @@ KINDS = [
     pytest.param("pg", None, id="pg"),
 ]
 MODES = [pytest.param(mode, id=mode) for mode in ("tis", "mis", "seq-mask-tis", "none")]
+AGGS = [pytest.param(agg, id=agg) for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -263,11 +279,81 @@ def test_without_old_logprobs_the_ratio_is_one_and_the_gradient_is_the_same():
         assert_close(sums[name], value, msg=name)
 
 
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize(("kind", "dual_clip"), KINDS)
+def test_step_loss_is_the_hand_written_objective_under_each_aggregation(kind, dual_clip, agg):
+    x, algo = _inputs(5), _algo(kind, dual_clip, "tis", agg=agg)
+    expected = _reference(x, algo)
+    loss, sums, grads = _run(x, algo)
+    assert_close(loss, torch.tensor(expected["loss"]), rtol=1e-5, atol=1e-6)
+    assert_close(grads["logp_BT"], expected["grad_logp_BT"], rtol=1e-4, atol=1e-7)
+    assert_close(grads["entropy_BT"], expected["grad_entropy_BT"], rtol=1e-5, atol=1e-8)
+    for name, value in expected["sums"].items():
+        assert sums[name].item() == pytest.approx(value, rel=1e-5, abs=1e-5), name
+
+
+def _shares(algo: Algo, lengths=(2, 20)) -> tuple[list[float], float]:
+    """Each sequence's share of the gradient (the sum over its tokens of |d loss / d logp|) and the whole,
+    for sequences of `lengths` trainable tokens, advantage 1 each, on-policy and without correction."""
+    num_cols = max(lengths) + 1
+    mask_BT = torch.zeros(len(lengths), num_cols)
+    for b, n in enumerate(lengths):
+        mask_BT[b, 1 : n + 1] = 1
+    logp_BT = torch.full(mask_BT.shape, -1.0, requires_grad=True)
+    loss, _ = step_loss(
+        logp_BT, torch.zeros_like(mask_BT), logp_BT.detach(), logp_BT.detach(), mask_BT, mask_BT,
+        num_tokens=sum(lengths), num_seqs=len(lengths), algo=algo,
+    )  # fmt: skip
+    (grad_BT,) = torch.autograd.grad(loss, logp_BT)
+    per_seq = grad_BT.abs().sum(dim=1)
+    return (per_seq / per_seq.sum()).tolist(), per_seq.sum().item()
+
+
+@pytest.mark.parametrize(
+    ("kind", "estimator", "agg", "shares", "total"),
+    [
+        # DAPO's token-level mean (Yu et al. 2025, Eq. 8): 1 / sum_i |o_i| * sum_i sum_t
+        pytest.param("ppo", "grpo", "auto", [2 / 22, 20 / 22], 1.0, id="ppo-token-mean"),
+        pytest.param("gspo", "grpo", "token-mean", [2 / 22, 20 / 22], 1.0, id="gspo-token-mean"),
+        # GSPO (Zheng et al. 2025, Eq. 5): 1/G sum_i of the sequence's term, whatever its length
+        pytest.param("gspo", "grpo", "auto", [0.5, 0.5], 1.0, id="gspo-paper"),
+        pytest.param("ppo", "grpo", "seq-mean-token-mean", [0.5, 0.5], 1.0, id="ppo-seq-mean"),
+        # Dr. GRPO (Liu et al. 2025, §3.2): 1/G sum_i sum_t / MAX_TOKENS (here 16)
+        pytest.param("ppo", "dr_grpo", "auto", [2 / 22, 20 / 22], 22 / (2 * 16), id="dr-grpo-paper"),
+    ],
+)
+def test_gradient_shares_of_a_2_and_a_20_token_sequence_are_the_papers(kind, estimator, agg, shares, total):
+    constant = 16 if estimator == "dr_grpo" else 0
+    loss = Loss(kind=kind, clip_low=0.2, clip_high=0.28, agg=agg, agg_constant=constant)
+    algo = Algo(advantage=Advantage(estimator=estimator), loss=loss, correction=Correction(mode="none"))
+    got_shares, got_total = _shares(algo)
+    assert got_shares == pytest.approx(shares, rel=1e-5)
+    assert got_total == pytest.approx(total, rel=1e-5)
+
+
+def test_each_kind_and_estimator_defaults_to_its_papers_aggregation():
+    def agg(*args):
+        loss = resolve(list(args)).algo.loss
+        return loss.agg, loss.agg_constant
+
+    assert agg() == ("token-mean", 0)
+    assert agg("--algo.loss.kind", "gspo") == ("seq-mean-token-mean", 0)
+    assert agg("--algo.advantage.estimator", "dr_grpo") == ("seq-mean-token-sum-norm", 2)  # max_new_tokens
+    assert agg("--algo.advantage.estimator", "dr_grpo", "--algo.loss.agg_constant", "4096") == (
+        "seq-mean-token-sum-norm",
+        4096,
+    )
+    assert agg("--algo.loss.kind", "gspo", "--algo.loss.agg", "token-mean") == ("token-mean", 0)
+    with pytest.raises(ConfigError, match="--algo.loss.agg_constant 8 divides only under"):
+        resolve(["--algo.loss.agg_constant", "8"])
+
+
+@pytest.mark.parametrize("agg", AGGS)
 @pytest.mark.parametrize("kind", [pytest.param(kind, id=kind) for kind in ("ppo", "gspo", "cispo", "pg")])
-def test_micro_batches_under_the_one_denominator_add_up_to_the_whole(kind):
-    """Rows split over micro-batches (or ranks), each divided by the step's token count: the losses and
+def test_micro_batches_under_the_one_denominator_add_up_to_the_whole(kind, agg):
+    """Rows split over micro-batches (or ranks), each divided by the step's denominator: the losses and
     their gradients add up to the whole's, whatever the split (DESIGN §6)."""
-    x, algo = _inputs(4), _algo(kind, None, "seq-mask-tis")
+    x, algo = _inputs(4), _algo(kind, None, "seq-mask-tis", agg=agg)
     whole, whole_sums, whole_grads = _run(x, algo)
     parts = [_run({name: t[rows] for name, t in x.items()}, algo) for rows in (slice(0, 2), slice(2, 5))]
     assert_close(parts[0][0] + parts[1][0], whole)

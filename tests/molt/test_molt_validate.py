@@ -405,7 +405,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
     "algo.correction.token_bounds": ["0.0,3", "-1.0,3", "2.0,1.0", "0.5,inf"],
     "algo.correction.seq_bounds": ["0.0,3", "1.01,0.99", "nan,1.0"],
     "algo.kl.coef": ["-0.1", *_NOT_FINITE], "algo.entropy_coef": ["-0.01", *_NOT_FINITE],
-    "algo.dynamic_filter_max_batches": ["0", "-1"],
+    "algo.dynamic_filter_max_batches": ["0", "-1"], "algo.loss.agg_constant": ["-1"],
     "algo.gae.gamma": ["-0.1", "1.01", "nan"], "algo.gae.lam": ["-0.1", "1.5", "nan"],
     "algo.critic.lr": ["0", "-1e-3", *_NOT_FINITE], "algo.critic.value_clip": ["0", "-0.2", "inf"],
     "actor.lr": ["0", "-1e-3", *_NOT_FINITE], "actor.weight_decay": ["-0.1", "nan"],
@@ -520,7 +520,7 @@ _CHANGED = {  # a valid value other than the default, where flipping or nudging 
     "algo.loss.dual_clip": "3",
     "vllm.max_num_batched_tokens": "4096",
     "ray.num_cpus": "2",
-    "train.mini_batches": "2",
+    "train.mini_batches": "3",
     "algo.loss.clip_low": "0.1",
     "algo.gae.gamma": "0.9",
     "algo.gae.lam": "0.95",
@@ -556,6 +556,7 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
              "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
              "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
              "algo.dynamic_filter_max_batches": ["--algo.dynamic_filter"],
+             "algo.loss.agg_constant": ["--algo.loss.agg", "seq-mean-token-sum-norm"],
              "ray.num_cpus": [], "train.mini_batches": [],
              **{f"actor.lora.{name}": ["--actor.lora.rank", "8"]
                 for name in ("alpha", "target_modules", "dropout")}}  # fmt: skip
@@ -599,8 +600,16 @@ def test_the_command_refuses_an_out_of_range_flag_before_anything_starts(tmp_pat
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        pytest.param([], "--algo.loss.kind ppo with --train.mini_batches 1", id="ppo-one-step"),
-        pytest.param(["--algo.loss.kind", "cispo"], "surrogate reduces to pg", id="cispo-one-step"),
+        pytest.param(
+            ["--train.mini_batches", "1"],
+            "--algo.loss.kind ppo with --train.mini_batches 1",
+            id="ppo-one-step",
+        ),
+        pytest.param(
+            ["--algo.loss.kind", "cispo", "--train.mini_batches", "1"],
+            "surrogate reduces to pg",
+            id="cispo-one-step",
+        ),
         pytest.param(["--actor.compute_dtype", "bfloat16"], "CPU engine samples in float32", id="bf16-actor"),
     ],
 )
@@ -632,8 +641,9 @@ def test_a_model_that_cannot_pack_is_said_to_pad_at_start(cpu_only, tmp_path, ti
 def test_no_start_note_where_the_settings_act_as_named(cpu_only):
     from molt._validate import start_notes
 
+    assert start_notes(resolve([])) == []  # the defaults never warn about themselves
     assert start_notes(resolve(["--train.mini_batches", "2"])) == []
-    assert start_notes(resolve(["--algo.loss.kind", "pg"])) == []
+    assert start_notes(resolve(["--algo.loss.kind", "pg", "--train.mini_batches", "1"])) == []
 
 
 def test_delta_refit_is_refused_with_cuda_engines(with_cuda):

@@ -77,31 +77,40 @@ def test_pg_closed_form(ratio, adv):
     assert metrics["clip_frac"] == 0.0
 
 
-def naive_gspo(logp_BT, old_logp_BT, adv_B, mask_BT, clip_low, clip_high):
-    """GSPO's sequence objective (Zheng et al. 2025), each sequence's loss weighted by its length."""
-    total = 0.0
+def paper_gspo(logp_BT, old_logp_BT, adv_B, mask_BT, clip_low, clip_high):
+    """GSPO's objective (Zheng et al. 2025, Eq. 5), negated: the mean over sequences (G, those with a
+    token) of min(s_i A_i, clip(s_i) A_i), s_i = exp(mean over y_i's tokens of the log ratio). Every
+    sequence weighs the same, whatever its length."""
+    terms = []
     for b in range(logp_BT.shape[0]):
         keep = mask_BT[b].bool()
         if not keep.any():
             continue
         s = torch.exp((logp_BT[b][keep] - old_logp_BT[b][keep]).mean())
-        surrogate = torch.minimum(s * adv_B[b], s.clamp(1 - clip_low, 1 + clip_high) * adv_B[b])
-        total = total - keep.sum() * surrogate
-    return total
+        terms.append(torch.minimum(s * adv_B[b], s.clamp(1 - clip_low, 1 + clip_high) * adv_B[b]))
+    return -sum(terms) / len(terms)
 
 
 @pytest.mark.parametrize(
     "clip", [pytest.param(0.05, id="some-clipped"), pytest.param(10.0, id="none-clipped")]
 )
-def test_gspo_is_length_weighted_sequence_loss_in_value_and_gradient(clip):
+def test_gspo_token_form_over_sequence_lengths_and_count_is_the_papers_objective(clip):
+    """The token form carries each sequence's term on all its tokens; each token weighted by 1 / |y_i| and
+    the sum divided by the number of sequences (molt's --algo.loss.agg seq-mean-token-mean, GSPO's
+    default there) is GSPO's objective in value and gradient."""
     generator = torch.Generator().manual_seed(2)
     logp_BT = (-torch.rand(4, 5, generator=generator)).requires_grad_(True)
     old_logp_BT = logp_BT.detach() + 0.1 * torch.randn(4, 5, generator=generator)
     adv_B = torch.tensor([1.0, -1.0, 0.5, -2.0])
     mask_BT = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]])
-    loss, _ = policy_loss(logp_BT, old_logp_BT, adv_B, mask_BT, kind="gspo", clip_low=clip, clip_high=clip)
+    inverse_length_BT = (1 / mask_BT.sum(dim=1, keepdim=True).clamp(min=1)).expand(4, 5)
+    loss_sum, _ = policy_loss(
+        logp_BT, old_logp_BT, adv_B, mask_BT, kind="gspo", clip_low=clip, clip_high=clip,
+        weights=inverse_length_BT,
+    )  # fmt: skip
+    loss = loss_sum / 3  # the three sequences with a token
     (grad,) = torch.autograd.grad(loss, logp_BT)
-    reference = naive_gspo(logp_BT, old_logp_BT, adv_B, mask_BT, clip, clip)
+    reference = paper_gspo(logp_BT, old_logp_BT, adv_B, mask_BT, clip, clip)
     (reference_grad,) = torch.autograd.grad(reference, logp_BT)
     assert_close(loss, reference)
     assert_close(grad, reference_grad)

@@ -11,9 +11,10 @@ them padded. Every pass counts its tokens, token slots, model FLOPs and seconds 
 `actor/padding_frac`, `actor/tokens_per_s`, `actor/mfu`).
 
 Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's loss (`molt._objective.step_loss`) is
-divided by the ONE denominator `batch.num_tokens`, the trainable tokens of the whole step on all ranks; with
-FSDP's gradient averaging undone (`molt._sharding.sum_gradients_over_ranks`), the summed gradient is the
-gradient of the global token mean, so the update does not depend on the number of ranks or micro-batches.
+divided by the ONE denominator of `--algo.loss.agg`, made of the whole step's counts on all ranks
+(`batch.num_tokens`, `batch.num_seqs`); with FSDP's gradient averaging undone
+(`molt._sharding.sum_gradients_over_ranks`), the summed gradient is the gradient of the step's loss, so
+the update does not depend on the number of ranks or micro-batches.
 Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
 
 Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (dp * cp + c) * tp + t),
@@ -335,6 +336,7 @@ class PolicyWorker:
                 mb.advantages_BT.to(device),
                 mb.loss_mask_BT.to(device),
                 num_tokens=mb.num_tokens,
+                num_seqs=mb.num_seqs,
                 algo=algo,
                 ref_logp_BT=None if ref_logp_BT is None else ref_logp_BT.to(device),
             )

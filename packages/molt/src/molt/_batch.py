@@ -2,11 +2,12 @@
 
 A `TrainBatch` is what the trainer hands the policy actor: right-padded token rows with each row's
 length, the loss mask (1 only where the engine sampled the token, DESIGN invariant 1), the engine's
-logprob of each sampled token and each token's advantage. `num_tokens` is the ONE loss denominator of the
-step (DESIGN §6): the trainable tokens of the whole window. Splitting a batch over ranks or micro-batches
-(`select`, by the plan of `molt._packing`) keeps it unchanged, which is what makes the update independent
-of the split. The padding here is the driver's bookkeeping only: the actor's forward packs each
-micro-batch's rows without it (`molt._packing`).
+logprob of each sampled token and each token's advantage. `num_tokens` and `num_seqs` are the counts
+the ONE loss denominator of the step is made of (DESIGN §6, `molt._objective`): the trainable tokens and
+the sequences (rows with a trainable token) of the whole window. Splitting a batch over ranks or
+micro-batches (`select`, by the plan of `molt._packing`) keeps them unchanged, which is what makes the
+update independent of the split. The padding here is the driver's bookkeeping only: the actor's forward
+packs each micro-batch's rows without it (`molt._packing`).
 
 Alignment: column t of every `_BT` tensor describes `tokens_BT[:, t]`; a logprob in column t is
 log p(token t | tokens before t), so column 0 is never trainable. `shifted_logprobs` computes that from
@@ -34,6 +35,7 @@ from __future__ import annotations
 import base64
 import io
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -78,7 +80,9 @@ class TrainBatch:
     advantages_BT: torch.Tensor
     """float32, the rollout's advantage on each of its trainable tokens; 0 elsewhere."""
     num_tokens: int
-    """The loss denominator: trainable tokens in the whole optimizer-step window (all ranks)."""
+    """Trainable tokens in the whole optimizer-step window (all ranks): token-mean's denominator."""
+    num_seqs: int
+    """Rows with a trainable token in the whole window (all ranks): the sequence means' denominator."""
     images: tuple[RowImages | None, ...] = ()
     """Per row, its images (None: a row without any); empty for a text-only batch."""
     experts_BTLK: torch.Tensor | None = None
@@ -121,14 +125,15 @@ class TrainBatch:
 
     def select(self, rows: Sequence[int]) -> TrainBatch:
         """Rows `rows`, in that order, with the columns their longest needs (no plan, the same
-        `num_tokens`). No rows: one row of one all-masked token 0, which adds nothing to any loss or
-        metric, for a rank or micro-batch that must run a forward in lock-step with the others."""
+        `num_tokens` and `num_seqs`). No rows: one row of one all-masked token 0, which adds nothing to any
+        loss or metric, for a rank or micro-batch that must run a forward in lock-step with the others."""
         if not rows:
             experts = self.experts_BTLK
             return TrainBatch(
                 torch.zeros(1, 1, dtype=torch.int64),
                 *(torch.zeros(1, 1) for _ in range(3)),
                 num_tokens=self.num_tokens,
+                num_seqs=self.num_seqs,
                 images=(None,) if self.images else (),
                 experts_BTLK=None if experts is None else experts.new_full((1, 1, *experts.shape[2:]), -1),
                 lengths_B=torch.ones(1, dtype=torch.int64),
@@ -141,6 +146,7 @@ class TrainBatch:
         return TrainBatch(
             **tensors,
             num_tokens=self.num_tokens,
+            num_seqs=self.num_seqs,
             images=tuple(self.images[row] for row in rows) if self.images else (),
             experts_BTLK=None if self.experts_BTLK is None else self.experts_BTLK[index, :num_cols],
             lengths_B=torch.tensor([self.row_lengths[row] for row in rows], dtype=torch.int64),
@@ -165,20 +171,32 @@ class TrainBatch:
             return [list(rows) for rows in self.plan]
         return plan_micro_batches(self.row_lengths, num_ranks=1, budget=budget, packed=packed)[0]
 
-    def windows(self, count: int) -> list[tuple[TrainBatch, slice]]:
-        """The batch as `count` optimizer-step windows (`--train.mini_batches`): contiguous blocks of
-        whole rows, as even as can be, each with its OWN denominator (its trainable tokens: each window is
-        one step's mean). Returns each window with its rows' slice, to cut [B, T] tensors the same way."""
-        if not 1 <= count <= self.num_rows:
-            raise ValueError(
-                f"a batch of {self.num_rows} rows splits into 1..{self.num_rows} windows, not {count}"
-            )
-        bounds = [round(i * self.num_rows / count) for i in range(count + 1)]
+    def windows(
+        self, count: int, rows_per_rollout: Sequence[int], seed: Sequence[int]
+    ) -> list[tuple[TrainBatch, list[int]]]:
+        """The batch as `count` optimizer-step windows (`--train.mini_batches`), each with its OWN counts
+        (its trainable tokens and sequences: each window is one step's mean), and its rows, to cut [B, T]
+        tensors the same way.
+
+        A window holds whole rollouts (`rows_per_rollout`: consecutive rows per rollout, a compacted
+        episode's segments), drawn by a permutation seeded by `seed` (the run's seed and the step): not
+        in completion order, where window 1 (ratio 1, never clipped) would always hold the groups that
+        finished first, the short ones, and the trust region would act on the long ones only."""
+        num_rollouts = len(rows_per_rollout)
+        if sum(rows_per_rollout) != self.num_rows:
+            raise ValueError(f"rows_per_rollout adds up to {sum(rows_per_rollout)}, not {self.num_rows} rows")
+        if not 1 <= count <= num_rollouts:
+            raise ValueError(f"{num_rollouts} rollouts split into 1..{num_rollouts} windows, not {count}")
+        starts = [0, *itertools.accumulate(rows_per_rollout)]
+        order = random.Random(repr(tuple(seed))).sample(range(num_rollouts), num_rollouts)
+        bounds = [round(i * num_rollouts / count) for i in range(count + 1)]
         windows = []
         for start, stop in itertools.pairwise(bounds):
-            window = self.select(range(start, stop))
-            num_tokens = int((window.loss_mask_BT != 0).sum())
-            windows.append((replace(window, num_tokens=num_tokens), slice(start, stop)))
+            rows = [row for r in order[start:stop] for row in range(starts[r], starts[r + 1])]
+            window = self.select(rows)
+            trainable_B = (window.loss_mask_BT != 0).any(dim=1)
+            counts = {"num_tokens": int((window.loss_mask_BT != 0).sum()), "num_seqs": int(trainable_B.sum())}
+            windows.append((replace(window, **counts), rows))
         return windows
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -225,7 +243,8 @@ def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]]
         logp_BT[row, :num] = torch.tensor(logprobs, dtype=torch.float32) * mask_BT[row, :num]
         adv_BT[row, :num] = float(advantage) * mask_BT[row, :num]
     lengths_B = torch.tensor([len(token_ids) for token_ids, *_ in sequences], dtype=torch.int64)
-    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens=int(mask_BT.sum()), lengths_B=lengths_B)
+    counts = {"num_tokens": int(mask_BT.sum()), "num_seqs": int((mask_BT != 0).any(dim=1).sum())}
+    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, **counts, lengths_B=lengths_B)
 
 
 def row_images(spans: list, processor) -> RowImages | None:

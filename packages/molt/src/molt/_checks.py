@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, get_args
 
 import msgspec
 
+from molt._config_algo import loss_agg
 from molt.config import Config, ConfigError, OutcomeEstimator
 
 __all__ = [
@@ -68,7 +69,7 @@ RANGES: dict[str, Range] = {
     "algo.correction.token_cap": _POSITIVE,
     "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
     "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
-    "algo.dynamic_filter_max_batches": _AT_LEAST_1,
+    "algo.dynamic_filter_max_batches": _AT_LEAST_1, "algo.loss.agg_constant": _AT_LEAST_0,
     "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
     "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
     "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
@@ -186,6 +187,24 @@ def on_policy(config: Config) -> Config:
     return msgspec.structs.replace(config, rollout=rollout)
 
 
+def loss_denominator(config: Config) -> Config:
+    """Fill --algo.loss.agg auto and --algo.loss.agg_constant 0 (derived values); refuse a constant that
+    the aggregation it would go with does not use."""
+    loss = config.algo.loss
+    agg = loss_agg(config.algo)
+    if agg != "seq-mean-token-sum-norm":
+        if loss.agg_constant:
+            raise ConfigError(
+                f"--algo.loss.agg_constant {loss.agg_constant} divides only under --algo.loss.agg "
+                f"seq-mean-token-sum-norm, and this run's is {agg}: pass that, or drop the constant"
+            )
+        constant = 0
+    else:  # Dr. GRPO's constant is the generation budget (Liu et al. 2025, §3.2)
+        constant = loss.agg_constant or config.rollout.max_new_tokens
+    loss = msgspec.structs.replace(loss, agg=agg, agg_constant=constant)
+    return msgspec.structs.replace(config, algo=msgspec.structs.replace(config.algo, loss=loss))
+
+
 def check_algorithm(config: Config) -> None:
     rollout, algo = config.rollout, config.algo
     # DESIGN invariant 2: tokens from an older policy, or mixed versions, need the importance correction.
@@ -227,10 +246,10 @@ def check_algorithm(config: Config) -> None:
             "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
             "drop --algo.kl.in_reward (the KL then is a loss term)"
         )
-    rows = rollout.prompts_per_step * rollout.group_size
-    if config.train.mini_batches > rows:
+    rollouts = rollout.prompts_per_step * rollout.group_size
+    if config.train.mini_batches > rollouts:
         raise ConfigError(
-            f"--train.mini_batches {config.train.mini_batches} is more than the step's {rows} sequences "
+            f"--train.mini_batches {config.train.mini_batches} is more than the step's {rollouts} rollouts "
             f"(--rollout.prompts_per_step x --rollout.group_size): each optimizer step needs one"
         )
 

@@ -14,6 +14,7 @@ OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp
 EstimatorName = Literal[OutcomeEstimator, "gae", "opd"]
 """An outcome estimator, or one of the token-level `rlestimators.gae` / `rlestimators.opd`."""
 PolicyLossKind = Literal["ppo", "gspo", "cispo", "pg"]
+LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
 
@@ -40,6 +41,16 @@ class Loss(Group):
     """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
     dual_clip: float | None = None
     """Dual-clip bound c > 1 for negative advantages; none disables it."""
+    agg: LossAgg = "auto"
+    """How the window's token losses become one number (verl's names), always over the whole optimizer step:
+    token-mean (every trainable token weighs the same: / trainable tokens), seq-mean-token-mean (each
+    sequence's token mean, sequences weighing the same: / sequences; GSPO's form), seq-mean-token-sum-norm
+    (each sequence's token sum over --algo.loss.agg_constant, averaged over sequences: Dr. GRPO's). auto =
+    seq-mean-token-mean under --algo.loss.kind gspo, else seq-mean-token-sum-norm under
+    --algo.advantage.estimator dr_grpo, else token-mean. A sequence is one training row."""
+    agg_constant: int = 0
+    """The constant of --algo.loss.agg seq-mean-token-sum-norm (Dr. GRPO's generation budget); 0 = the
+    --rollout.max_new_tokens budget."""
 
 
 class Correction(Group):
@@ -115,3 +126,14 @@ class Algo(Group):
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
     critic: Critic = Critic()
+
+
+def loss_agg(algo: Algo) -> LossAgg:
+    """--algo.loss.agg with auto resolved (its docstring): the papers' own weighting for gspo and dr_grpo."""
+    if algo.loss.agg != "auto":
+        return algo.loss.agg
+    if algo.loss.kind == "gspo":  # Zheng et al. 2025, Eq. 5: 1/G sum_i of the sequence's clipped term
+        return "seq-mean-token-mean"
+    if algo.advantage.estimator == "dr_grpo":  # Liu et al. 2025, §3.2: no 1/|o_i|, a constant instead
+        return "seq-mean-token-sum-norm"
+    return "token-mean"

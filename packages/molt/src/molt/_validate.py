@@ -31,6 +31,7 @@ from molt._checks import (
     check_ranges,
     check_sampling,
     field_value,
+    loss_denominator,
     on_policy,
 )
 from molt._checks_model import check_companions, check_model, num_experts
@@ -91,6 +92,7 @@ def validate(config: Config) -> Config:
     check_ranges(config)
     check_paths(config)
     config = on_policy(config)
+    config = loss_denominator(config)
     check_algorithm(config)
     check_sampling(config)
     _check_machine(config)

@@ -233,10 +233,12 @@ class Train(_Group):
     """Optimizer steps in the run."""
     seed: int = 0
     """Seed of the trainer and the samplers."""
-    mini_batches: int = 1
-    """Optimizer steps per batch: the batch splits into this many windows of whole sequences, each its own
-    step with its own token denominator; the ratio of every loss kind is taken against the policy before
-    the first (its logprobs computed once). 1: one step, the ratio is 1 and every kind acts as pg."""
+    mini_batches: int = 2
+    """Optimizer steps per batch: the batch splits into this many windows of whole rollouts (a seeded
+    permutation, from --train.seed and the step), each its own step with its own denominator; the ratio of
+    every loss kind is taken against the policy before the first (its logprobs computed once), so from the
+    second window on the clip acts (train/clip_frac, over those windows). 1: one step, the ratio is 1 and
+    every kind acts as pg."""
     force_on_policy: bool = False
     """Strict on-policy: sets --rollout.max_lag 0, --rollout.partial_rollout false, queue depth = one step."""
     routing_replay: bool = False

@@ -166,7 +166,9 @@ async def run_steps(config: Config, run: Run) -> None:
         advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
         # Each window is one optimizer step; its loss, rollout correction included (invariant 2), is
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
-        windows = [(w, rows) for w, rows in batch.windows(num_windows) if w.num_tokens]
+        seed = (config.train.seed, step)  # windows of whole rollouts, in a seeded random order
+        parts = batch.windows(num_windows, rows_per_rollout(rollouts).tolist(), seed)
+        windows = [(w, rows) for w, rows in parts if w.num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, old_logp_BT, ref_logp_BT)]  # ref: KL term
         if critic_args is not None:  # the critic's steps run beside the policy's
             steps.append(asyncio.to_thread(train_windows, run.critic, windows, *critic_args))
@@ -217,10 +219,15 @@ async def run_steps(config: Config, run: Run) -> None:
             await asyncio.to_thread(save_checkpoint, config, run, step)
 
 
-def train_windows(group, windows: list[tuple[TrainBatch, slice]], *tensors_BT) -> dict[str, float]:
+# Zero in a batch's first window, whose ratio to the old policy (its value to the old values) is 1.
+_CLIP_FRACS = ("train/clip_frac", "critic/value_clip_frac")
+
+
+def train_windows(group, windows: list[tuple[TrainBatch, list[int]]], *tensors_BT) -> dict[str, float]:
     """One optimizer step of `group` (the policy or the critic) per window of the batch, each given its
-    rows of the [B, T] `tensors_BT` (None stays None). Metrics: the windows' token-weighted mean; the
-    learning rate is the first step's."""
+    rows of the [B, T] `tensors_BT` (None stays None). Metrics: the windows' token-weighted mean; a clip
+    fraction over the windows after the first, where the ratio can depart from 1 (0 with one window);
+    the learning rate is the first step's."""
     results = [
         group.train_step(
             window, *(None if t is None else t[rows, : window.tokens_BT.shape[1]] for t in tensors_BT)
@@ -228,10 +235,12 @@ def train_windows(group, windows: list[tuple[TrainBatch, slice]], *tensors_BT) -
         for window, rows in windows
     ]
     weights = [window.num_tokens for window, _ in windows]
-    metrics = {
-        name: sum(m[name] * w for m, w in zip(results, weights, strict=True)) / sum(weights)
-        for name in results[0]
-    }
+
+    def mean(name: str, first: int = 0) -> float:
+        pairs = list(zip(results, weights, strict=True))[first:]
+        return sum(m[name] * w for m, w in pairs) / sum(w for _, w in pairs) if pairs else 0.0
+
+    metrics = {name: mean(name, first=int(name in _CLIP_FRACS)) for name in results[0]}
     return {**metrics, **({"train/lr": results[0]["train/lr"]} if "train/lr" in results[0] else {})}
 
 

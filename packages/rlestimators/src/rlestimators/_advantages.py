@@ -6,7 +6,7 @@ gathered with `torch.unique(return_inverse=True)` and `index_add_`, never a Pyth
 of size 1 has no baseline but itself, so its advantage is 0; a group of equal rewards gets exactly 0 under
 every estimator (never float rounding divided by a rounding-sized std). Outputs carry no gradient.
 
-This module refuses to normalise over tokens: the loss side divides by one global token count (DESIGN §6).
+This module refuses to normalise over tokens: the loss side divides by one global count (DESIGN §6).
 
 Legend: B sequences, T tokens, G distinct groups in the batch.
 """
@@ -91,7 +91,8 @@ def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", §3.2): A_i = r_i - mean_g(r).
 
     It drops GRPO's std division; its other half, no per-sequence length normalisation, lives on the loss
-    side: every loss here returns a token sum that the trainer divides by one global token count.
+    side: each sequence's token sum over a constant (the generation budget), averaged over sequences
+    (molt's `--algo.loss.agg seq-mean-token-sum-norm`, its default under dr_grpo).
     """
     centered_B, _, _ = _centered(rewards, group_ids)
     return centered_B

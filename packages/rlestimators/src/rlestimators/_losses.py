@@ -1,10 +1,11 @@
 """Policy, KL and value losses. Every loss returns a *sum* over trainable tokens, never a mean.
 
-Why sums: the trainer divides every term (policy, KL, entropy) by one denominator, the number of trainable
-tokens in the whole optimizer-step window summed over micro-batches and data-parallel ranks (DESIGN §6).
-Summing here and dividing once there makes the update independent of how the window is split. This module
-refuses any per-sequence or per-micro-batch normalisation for that reason; sequence-level objectives (GSPO)
-are spread over their tokens so that the same denominator applies.
+Why sums: the trainer divides every term (policy, KL, entropy) by one denominator counted over the whole
+optimizer-step window, summed over micro-batches and data-parallel ranks (DESIGN §6): its trainable tokens,
+its sequences, or its sequences times a constant. Summing here and dividing once there makes the update
+independent of how the window is split. This module refuses any per-micro-batch normalisation for that
+reason; a per-sequence weight (GSPO's 1 / |y_i|) is the caller's, through `policy_loss`'s `weights`, and
+sequence-level objectives (GSPO) are spread over their tokens so that the same denominators apply.
 
 Gradients reach `logp` (and `values`) only: `old_logp`, `ref_logp`, advantages, returns and correction
 weights are detached here. Tokens outside the mask contribute nothing, not even NaN.
@@ -117,7 +118,9 @@ def policy_loss(
       tokens at dual_clip * |A| (Ye et al. 2020).
     - `gspo`: the same clipped surrogate on the sequence ratio (geometric mean of token ratios over the mask),
       GSPO (Zheng et al. 2025) in its token form; each token carries its sequence's term (see `_gspo_ratio`),
-      so the sum is sum_i |y_i| * loss_i. GSPO's clip ranges are ~1e-4, not PPO's 0.2.
+      so the sum is sum_i |y_i| * loss_i; GSPO's objective weighs each token by 1 / |y_i| and divides by
+      the number of sequences (molt's `--algo.loss.agg seq-mean-token-mean`). GSPO's clip ranges are
+      ~1e-4, not PPO's 0.2.
     - `cispo`: CISPO (MiniMax-M1, 2025, §3.1): loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp;
       the clipped IS weight never removes a token's gradient, it only bounds its size.
     - `pg`: unclipped importance-weighted policy gradient, loss = -A * r. Its gradient is -A * r * grad logp,
