@@ -26,6 +26,7 @@ from molt._batch import (
     last_token_rewards,
     whitened,
     with_images,
+    with_lags,
     with_routes,
 )
 from molt._checkpoint import step_dir, write_loop_state
@@ -59,6 +60,7 @@ REQUIRED_METRICS = frozenset(
         "train/lr",
         "train/clip_frac",
         "train/mismatch_kl",
+        "train/staleness_kl",
         "train/seq_masked_frac",
         "train/staleness_mean",
         "pool/dropped_stale",
@@ -120,6 +122,8 @@ async def run_steps(config: Config, run: Run) -> None:
         batch = collate(segment_rows(rollouts, torch.zeros(len(rollouts))), pad_id=pad_id)  # advantages below
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
         rows = [segment for rollout in rollouts for segment in rollout.segments]  # the batch's rows
+        # each token's lag behind the weights that score it: train/mismatch_kl keeps lag 0 (step_loss)
+        batch = with_lags(batch, [row.versions for row in rows], trainer_version=step - 1)
         if (images := run.tito.renderer.images) is not None:  # a vision-language policy: the rows' pixels
             batch = with_images(batch, [row.images for row in rows], images.processor)
         if config.train.routing_replay:  # the engines' MoE routes, replayed in the policy's forward
