@@ -22,7 +22,7 @@ import torch
 from asyncpool import GroupPool, PoolExhausted
 from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
-from molt._data import RowStream, eval_rows, read_rows
+from molt._data import RowStream, check_held_out, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
@@ -59,6 +59,8 @@ def train(config: Config, *, resume: bool = False) -> None:
         agent_module = load_agent(config.agent.module)
         rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
+        if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
+            progress(f"note: {overlap}")
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)
             config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
