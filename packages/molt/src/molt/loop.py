@@ -197,7 +197,6 @@ async def run_steps(config: Config, run: Run) -> None:
                 **train_metrics,  # the policy's (and the critic's) step, the correction's mismatch included
                 **extra_metrics,
                 "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
-                "train/token_identity": 1.0,
                 "train/advantage_abs_mean": advantages.abs().mean().item(),
                 "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
                 **pool_metrics(pool_now, pool_before),
@@ -321,7 +320,12 @@ def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tu
 
 
 def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
-    """Every trainable token of the batch is the token the engine returned, in order, rollout by rollout."""
+    """Every trainable token of the batch is the token the engine returned, in order, rollout by rollout;
+    a step that breaks it never trains (nor logs a metric: a logged rate of held identity could only be 1).
+
+    `rollout.sampled` is recorded apart from the segments: for an Env by the episode from each engine
+    reply it receives, for a ChatAgent by tito from each engine reply it commits (its reply log, kept
+    beside the segments' seal, truncate and append bookkeeping, which this checks)."""
     row = 0
     for index, rollout in enumerate(rollouts):
         trained: list[int] = []
