@@ -62,9 +62,10 @@ def test_the_default_run_is_asynchronous(default_run):
         for segment in record.segments
     ]
     assert max(map(len, versions_per_segment)) >= 2
-    # The engine's logprobs of those tokens are not the trainer's (on-policy, or with weights that do not
-    # move, the mismatch is float noise: at most 5e-14 measured; here 1e-2 and more) ...
-    assert max(step["train/mismatch_kl"] for step in steps) > 1e-6
+    # The engine's logprobs of those lagged tokens are not the trainer's (on-policy, or with weights that
+    # do not move, the mismatch is float noise: at most 5e-14 measured; here 1e-2 and more), and they are
+    # counted apart from the lag-0 tokens' engine-vs-trainer mismatch ...
+    assert max(step["train/staleness_kl"] for step in steps) > 1e-6
     # ... so the importance correction is not the identity somewhere: the mean |weight - 1| over a step's
     # tokens is clear of float noise (a mismatch KL of 5e-14 means log-ratios near 3e-7).
     assert max(step["train/correction_weight_dev"] for step in steps) > 1e-4

@@ -214,7 +214,8 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
     # correction's weights are uneven.
     logp_BT = one.logprobs(batch)
     old_logp_BT, engine_logp_BT = (logp_BT + 0.3 * torch.randn(logp_BT.shape, generator=gen) for _ in "ab")
-    batch = dataclasses.replace(batch, rollout_logp_BT=engine_logp_BT * batch.loss_mask_BT)
+    lagged_BT = batch.loss_mask_BT * torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0])[:, None]  # rows 1, 3: lag 1
+    batch = dataclasses.replace(batch, rollout_logp_BT=engine_logp_BT * batch.loss_mask_BT, lag_BT=lagged_BT)
 
     metrics_one = one.train_step(batch, old_logp_BT)
     metrics_two = two.train_step(batch, old_logp_BT)
@@ -224,6 +225,8 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
         "train/entropy",
         "train/clip_frac",
         "train/mismatch_kl",
+        "train/staleness_kl",
+        "train/lag0_frac",
         "train/seq_masked_frac",
         "train/correction_weight_mean",
         "train/correction_weight_dev",
@@ -231,8 +234,10 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
         "train/lr",
     }
     assert 0 < metrics_one["train/clip_frac"] < 1
-    _, _, mismatch = rollout_correction(old_logp_BT, batch.rollout_logp_BT, batch.loss_mask_BT)
-    assert metrics_one["train/mismatch_kl"] == pytest.approx(mismatch["mismatch_kl"], rel=1e-5)
+    for name, mask_BT in [("mismatch", batch.loss_mask_BT - lagged_BT), ("staleness", lagged_BT)]:
+        _, _, mismatch = rollout_correction(old_logp_BT, batch.rollout_logp_BT, mask_BT)  # over those tokens
+        assert metrics_one[f"train/{name}_kl"] == pytest.approx(mismatch["mismatch_kl"], rel=1e-5), name
+    assert metrics_one["train/lag0_frac"] == pytest.approx(1 - (lagged_BT.sum() / batch.num_tokens).item())
     assert metrics_one["train/seq_masked_frac"] == 0.0  # tis keeps every sequence
     assert metrics_one["train/grad_norm"] > 1.0  # so clipping to 1.0 acted, on the global norm
     for key, value in metrics_one.items():

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from molt._data import eval_rows
+import molt.recipes
+from molt._data import check_held_out, eval_rows, read_rows
 from molt._eval import evaluate
+from molt._flags import resolve
 from molt._rollout import Rollout
 from molt.config import Config, Eval
+from molt.recipes import copy_word, smollm2
 from tito import Segment
 
 
@@ -56,3 +61,39 @@ def test_evaluation_rows_come_from_the_file_or_the_agent_module(tmp_path):
 
     with pytest.raises(ValueError, match="--eval.every needs evaluation rows"):
         eval_rows(config(), object())
+
+
+RECIPES = Path(molt.recipes.__file__).parent
+
+
+class Numbers:
+    """An agent module whose training rows are the numbers 0, 1, 2, ... (a stand-in dataset)."""
+
+    @staticmethod
+    def dataset(seed):
+        yield from ({"messages": [{"role": "user", "content": str(i)}], "id": i} for i in itertools.count())
+
+
+def test_an_eval_set_of_training_prompts_is_refused_and_a_partial_overlap_is_named():
+    cfg = resolve(["--eval.every", "1", "--train.num_steps", "3", "--rollout.prompts_per_step", "2"])
+    drawn = 3 * 2 + cfg.rollout.queue_depth  # the training rows the run draws
+
+    def rows(*numbers):  # an evaluation row differs from a training row in all but its prompt
+        return [{"messages": [{"role": "user", "content": str(i)}], "id": -1} for i in numbers]
+
+    assert check_held_out(rows(drawn, drawn + 1), cfg, Numbers) == ""
+    with pytest.raises(ValueError, match="2 of the 2 evaluation prompts .* would score the training prompts"):
+        check_held_out(rows(0, drawn - 1), cfg, Numbers)
+    assert check_held_out(rows(0, drawn), cfg, Numbers).startswith("1 of the 2 evaluation prompts")
+
+
+def test_the_recipes_evaluate_prompts_their_training_never_draws(tiny_model_dir):
+    recipe = ["--config", str(RECIPES / "smollm2.toml"), "--model.path", str(tiny_model_dir)]  # a model
+    cfg = resolve([*recipe, "--eval.num_prompts", "40"])
+    num_train = cfg.train.num_steps * cfg.rollout.prompts_per_step + cfg.rollout.queue_depth
+    prompts = [row["messages"] for row in itertools.islice(read_rows(cfg, smollm2), 10 * num_train)]
+    held_out = [row["messages"] for row in eval_rows(cfg, smollm2)]
+    assert len(held_out) == 40 and not [p for p in held_out if p in prompts]  # ten runs' worth of rows
+    # copy_word's five words are all trained (the tiny model has no other single-token word): refused
+    with pytest.raises(ValueError, match="copy_word recipe has no held-out prompts"):
+        eval_rows(resolve(["--eval.every", "1"]), copy_word)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncpool import GroupPool
-from molt._batch import collate, explained_variance, last_token_rewards, whitened
+from molt._batch import collate, explained_variance, last_token_rewards, whitened, with_lags
 from molt._data import read_rows
 from molt._flags import resolve
 from molt._launch import DynamicFilter
@@ -64,6 +64,15 @@ def test_rollout_metrics_and_staleness():
     assert metrics["rollout/reward_std_in_group"] == pytest.approx(0.25)  # groups (1, 0) and (0, 0)
     assert metrics["rollout/response_len_mean"] == 1.25
     assert staleness_mean(rollouts, trainer_version=3) == pytest.approx(1 / 5)  # one of 5 tokens is 1 behind
+
+
+def test_each_trainable_tokens_lag_is_the_trainers_version_minus_the_engines():
+    rollouts = [rollout([1, 7, 8], [0, 1, 1], [-1, 2, 3]), rollout([1, 7], [0, 1], [-1, 3])]
+    batch = with_lags(
+        batch_of(rollouts), [s.versions for r in rollouts for s in r.segments], trainer_version=3
+    )
+    assert batch.lag_BT.tolist() == [[0, 1, 0], [0, 0, 0]]  # 0 on prompts and padding
+    assert batch.select([0]).lag_BT.tolist() == [[0, 1, 0]] and batch.select([]).lag_BT.tolist() == [[0]]
 
 
 def test_dynamic_filter_rejects_groups_without_signal_counting_their_prompts():

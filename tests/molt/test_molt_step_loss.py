@@ -159,7 +159,10 @@ def _reference(x: dict[str, torch.Tensor], algo: Algo, *, with_reference: bool =
         "train/policy_loss": policy * NUM_TOKENS,  # divided by the token count: the policy term
         "train/entropy": sums["entropy"],
         "train/clip_frac": sums["clipped"],
-        "train/mismatch_kl": sums["mismatch"],
+        "train/mismatch_kl": sums["mismatch"],  # every token lag 0 here (no lag_BT)
+        "train/staleness_kl": 0.0,
+        "lag0_tokens": int(MASK_BT.sum()),
+        "lagged_tokens": 0,
         "train/correction_weight_mean": sums["weight"],
         "train/correction_weight_dev": sums["dev"],
         "rows_rejected": rows_rejected,
@@ -255,6 +258,33 @@ def test_k1_in_the_loss_is_refused_naming_why_and_the_fix_and_stays_valid_in_the
         assert says in str(error.value), str(error.value)
     assert resolve([*kl_term, "--algo.kl.in_reward", "true"]).algo.kl.kind == "k1"
     assert resolve(kl_term[:2]).algo.kl.kind == "k2"  # the default: its gradient is KL(pi || ref)'s
+
+
+def test_mismatch_kl_sums_lag_0_tokens_only_and_staleness_kl_the_lagged_ones():
+    """Under asynchrony a token sampled by older weights differs from the trainer's old logprobs by the
+    engine mismatch AND the policy's lag: `train/mismatch_kl` keeps the tokens the engine sampled with
+    the trainer's own weights, `train/staleness_kl` the rest; the loss does not change."""
+    x, algo = _inputs(5), _algo()
+    lag_BT = torch.tensor(
+        [[0, 0, 0, 0, 1, 1, 0], [0, 2, 2, 2, 2, 2, 2], [0] * 7, [0] * 7, [0, 0, 1, 0, 0, 0, 0]]
+    )
+    lag_BT = lag_BT.float() * MASK_BT
+    args = [x[name] for name in ("logp_BT", "entropy_BT", "old_logp_BT", "rollout_logp_BT", "advantages_BT")]
+    common = dict(num_tokens=NUM_TOKENS, algo=algo, ref_logp_BT=x["ref_logp_BT"])
+    loss, sums = step_loss(*args, MASK_BT, **common, lag_BT=lag_BT)
+    plain_loss, _ = step_loss(*args, MASK_BT, **common)
+    k3 = {0: 0.0, 1: 0.0}  # by lag != 0, summed by hand over the trainable tokens
+    counts = {0: 0, 1: 0}
+    for b, c in MASK_BT.nonzero().tolist():
+        log_r = (x["old_logp_BT"][b, c] - x["rollout_logp_BT"][b, c]).item()
+        lagged = int(lag_BT[b, c].item() != 0)
+        k3[lagged] += math.exp(log_r) - 1 - log_r
+        counts[lagged] += 1
+    assert counts == {0: 6, 1: 9}  # the case has both kinds
+    assert sums["train/mismatch_kl"].item() == pytest.approx(k3[0], rel=1e-5)
+    assert sums["train/staleness_kl"].item() == pytest.approx(k3[1], rel=1e-5)
+    assert (sums["lag0_tokens"].item(), sums["lagged_tokens"].item()) == (6, 9)
+    assert_close(loss, plain_loss)
 
 
 def test_without_reference_logprobs_there_is_no_kl_term():

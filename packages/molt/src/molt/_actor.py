@@ -339,6 +339,7 @@ class PolicyWorker:
                 num_seqs=mb.num_seqs,
                 algo=algo,
                 ref_logp_BT=None if ref_logp_BT is None else ref_logp_BT.to(device),
+                lag_BT=None if mb.lag_BT is None else mb.lag_BT.to(device),
             )
             loss.backward()
         if replay is not None:
@@ -416,8 +417,13 @@ class PolicyWorker:
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
+        lag0, lagged = sums.pop("lag0_tokens"), sums.pop("lagged_tokens")  # also counted `replicas` times
         metrics = {name: value / counted for name, value in sums.items()}
         metrics["train/seq_masked_frac"] = rows_rejected / rows
+        # the engine-vs-trainer mismatch over lag-0 tokens, lag's share apart (`step_loss`); 0 with none
+        metrics["train/mismatch_kl"] = sums["train/mismatch_kl"] / max(lag0, 1)
+        metrics["train/staleness_kl"] = sums["train/staleness_kl"] / max(lagged, 1)
+        metrics["train/lag0_frac"] = lag0 / (lag0 + lagged)
         if self.replay is not None:  # how often the policy's own routers disagree with the engine's
             metrics["train/routing_mismatch_frac"] = routes_differed / max(routes_compared, 1)
         metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()

@@ -51,6 +51,7 @@ __all__ = [
     "shifted_logprobs",
     "whitened",
     "with_images",
+    "with_lags",
     "with_routes",
 ]
 
@@ -92,6 +93,10 @@ class TrainBatch:
     plan: tuple[tuple[int, ...], ...] = ()
     """This rank's micro-batches as row indices (`molt._packing.plan_micro_batches`, made by the group
     for all ranks at once); empty: planned by `micro_batches` for one rank."""
+    lag_BT: torch.Tensor | None = None
+    """float32, how many versions older than the trainer's (the weights that compute the old logprobs)
+    were the weights that sampled token t (`with_lags`); 0 where not trainable. None: all 0. It splits
+    the engine-vs-trainer mismatch from policy lag (`molt._objective.step_loss`)."""
 
     def __post_init__(self) -> None:
         shape = tuple(self.tokens_BT.shape)
@@ -107,6 +112,12 @@ class TrainBatch:
         if experts is not None and (experts.dim() != 4 or tuple(experts.shape[:2]) != shape):
             raise ValueError(
                 f"experts_BTLK must be [{shape[0]}, {shape[1]}, L, K], got {tuple(experts.shape)}"
+            )
+        if self.lag_BT is not None and (
+            tuple(self.lag_BT.shape) != shape or self.lag_BT.dtype != torch.float32
+        ):
+            raise ValueError(
+                f"lag_BT must be float32 {shape}, got {self.lag_BT.dtype} {tuple(self.lag_BT.shape)}"
             )
         lengths = self.lengths_B
         if lengths is not None and (lengths.shape != (shape[0],) or bool((lengths > shape[1]).any())):
@@ -137,11 +148,14 @@ class TrainBatch:
                 images=(None,) if self.images else (),
                 experts_BTLK=None if experts is None else experts.new_full((1, 1, *experts.shape[2:]), -1),
                 lengths_B=torch.ones(1, dtype=torch.int64),
+                lag_BT=None if self.lag_BT is None else torch.zeros(1, 1),
             )
         index = torch.tensor(list(rows), dtype=torch.int64)
         num_cols = max(self.row_lengths[row] for row in rows)
         tensors = {
-            f.name: getattr(self, f.name)[index, :num_cols] for f in fields(self) if f.name.endswith("_BT")
+            f.name: getattr(self, f.name)[index, :num_cols]
+            for f in fields(self)
+            if f.name.endswith("_BT") and getattr(self, f.name) is not None
         }
         return TrainBatch(
             **tensors,
@@ -283,6 +297,19 @@ def with_images(batch: TrainBatch, images_per_row: list[list], processor) -> Tra
             f"images_per_row must hold one list per row ({batch.num_rows}), got {len(images_per_row)}"
         )
     return replace(batch, images=tuple(row_images(spans, processor) for spans in images_per_row))
+
+
+def with_lags(batch: TrainBatch, versions_per_row: list[list[int]], trainer_version: int) -> TrainBatch:
+    """`batch` with `lag_BT`: `trainer_version` minus the weight version that sampled each trainable token
+    (`versions_per_row`: each row's per-token versions, tito's `Segment.versions`), 0 elsewhere."""
+    if len(versions_per_row) != batch.num_rows:
+        raise ValueError(
+            f"versions_per_row must hold one list per row ({batch.num_rows}), got {len(versions_per_row)}"
+        )
+    lag_BT = torch.zeros(batch.tokens_BT.shape)
+    for row, versions in enumerate(versions_per_row):
+        lag_BT[row, : len(versions)] = trainer_version - torch.tensor(versions, dtype=torch.float32)
+    return replace(batch, lag_BT=lag_BT * (batch.loss_mask_BT != 0))
 
 
 def with_routes(batch: TrainBatch, routes_per_row: list) -> TrainBatch:

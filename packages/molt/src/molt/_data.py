@@ -2,8 +2,10 @@
 
 Training rows stream without end: a `--data.path` JSONL file reshuffled every epoch, or the agent module's
 `dataset(seed)`. `RowStream` hands them to the pool and remembers which were trained, so a resumed run
-skips exactly those. Evaluation rows (`eval_rows`) are a fixed list, never trained on. A JSONL row's chat
-messages are read from its `--data.messages_key` field into `messages`.
+skips exactly those. Evaluation rows (`eval_rows`) are a fixed list, never trained on, and held out:
+`check_held_out` compares their prompts with the rows the run will train on, refuses an evaluation set
+that is all training prompts and names the overlap of one that is partly. A JSONL row's chat messages are
+read from its `--data.messages_key` field into `messages`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from molt.config import Config
 
-__all__ = ["RowStream", "eval_rows", "read_rows"]
+__all__ = ["RowStream", "check_held_out", "eval_rows", "read_rows"]
 
 EVAL_SEED_OFFSET = 7_919  # a generated dataset's evaluation rows come from another seed
 
@@ -75,3 +77,32 @@ def eval_rows(config: Config, agent_module) -> list[dict]:
         f"--eval.every needs evaluation rows: pass --eval.path, or export eval_dataset(seed) from "
         f"--agent.module {config.agent.module}"
     )
+
+
+def check_held_out(rows: list[dict], config: Config, agent_module) -> str:
+    """Refuse evaluation rows whose prompts are all among the training rows the run draws (the first
+    `--train.num_steps` x `--rollout.prompts_per_step` + `--rollout.queue_depth` of the training stream,
+    which is seeded); a warning naming the overlap when some are, else "". A prompt is a row's chat
+    `messages` (the whole row where it has none): what the model sees, whatever else the row carries."""
+
+    def prompt(row: dict) -> str:
+        return json.dumps(row.get("messages", row), sort_keys=True, default=str)
+
+    num_train = config.train.num_steps * config.rollout.prompts_per_step + config.rollout.queue_depth
+    trained = {prompt(row) for row in itertools.islice(read_rows(config, agent_module), num_train)}
+    overlap = [row for row in rows if prompt(row) in trained]
+    if not overlap:
+        return ""
+    where = config.eval.path or config.agent.module
+    source = f"--eval.path {where}" if config.eval.path else f"--agent.module {where}"
+    said = (
+        f"{len(overlap)} of the {len(rows)} evaluation prompts ({source}) are among the {num_train} "
+        f"training rows this run draws, e.g. {prompt(overlap[0])[:120]}"
+    )
+    if len(overlap) == len(rows):
+        raise ValueError(
+            f"{said}: eval/* would score the training prompts, not held-out ones. Give evaluation rows "
+            "that training never draws (--eval.path, or an eval_dataset(seed) in the agent module disjoint "
+            "from its dataset(seed)), or drop --eval.every"
+        )
+    return f"{said}; eval/* partly scores training prompts"

@@ -20,13 +20,15 @@ import msgspec
 import torch
 
 from asyncpool import GroupPool, PoolExhausted
+from molt._attached import check_attached_serving
 from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
-from molt._data import RowStream, eval_rows, read_rows
+from molt._data import RowStream, check_held_out, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
 from molt._metrics import sampled_tokens
+from molt._placement import compute_dtype_name
 from molt._rollout import RolloutRunner
 from molt._runners import launch_hosts
 from molt._startup import StartupClock, allow_bytecode
@@ -59,6 +61,8 @@ def train(config: Config, *, resume: bool = False) -> None:
         agent_module = load_agent(config.agent.module)
         rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
+        if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
+            progress(f"note: {overlap}")
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)
             config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
@@ -100,6 +104,11 @@ def train(config: Config, *, resume: bool = False) -> None:
         urls = attached or ray.get(engine_urls)
         if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
             policy.refit(urls, first_step - 1)
+        if attached:  # trusted once they label and score their tokens as molt's own engines do
+            check_attached_serving(
+                urls, policy.logprobs, version=first_step - 1, temperature=config.rollout.temperature,
+                compute_dtype=compute_dtype_name(config), model=ADAPTER if lora else None,
+            )  # fmt: skip
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
         sinks = dict(tensorboard=config.logger.tensorboard, wandb_project=config.logger.wandb_project)
         log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))

@@ -56,6 +56,7 @@ def step_loss(
     num_seqs: int,
     algo: Algo,
     ref_logp_BT: torch.Tensor | None = None,
+    lag_BT: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The micro-batch's share of the step's loss (module docstring), and its metric numerators.
 
@@ -66,12 +67,17 @@ def step_loss(
     term. `num_tokens`, `num_seqs`: the step's trainable tokens and sequences (the denominator's counts).
     The numerators are sums over the micro-batch (token sums; `rows_rejected` and `rows`, the sequences of
     the correction's mask and all sequences with a trainable token); divided by the step's token count they
-    are the `train/*` metrics, `train/policy_loss` the policy term as `--algo.loss.agg` weighs it.
+    are the `train/*` metrics, `train/policy_loss` the policy term as `--algo.loss.agg` weighs it. `lag_BT`
+    (None: all 0): how many versions older than the old logprobs' weights the engine's were on each token;
+    `train/mismatch_kl` sums the k3 estimate of KL(rollout || old) over lag-0 tokens only, where engine and
+    trainer held the same weights (the engine-vs-trainer mismatch alone), `train/staleness_kl` over the
+    others (mismatch plus policy lag), each with its token count (`lag0_tokens`, `lagged_tokens`) as its
+    own denominator.
     """
     scale_BT, denominator = _aggregation(mask_BT, algo, num_tokens=num_tokens, num_seqs=num_seqs)
     old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT
     correction = algo.correction
-    weights_BT, keep_B, mismatch = rollout_correction(
+    weights_BT, keep_B, _ = rollout_correction(
         old_logp_BT,
         rollout_logp_BT,
         mask_BT,
@@ -100,7 +106,7 @@ def step_loss(
         "train/policy_loss": pg_sum.detach() * num_tokens / denominator,  # / num_tokens: as trained
         "train/entropy": entropy_sum.detach(),
         "train/clip_frac": pg_metrics["clip_frac"] * num_trainable,
-        "train/mismatch_kl": mismatch["mismatch_kl"] * num_trainable,
+        **_mismatch_sums(old_logp_BT, rollout_logp_BT, mask_BT, lag_BT),
         "train/correction_weight_mean": masked_sum(weights_BT, mask_BT),
         "train/correction_weight_dev": masked_sum((weights_BT - 1).abs(), mask_BT),  # 0: all weigh 1
         "rows_rejected": (has_tokens_B & ~keep_B).sum(),
@@ -123,3 +129,19 @@ def _aggregation(mask_BT: torch.Tensor, algo: Algo, *, num_tokens: int, num_seqs
         return ones_BT / row_tokens_B1, num_seqs
     assert algo.loss.agg_constant > 0, "validation fills --algo.loss.agg_constant"
     return ones_BT, num_seqs * algo.loss.agg_constant
+
+
+def _mismatch_sums(old_logp_BT, rollout_logp_BT, mask_BT, lag_BT) -> dict[str, torch.Tensor]:
+    """k3 of KL(rollout || old) (`rlestimators.rollout_correction`'s `mismatch_kl`, per token) summed over
+    the lag-0 and the lagged trainable tokens, and their counts."""
+    trainable_BT = mask_BT != 0
+    log_ratio_BT = (old_logp_BT.detach() - rollout_logp_BT) * trainable_BT
+    k3_BT = torch.expm1(log_ratio_BT) - log_ratio_BT
+    lagged_BT = trainable_BT & (lag_BT != 0) if lag_BT is not None else torch.zeros_like(trainable_BT)
+    lag0_BT = trainable_BT & ~lagged_BT
+    return {
+        "train/mismatch_kl": (k3_BT * lag0_BT).sum(),
+        "train/staleness_kl": (k3_BT * lagged_BT).sum(),
+        "lag0_tokens": lag0_BT.sum(),
+        "lagged_tokens": lagged_BT.sum(),
+    }

@@ -32,8 +32,9 @@ __all__ = ["Rollout", "RolloutRunner"]
 
 @dataclass
 class Rollout:
-    """A finished episode. `sampled` is every token id the engine returned, in order, straight from the
-    engine's replies: the trainer checks the trajectory's trainable tokens against it (token identity)."""
+    """A finished episode. `sampled` is every token id the engine returned, in order, recorded from the
+    engine's replies apart from the segments (an Env's episode keeps them; for a ChatAgent, tito's reply
+    log): the trainer checks the trajectory's trainable tokens against it (`loop.check_token_identity`)."""
 
     segments: list[Segment]
     reward: float

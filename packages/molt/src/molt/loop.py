@@ -26,6 +26,7 @@ from molt._batch import (
     last_token_rewards,
     whitened,
     with_images,
+    with_lags,
     with_routes,
 )
 from molt._checkpoint import step_dir, write_loop_state
@@ -59,6 +60,7 @@ REQUIRED_METRICS = frozenset(
         "train/lr",
         "train/clip_frac",
         "train/mismatch_kl",
+        "train/staleness_kl",
         "train/seq_masked_frac",
         "train/staleness_mean",
         "pool/dropped_stale",
@@ -120,6 +122,8 @@ async def run_steps(config: Config, run: Run) -> None:
         batch = collate(segment_rows(rollouts, torch.zeros(len(rollouts))), pad_id=pad_id)  # advantages below
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
         rows = [segment for rollout in rollouts for segment in rollout.segments]  # the batch's rows
+        # each token's lag behind the weights that score it: train/mismatch_kl keeps lag 0 (step_loss)
+        batch = with_lags(batch, [row.versions for row in rows], trainer_version=step - 1)
         if (images := run.tito.renderer.images) is not None:  # a vision-language policy: the rows' pixels
             batch = with_images(batch, [row.images for row in rows], images.processor)
         if config.train.routing_replay:  # the engines' MoE routes, replayed in the policy's forward
@@ -195,7 +199,6 @@ async def run_steps(config: Config, run: Run) -> None:
                 **train_metrics,  # the policy's (and the critic's) step, the correction's mismatch included
                 **extra_metrics,
                 "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
-                "train/token_identity": 1.0,
                 "train/advantage_abs_mean": advantages.abs().mean().item(),
                 "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
                 **pool_metrics(pool_now, pool_before),
@@ -326,7 +329,12 @@ def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tu
 
 
 def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
-    """Every trainable token of the batch is the token the engine returned, in order, rollout by rollout."""
+    """Every trainable token of the batch is the token the engine returned, in order, rollout by rollout;
+    a step that breaks it never trains (nor logs a metric: a logged rate of held identity could only be 1).
+
+    `rollout.sampled` is recorded apart from the segments: for an Env by the episode from each engine
+    reply it receives, for a ChatAgent by tito from each engine reply it commits (its reply log, kept
+    beside the segments' seal, truncate and append bookkeeping, which this checks)."""
     row = 0
     for index, rollout in enumerate(rollouts):
         trained: list[int] = []

@@ -13,8 +13,9 @@ conversion rebuilds a plain model from its config, copies the weights, ties the 
     uv run molt train --config packages/molt/src/molt/recipes/smollm2.toml
 
 The task: `What is 14 + 9? Reply with the number only.` (terms 1 to 20), reward 1 when the reply's last
-number is the sum. The converted model often restates the question (`14 + 9 = 23`) and often gets the
-sum wrong: room for a signal from the first step.
+number is the sum; 40 of the 400 questions are held out for evaluation and never trained. The converted
+model often restates the question (`14 + 9 = 23`) and often gets the sum wrong: room for a signal from
+the first step.
 """
 
 from __future__ import annotations
@@ -34,19 +35,27 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _NUMBER = re.compile(r"-?\d+")
 
 
-def _rows(rng: random.Random) -> Iterator[dict]:
+# The 400 questions (terms 1 to 20), split once by a fixed seed: training never draws the held-out 40.
+_PAIRS = random.Random("smollm2-split").sample([(a, b) for a in range(1, 21) for b in range(1, 21)], 400)
+HELD_OUT, TRAINED = _PAIRS[:40], _PAIRS[40:]
+
+
+def _rows(rng: random.Random, pairs: list[tuple[int, int]]) -> Iterator[dict]:
     while True:
-        a, b = rng.randint(1, 20), rng.randint(1, 20)
+        a, b = rng.choice(pairs)
         question = f"What is {a} + {b}? Reply with the number only."
         yield {"messages": [{"role": "user", "content": question}], "answer": a + b}
 
 
 def dataset(seed: int) -> Iterator[dict]:
-    return _rows(random.Random(seed))
+    return _rows(random.Random(seed), TRAINED)
 
 
 def eval_dataset(seed: int) -> Iterator[dict]:
-    return _rows(random.Random(f"eval-{seed}"))
+    """The held-out questions, each once, in a seeded order (`--eval.num_prompts` at most 40)."""
+    for a, b in random.Random(f"eval-{seed}").sample(HELD_OUT, len(HELD_OUT)):
+        question = f"What is {a} + {b}? Reply with the number only."
+        yield {"messages": [{"role": "user", "content": question}], "answer": a + b}
 
 
 class AgentRunner(Env):
