@@ -270,7 +270,7 @@ def test_mismatch_kl_sums_lag_0_tokens_only_and_staleness_kl_the_lagged_ones():
     )
     lag_BT = lag_BT.float() * MASK_BT
     args = [x[name] for name in ("logp_BT", "entropy_BT", "old_logp_BT", "rollout_logp_BT", "advantages_BT")]
-    common = dict(num_tokens=NUM_TOKENS, algo=algo, ref_logp_BT=x["ref_logp_BT"])
+    common = dict(num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, algo=algo, ref_logp_BT=x["ref_logp_BT"])
     loss, sums = step_loss(*args, MASK_BT, **common, lag_BT=lag_BT)
     plain_loss, _ = step_loss(*args, MASK_BT, **common)
     k3 = {0: 0.0, 1: 0.0}  # by lag != 0, summed by hand over the trainable tokens
