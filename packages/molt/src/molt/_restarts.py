@@ -67,7 +67,7 @@ class EngineRestarts:
         import ray
 
         try:
-            url = await asyncio.to_thread(ray.get, self.actors[index].restart.remote())
+            url = await self.actors[index].restart.remote()  # awaited on the loop: a cancel does not wait
         except ray.exceptions.RayError as error:  # the start failed: its error holds the log's report
             self.failure = self.failure or RuntimeError(
                 f"vLLM engine {index} could not be restarted ({self.restarts[index]} of --vllm.max_restarts "
