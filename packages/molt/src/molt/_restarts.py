@@ -12,7 +12,8 @@ NeMo-RL engine lifecycle (dead -> restarting -> stale -> refit -> healthy) is th
 
 Engines attached with --vllm.urls were started by someone else: molt cannot restart them, and one that
 dies is dropped for the rest of the run, as before. An engine that dies more than --vllm.max_restarts
-times (a crash loop, or a restart that fails) stops the run with its log's first error.
+times (a crash loop) stops the run with its log's first error, and so does a restart that fails to start
+(its error names the new log's first error; a start that failed once is not tried again).
 """
 
 from __future__ import annotations
