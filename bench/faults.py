@@ -1,6 +1,7 @@
 """Faults a run must survive, on this machine with the real parts (vLLM CPU engines, Ray, gloo).
 
-    uv run --no-sync python bench/faults.py engine-kill   # one of two engines dies mid-run
+    uv run --no-sync python bench/faults.py engine-kill   # one of two attached engines dies mid-run
+    uv run --no-sync python bench/faults.py engine-restart  # the run's own engine dies; molt restarts it
     uv run --no-sync python bench/faults.py run-kill      # the whole run dies; --resume continues it
 
 engine-kill: two vLLM servers serve one run (attached with `--vllm.urls`; replies of up to 48 tokens, so
@@ -8,6 +9,12 @@ that requests are in flight on both). Once step `--kill-after` is logged, one se
 group gets SIGKILL. The run must still log every step: the rollouts
 that engine was serving fail (`agent/engine_unavailable`), their groups are retried on the other engine,
 and the next refit drops the dead one (`engines/alive` 2 -> 1).
+
+engine-restart: a run starts its own engine (molt can restart only engines it started); once step
+`--kill-after` is logged, the engine's server gets SIGKILL. molt restarts it, refits it with the current
+weights and the run goes on. Time to recover = from the kill to the first step logged with the engine
+back (`engines/restarts` 1, `engines/alive` 1); the engine's own start-up, from its log's first to last
+line before it answered, is printed beside it.
 
 run-kill: a run with its own engine and `--ckpt.every C` is killed with SIGKILL to its whole process
 session once step `--kill-after` is logged; `molt train --resume` then continues from the newest
@@ -94,6 +101,61 @@ def engine_kill(work: Path, model_dir: Path, opts) -> bool:
     return code == 0 and len(steps) == opts.steps and last.get("engines/alive") == 1.0
 
 
+def engine_pid(marker: str) -> int:
+    """The vLLM server whose command line holds `marker` (the run's own model directory)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if entry.name.isdigit() and marker in args and "vllm.entrypoints.openai.api_server" in args:
+            return int(entry.name)
+    raise SystemExit(f"no vLLM server of {marker} is running")
+
+
+def engine_restart(work: Path, model_dir: Path, opts) -> bool:
+    own_model = shutil.copytree(model_dir, work / "restart-model")  # marks this run's engine
+    run_dir = work / "engine-restart"
+    run = start_run([
+        "train", "--model.path", str(own_model), "--logger.run_dir", str(run_dir),
+        "--train.num_steps", str(opts.steps), "--rollout.prompts_per_step", "4", "--rollout.group_size", "4",
+        "--ray.num_cpus", "2", "--rollout.max_new_tokens", "48", "--logger.tensorboard", "false",
+    ], work / "engine-restart.log")  # fmt: skip
+    wait_for_step(run, run_dir, opts.kill_after)
+    os.kill(engine_pid(str(own_model)), signal.SIGKILL)
+    killed_at = time.monotonic()
+    recovered_s = None
+    while run.poll() is None and recovered_s is None:
+        if any(
+            s.get("engines/restarts") == 1.0 and s.get("engines/alive") == 1.0 for s in steps_logged(run_dir)
+        ):
+            recovered_s = time.monotonic() - killed_at
+        time.sleep(0.1)
+    code = run.wait()
+    steps = steps_logged(run_dir)
+    last = steps[-1] if steps else {}
+    print(f"engine-restart: the run's engine killed after step {opts.kill_after}; run exit code {code}")
+    if recovered_s is not None:
+        print(f"  time to recover (kill -> a step logged with the engine back): {recovered_s:.1f} s")
+    log = run_dir / "engine-0.restart-1.log"
+    if log.is_file():
+        print(f"  of which the engine's own start: {log_span_s(log):.1f} s (its log's first to last line)")
+    print(f"  steps logged: {len(steps)} of {opts.steps}; engines/restarts {last.get('engines/restarts')}")
+    lost = last.get("agent/engine_unavailable")
+    print(f"  rollouts that hit the dead engine (agent/engine_unavailable): {lost}")
+    print(f"  groups dropped after failing every retry (pool/failed): {last.get('pool/failed')}")
+    return code == 0 and len(steps) == opts.steps and recovered_s is not None
+
+
+def log_span_s(log: Path) -> float:
+    """Seconds between the first and the last timestamped line of a vLLM log (`MM-DD HH:MM:SS`)."""
+    import re
+
+    stamps = re.findall(r" \d\d-\d\d (\d\d):(\d\d):(\d\d) ", log.read_text(errors="replace"))
+    seconds = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in stamps]
+    return (seconds[-1] - seconds[0]) if seconds else float("nan")
+
+
 def session_processes(session_id: int) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["pid"]):
@@ -144,7 +206,7 @@ def run_kill(work: Path, model_dir: Path, opts) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("fault", choices=["engine-kill", "run-kill"])
+    parser.add_argument("fault", choices=["engine-kill", "engine-restart", "run-kill"])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--kill-after", type=int, default=3, help="kill once this step is logged")
     parser.add_argument("--ckpt-every", type=int, default=2)
@@ -154,7 +216,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="molt-faults-"))
     model_dir = build_tiny_model(work / "model", seed=0)
-    survived = (engine_kill if opts.fault == "engine-kill" else run_kill)(work, model_dir, opts)
+    fault = {"engine-kill": engine_kill, "engine-restart": engine_restart, "run-kill": run_kill}[opts.fault]
+    survived = fault(work, model_dir, opts)
     if survived:
         shutil.rmtree(work)
     print(f"{opts.fault}: {'survived' if survived else f'FAILED (logs kept in {work})'}")

@@ -243,3 +243,24 @@ async def test_health_follows_the_engines(client, fake_engine):
     assert (await client.get("/health")).status_code == 200
     fake_engine.app.router.routes = [r for r in fake_engine.app.router.routes if r.path != "/health"]
     assert (await client.get("/health")).status_code == 503
+
+
+def test_a_restarted_engine_takes_the_dead_ones_place_once_its_owner_says_it_serves():
+    """`Router.replace`: the sessions bound to the dead engine stay bound to it (and fail), and no new session
+    goes to the restarted one until it is marked alive (its owner gives it the current weights first)."""
+    import httpx
+
+    from tito import EngineUnavailable
+    from tito._engines import Router
+
+    router = Router(["http://old"], transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+    dead = router.assign()
+    dead.alive = False
+    back = router.replace(dead, "http://new")
+    assert router.engines == [back] and back.url == "http://new" and back.num_sessions == 0
+    with pytest.raises(EngineUnavailable, match="no engine is answering"):
+        router.assign()
+    back.alive = True
+    assert router.assign() is back
+    router.release(dead)  # a session of the dead engine ends: the new one's count is its own
+    assert (dead.num_sessions, back.num_sessions) == (0, 1)

@@ -4,7 +4,8 @@ Each engine serves the token-level interface tito speaks, returns processed logp
 refit's worker extension so the trainer can push weights into it (`refit.engine_flags`). Under
 --actor.lora.rank each engine also serves one LoRA adapter, `ADAPTER`, that every tito request names and
 every refit replaces in place (`lora_flags`). The server process dies with its actor (see
-`molt.vllm_server`), and `stop_engines` stops them explicitly first.
+`molt.vllm_server`), and `stop_engines` stops them explicitly first. A server that dies is started again
+by its actor (`EngineActor.restart`, driven by `molt._restarts`).
 """
 
 from __future__ import annotations
@@ -66,11 +67,27 @@ class EngineActor:
     ) -> None:
         if adapter is not None:  # on the engine's own machine: vLLM reads the adapter's folder there
             extra_args = extra_args + lora_flags(adapter, Path(log_path).with_suffix(".adapter"))
-        server = VLLMServer(model_dir, extra_args=extra_args, log_path=log_path, on_cpu=on_cpu, env=env)
-        self.server = server.start()
+        self.flags = dict(model=model_dir, extra_args=extra_args, on_cpu=on_cpu, env=env)  # for `restart`
+        self.log_path, self.num_restarts = Path(log_path), 0
+        self.server = VLLMServer(log_path=log_path, **self.flags).start()
 
     def url(self) -> str:
         return self.server.url
+
+    def restart(self) -> str:
+        """Stop what is left of the server and start it again, same flags, on a new port (a request still
+        bound for the old one fails instead of reaching a server with other weights); returns its URL.
+        Each restart logs into `engine-<i>.restart-<n>.log`, beside the log of the one that died."""
+        self.server.stop()
+        self.num_restarts += 1
+        log_path = self.log_path.with_name(f"{self.log_path.stem}.restart-{self.num_restarts}.log")
+        self.server = VLLMServer(log_path=log_path, **self.flags)
+        self.server.start()
+        return self.server.url
+
+    def log_report(self) -> str:
+        """The server's log: where it is, the first error it names and its last lines."""
+        return self.server.log_report()
 
     def stop(self) -> None:
         self.server.stop()

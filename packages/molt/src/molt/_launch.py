@@ -29,6 +29,7 @@ from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
 from molt._metrics import sampled_tokens
 from molt._placement import compute_dtype_name
+from molt._restarts import EngineRestarts
 from molt._rollout import RolloutRunner
 from molt._runners import launch_hosts
 from molt._startup import StartupClock, allow_bytecode
@@ -128,7 +129,7 @@ def train(config: Config, *, resume: bool = False) -> None:
             dynamic_filter=dynamic,
             **groups,
         )
-        asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat))
+        asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat, actors=engines))
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
 
 
@@ -177,9 +178,12 @@ def _start_ray(config: Config, clock: StartupClock) -> Config:
     return config
 
 
-async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool) -> None:
+async def _serve_and_run(
+    config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool, actors: list
+) -> None:
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
-    (the `Run` fields started by `train`)."""
+    (the `Run` fields started by `train`). `actors`: the engines' actors, which restart them (none for
+    attached engines)."""
     from molt.loop import Run, run_steps  # not at the top: `molt.loop` imports this module for `train`
 
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
@@ -193,11 +197,15 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
         fixed_sampling=fixed,
         engine_model=adapter,
     )
+    max_restarts = config.vllm.max_restarts
+    restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=max_restarts)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:
             parts["startup"].end("tito")
-            runner = RolloutRunner(tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key)
+            runner = RolloutRunner(
+                tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key, restarts=restarts
+            )
             pool = GroupPool(
                 runner,
                 parts["rows"],
@@ -212,12 +220,13 @@ async def _serve_and_run(config: Config, parts: dict, engine_urls: list[str], ho
             )
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
-                await run_steps(config, Run(tito=tito, pool=pool, runner=runner, **parts))
+                await run_steps(config, Run(tito=tito, pool=pool, runner=runner, restarts=restarts, **parts))
     except PoolExhausted as end:
         if end.__cause__ is not None:  # the dataset itself failed
             raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
         progress("the dataset is used up; stopping early")
     finally:
+        restarts.cancel()
         await tito.aclose()
 
 

@@ -6,6 +6,7 @@ session's URLs and talks to it over HTTP with its own SDK. Either way the trajec
 (several segments if the agent compacted its context) and the reward is the agent's: one rollout, one
 reward. A rollout that raises, times out or returns a non-finite reward raises here, counted by kind in
 `failures`: the pool retries it (a lost rollout, not a lost run), then drops its group and counts it.
+While no engine serves and one is being restarted (`molt._restarts`), a failed rollout first waits for it.
 
 Images (a vision-language policy): observations and chat messages may hold OpenAI `image_url` parts;
 tito expands them and the trajectory's segments carry them on their placeholder tokens. A rollout in
@@ -23,6 +24,7 @@ import math
 import zlib
 from dataclasses import dataclass, field
 
+from molt._restarts import EngineRestarts
 from molt.agent import Context, Result
 from molt.config import Config
 from tito import EngineUnavailable, Prompt, Segment, Tito
@@ -63,9 +65,17 @@ class RolloutRunner:
     """
 
     def __init__(
-        self, tito: Tito, config: Config, hosts: list, *, chat_url: str = "", api_key: str = ""
+        self,
+        tito: Tito,
+        config: Config,
+        hosts: list,
+        *,
+        chat_url: str = "",
+        api_key: str = "",
+        restarts: EngineRestarts | None = None,
     ) -> None:
         self.tito = tito
+        self.restarts = restarts  # the engines molt restarts, which a failed rollout waits for
         self.config = config
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
@@ -89,9 +99,11 @@ class RolloutRunner:
             raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
         except EngineUnavailable:
             self.failures["engine_unavailable"] += 1
+            await self._engines_back()
             raise
-        except Exception:
+        except Exception:  # a ChatAgent's SDK reports a dead engine as its own error
             self.failures["raised"] += 1
+            await self._engines_back()
             raise
         if not math.isfinite(rollout.reward):
             self.failures["nonfinite_reward"] += 1
@@ -99,6 +111,12 @@ class RolloutRunner:
         if not rollout.sampled:
             raise ValueError("the rollout sampled no token: the agent made no request to the model")
         return rollout
+
+    async def _engines_back(self) -> None:
+        """When no engine serves but one is being restarted, wait for it: the pool's retry of this
+        rollout then runs on it instead of failing at once (its group would be lost)."""
+        if self.restarts is not None:
+            await self.restarts.serving()
 
     def _check_no_sampled_placeholder(self, rollout: Rollout) -> None:
         images = self.renderer.images

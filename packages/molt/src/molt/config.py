@@ -171,6 +171,10 @@ class VLLM(_Group):
     urls: list[str] = []
     """Running vLLM servers to use instead of starting engines (flags: molt.vllm_server + refit's); the
     run first pushes its initial weights into them. The other --vllm.* engine flags are then unused."""
+    max_restarts: int = 3
+    """Times each engine molt started is restarted after it dies (then given the current weights before it
+    serves); one more death (with 0: the first) stops the run with its log's first error. Engines of
+    --vllm.urls are never restarted: one that dies is dropped for the rest of the run."""
     tensor_parallel_size: int = 1
     """Tensor parallelism per engine."""
     data_parallel_size: int = 1

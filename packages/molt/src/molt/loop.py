@@ -38,6 +38,7 @@ from molt._group import EnginesLost, PolicyGroup
 from molt._launch import DynamicFilter, train
 from molt._log import RunLog, progress
 from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
+from molt._restarts import EngineRestarts
 from molt._rollout import Rollout, RolloutRunner
 from molt._startup import StartupClock
 from molt.config import Config
@@ -95,6 +96,7 @@ class Run:
     critic: CriticGroup | None = None  # --algo.advantage.estimator gae: the value model
     teacher: PolicyGroup | None = None  # --algo.advantage.estimator opd: the frozen teacher
     dynamic_filter: DynamicFilter | None = None  # --algo.dynamic_filter: the pool's keep
+    restarts: EngineRestarts | None = None  # the engines molt started, restarted when they die
 
 
 async def run_steps(config: Config, run: Run) -> None:
@@ -107,7 +109,7 @@ async def run_steps(config: Config, run: Run) -> None:
     pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
-        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.dynamic_filter)  # whole
+        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.dynamic_filter, run.restarts)
         generation_s = time.monotonic() - started
         startup = run.startup if step == run.first_step else None  # timing/startup_* with this step
         if startup is not None:
@@ -182,7 +184,8 @@ async def run_steps(config: Config, run: Run) -> None:
 
         broadcast_started = time.monotonic()
         async with _quiesced(pool, hold=not config.rollout.partial_rollout):
-            refit_s = await refit_engines(policy, run.tito, step)  # engines pause (keeping requests)
+            # engines pause (keeping requests); a dead one is restarted (`molt._restarts`)
+            refit_s = await refit_engines(policy, run.tito, step, run.restarts)
         pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
         broadcast_s = time.monotonic() - broadcast_started
 
@@ -204,6 +207,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 **pool_metrics(pool_now, pool_before),
                 **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
                 "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
+                "engines/restarts": float(run.restarts.num_restarts if run.restarts else 0),
                 "timing/generation": generation_s,
                 "timing/policy_train": train_s,
                 "timing/broadcast": broadcast_s,
@@ -247,8 +251,16 @@ def train_windows(group, windows: list[tuple[TrainBatch, list[int]]], *tensors_B
     return {**metrics, **({"train/lr": results[0]["train/lr"]} if "train/lr" in results[0] else {})}
 
 
-async def take(pool: GroupPool, num_groups: int, tito: Tito, dynamic: DynamicFilter | None = None) -> list:
-    """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering,
+async def take(
+    pool: GroupPool,
+    num_groups: int,
+    tito: Tito,
+    dynamic: DynamicFilter | None = None,
+    restarts: EngineRestarts | None = None,
+) -> list:
+    """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering
+    (and none is being restarted: `restarts`, whose engines that are up again get the current weights here,
+    while the actor is idle; a restart past --vllm.max_restarts stops the run),
     when group after group fails (an agent that always raises) or, under --algo.dynamic_filter (`dynamic`),
     when more than `dynamic.max_groups` groups come back all-equal (as verl's max_num_gen_batches), and
     stops naming the prompt when one prompt's groups keep arriving stale (a long-episode agent past
@@ -259,7 +271,14 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito, dynamic: DynamicFil
     taking = asyncio.ensure_future(pool.take(num_groups))
     while not (await asyncio.wait({taking}, timeout=1.0))[0]:
         problem = None
-        if not any(engine.alive for engine in tito.router.engines):
+        if restarts is not None:
+            restarts.notice()
+            if restarts.failure is not None:
+                taking.cancel()
+                raise restarts.failure
+            await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
+        coming_back = restarts is not None and restarts.coming_back
+        if not any(engine.alive for engine in tito.router.engines) and not coming_back:
             problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
         elif (failed := pool.stats.failed - before.failed) >= max(8, 2 * num_groups):
             problem = (
@@ -291,19 +310,27 @@ async def take(pool: GroupPool, num_groups: int, tito: Tito, dynamic: DynamicFil
         ) from starved
 
 
-async def refit_engines(policy: PolicyGroup, tito: Tito, version: int) -> dict[str, float]:
+async def refit_engines(
+    policy: PolicyGroup, tito: Tito, version: int, restarts: EngineRestarts | None = None
+) -> dict[str, float]:
     """Refit every live engine; returns the refit's seconds by phase (none when an engine failed). One
-    that fails is dropped for the rest of the run (the rollouts it was serving failed and their groups
-    are retried on the others); the run stops when none is left."""
+    that fails is dead: restarted if molt started it (`restarts`; it gets the weights once it is up,
+    in `take`), else dropped for the rest of the run (the rollouts it was serving failed and their groups
+    are retried on the others); the run stops when none is left or coming back."""
     live = [engine for engine in tito.router.engines if engine.alive]
+    if not live:  # every engine is being restarted
+        return {}
     try:
         return await asyncio.to_thread(policy.refit, [engine.url for engine in live], version) or {}
     except EnginesLost as lost:
         for engine in live:
             engine.alive = engine.alive and engine.url not in lost.failed
-        if not lost.updated:
+        if restarts is not None:
+            restarts.check()
+        if not lost.updated and not (restarts is not None and restarts.coming_back):
             raise RuntimeError(f"no vLLM engine took the weights of step {version}; stopping") from lost
-        progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s)")
+        back = " while the dead ones restart" if restarts is not None and restarts.coming_back else ""
+        progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s){back}")
         return {}
 
 

@@ -10,6 +10,7 @@ stops one server process and waits until it answers `/health`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -180,7 +181,11 @@ class VLLMServer:
 
     def stop(self) -> None:
         """Terminate the whole process group (the server may have children), then reap it."""
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
+            return
+        if self.process.poll() is not None:  # it died: what it started may live on (a GPU engine core)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             return
         os.killpg(self.process.pid, signal.SIGTERM)
         try:

@@ -6,7 +6,8 @@ each sampled token and, from an engine with refit's flags (`refit.engine_flags`:
 weight version itself), the weight version that sampled it; it never asks an engine to apply a chat
 template. With `engine_model`, every request names that model: a LoRA adapter the engines serve
 (vLLM's `--lora-modules NAME=DIR`), which a trainer refits in place. An engine that stops answering
-fails only the requests sent to it (`EngineUnavailable`), and new sessions stop going to it.
+fails only the requests sent to it (`EngineUnavailable`), and new sessions stop going to it; one
+restarted by its owner takes its place (`Router.replace`).
 
 Images: tito's prompt holds each image's placeholder expanded (the token layout the trainer sees), and
 goes to the engine as it is, with the images as vLLM's processed features (`features`: their tensors
@@ -337,6 +338,15 @@ class Router:
 
     def release(self, engine: Engine) -> None:
         engine.num_sessions -= 1
+
+    def replace(self, engine: Engine, url: str) -> Engine:
+        """A restarted engine, at `url`, takes `engine`'s place. It takes no session until its owner marks
+        it `alive` (once it serves the current weights); the sessions bound to the old one stay bound to
+        it, and fail."""
+        new = Engine(url, self.wire, engine.model)
+        new.alive = False
+        self.engines[self.engines.index(engine)] = new
+        return new
 
     async def aclose(self) -> None:
         await self.wire.aclose()
