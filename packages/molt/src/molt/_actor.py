@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from molt._batch import TrainBatch, shifted_logprobs
+from molt._batch import TrainBatch, rows_of, shifted_logprobs
 from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._objective import step_loss
@@ -68,13 +68,6 @@ if TYPE_CHECKING:
     from refit import RoutingReplay
 
 __all__ = ["PolicyWorker"]
-
-
-def _rows_of(tensor_BT: torch.Tensor, rows: list[int], num_cols: int) -> torch.Tensor:
-    """`rows` of a [B, T] tensor, cut to `num_cols` columns; no rows: one zero row (`TrainBatch.select`)."""
-    if not rows:
-        return tensor_BT.new_zeros(1, 1)
-    return tensor_BT[rows, :num_cols]
 
 
 class PolicyWorker:
@@ -119,6 +112,7 @@ class PolicyWorker:
             use_packed_attention(self.model)
         self.passes = dict.fromkeys(("slots", "tokens", "flops", "seconds"), 0.0)  # since the last report
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.budget = self._token_budget(trainable)
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
         self._logprob_head = head if isinstance(head, LogprobHead) else None
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
@@ -126,7 +120,6 @@ class PolicyWorker:
         if not trainable:
             self.model.requires_grad_(False)
             self.model.eval()
-            self.budget = self._token_budget()
             return
         self.model.train()
         sum_gradients_over_ranks(self.model)
@@ -146,7 +139,6 @@ class PolicyWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
         )
-        self.budget = self._token_budget()
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)
@@ -154,7 +146,7 @@ class PolicyWorker:
     def _learning_rate(self) -> float:
         return self.config.actor.lr
 
-    def _token_budget(self) -> int:
+    def _token_budget(self, trainable: bool) -> int:
         """--actor.micro_batch_tokens, or with 0 the tokens whose activations fit in the memory this rank
         has free once loaded, less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB
         of activations on a CPU)."""
@@ -164,7 +156,7 @@ class PolicyWorker:
         if self.device.type == "cuda":
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainable)
-            free = torch.cuda.mem_get_info()[0] - 12 * local * (self.optimizer is not None) - 4 * 2**30
+            free = torch.cuda.mem_get_info()[0] - 12 * local * trainable - 4 * 2**30
         return auto_micro_batch_tokens(
             self.model.config,
             free_bytes=free,
@@ -294,9 +286,7 @@ class PolicyWorker:
         the CPU; the pass's tokens, slots and seconds are counted (`take_pass_counts`)."""
         started = time.perf_counter()
         out_BT = torch.zeros(batch.tokens_BT.shape)
-        for rows in batch.micro_batches(self.budget, packed=self.packed):
-            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
-            mb = batch.select(rows)
+        for rows, mb in self._micro_batches(batch):
             values_BT = compute(mb).float().cpu()
             if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
                 num_cols = values_BT.shape[1]
@@ -304,6 +294,14 @@ class PolicyWorker:
                 out_BT[rows, :num_cols] = values_BT * inside_BT
         self._count_pass(batch, started, backward=False)
         return out_BT
+
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+        """`batch`'s planned micro-batches, each as its rows and their `TrainBatch`; their tokens counted."""
+        micro_batches = []
+        for rows in batch.micro_batches(self.budget, packed=self.packed):
+            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
+            micro_batches.append((rows, batch.select(rows)))
+        return micro_batches
 
     def _count_pass(self, batch: TrainBatch, started: float, *, backward: bool) -> None:
         if self.device.type == "cuda":
@@ -354,19 +352,16 @@ class PolicyWorker:
         from torch.distributed.fsdp import FSDPModule
 
         started = time.perf_counter()
-        plan = batch.micro_batches(self.budget, packed=self.packed)
+        micro_batches = self._micro_batches(batch)
         totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
         one_rank = dist.get_world_size() == 1
-        for index, rows in enumerate(plan):
+        for index, (rows, mb) in enumerate(micro_batches):
             # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
             # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
             # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
             if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(one_rank or index == len(plan) - 1)
-            mb = batch.select(rows)
-            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
-            num_cols = mb.tokens_BT.shape[1]
-            mb_tensors = [None if t is None else _rows_of(t, rows, num_cols) for t in tensors_BT]
+                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
+            mb_tensors = [rows_of(t, rows, mb.tokens_BT.shape[1]) for t in tensors_BT]
             for name, value in loss_of(mb, *mb_tensors).items():
                 totals[name] = totals[name] + value if name in totals else value
         self._count_pass(batch, started, backward=True)

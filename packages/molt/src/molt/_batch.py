@@ -47,6 +47,7 @@ __all__ = [
     "collate",
     "explained_variance",
     "last_token_rewards",
+    "rows_of",
     "row_images",
     "shifted_logprobs",
     "whitened",
@@ -229,6 +230,14 @@ class TrainBatch:
             "image_grid_thw": torch.cat([images.grid_thw_I3 for _, images in rows]).to(device),
             "mm_token_type_ids": token_type_BT.to(device),
         }
+
+
+def rows_of(tensor_BT: torch.Tensor | None, rows: Sequence[int], num_cols: int) -> torch.Tensor | None:
+    """`rows` of a [B, T] tensor cut to `num_cols` columns, as `TrainBatch.select` cuts the batch's own;
+    no rows: one zero row (its empty turn); None stays None."""
+    if tensor_BT is None:
+        return None
+    return tensor_BT[list(rows), :num_cols] if rows else tensor_BT.new_zeros(1, 1)
 
 
 def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]], pad_id: int) -> TrainBatch:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from molt._actor import PolicyWorker
-from molt._batch import TrainBatch
+from molt._batch import TrainBatch, rows_of
 from molt._packing import plan_micro_batches
 from molt._placement import gpu_share, refit_backend
 from molt._sharding import replicas
@@ -143,11 +143,8 @@ class PolicyGroup:
             plan = tuple(tuple(next(local) for _ in mb) for mb in micro_batches)
             shard = dataclasses.replace(batch.select(rows), plan=plan)
             num_cols = shard.tokens_BT.shape[1]
-            cut = [
-                None if t is None else (t[rows, :num_cols] if rows else t.new_zeros(1, 1)) for t in tensors_BT
-            ]
             ranks_rows.append(rows)
-            shards.append((shard, *cut))
+            shards.append((shard, *(rows_of(t, rows, num_cols) for t in tensors_BT)))
         return ranks_rows, [shards[rank // self.replicas] for rank in range(self.num_ranks)]
 
     def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
