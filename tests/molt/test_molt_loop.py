@@ -138,6 +138,20 @@ def test_groups_that_vary_are_taken_despite_the_ones_filtered():
     assert [group.prompt["id"] for group in groups] == ["hard", "hard"]
 
 
+def test_a_steps_groups_come_in_prompt_order_whichever_finished_first():
+    async def later_prompts_first(prompt: int, index: int) -> _Sample:
+        await asyncio.sleep(0.02 * (4 - prompt))  # prompt 3's group completes first, prompt 0's last
+        return _Sample(float(index))
+
+    async def main():
+        pool = GroupPool(later_prompts_first, iter(range(4)), group_size=2, depth=4)
+        tito = SimpleNamespace(router=SimpleNamespace(engines=[SimpleNamespace(alive=True)]))
+        async with pool:
+            return await asyncio.wait_for(take(pool, 4, tito), timeout=10)
+
+    assert [group.prompt for group in asyncio.run(main())] == [0, 1, 2, 3]
+
+
 def test_rows_come_from_jsonl_reshuffled_each_epoch(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": str(i)}], "i": i}) + "\n"

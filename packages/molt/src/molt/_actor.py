@@ -154,8 +154,8 @@ class PolicyWorker:
             return self.config.actor.micro_batch_tokens
         free = 4 * 2**30
         if self.device.type == "cuda":
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in trainable)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
             free = torch.cuda.mem_get_info()[0] - 12 * local * trainable - 4 * 2**30
         return auto_micro_batch_tokens(
             self.model.config,

@@ -258,7 +258,9 @@ async def take(
     dynamic: DynamicFilter | None = None,
     restarts: EngineRestarts | None = None,
 ) -> list:
-    """`pool.take`, but a run fails instead of waiting forever when every engine has stopped answering
+    """`pool.take`, in prompt order (a step's batch, and so its windows, must not depend on which group
+    finished first: a resumed or repeated run trains what the first one did), but a run fails instead of
+    waiting forever when every engine has stopped answering
     (and none is being restarted: `restarts`, whose engines that are up again get the current weights here,
     while the actor is idle; a restart past --vllm.max_restarts stops the run),
     when group after group fails (an agent that always raises) or, under --algo.dynamic_filter (`dynamic`),
@@ -300,7 +302,7 @@ async def take(
             stale = pool.stats.dropped_stale - before.dropped_stale
             raise RuntimeError(f"{problem} ({stale} groups dropped as stale meanwhile); stopping")
     try:
-        return taking.result()
+        return sorted(taking.result(), key=lambda group: group.prompt_index)
     except PromptStarved as starved:
         stale = pool.stats.dropped_stale - before.dropped_stale
         raise RuntimeError(
