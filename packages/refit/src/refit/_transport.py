@@ -43,19 +43,70 @@ __all__ = [
     "ABORT",
     "VerifyError",
     "checksum",
+    "device_checksum",
+    "verify_checksums",
 ]
 
 ABORT = -1  # header value that tells a gloo engine to roll back
 
 
 class VerifyError(RuntimeError):
-    """A bucket's bytes on the engine differ from the bytes the trainer packed (its CRC-32 differs)."""
+    """A bucket's bytes on the engine differ from the bytes the trainer packed (its checksum differs)."""
 
 
 def checksum(buffer_N: torch.Tensor) -> int:
     """CRC-32 of a uint8 host tensor's bytes. zlib's CRC lets go of the GIL while it runs (the wire
     keeps moving), and it catches every error of up to 32 consecutive bits, one flipped byte included."""
     return zlib.crc32(buffer_N.numpy())
+
+
+CHECKSUM_WORDS = 1 << 22  # words per step of `device_checksum`: its int64 temporaries stay at 64 MiB
+
+
+def device_checksum(buffer_N: torch.Tensor) -> torch.Tensor:
+    """Position-weighted sum of a uint8 bucket's 4-byte words, computed where the bucket lives: the bytes,
+    zero-padded to a multiple of 4, read as int32 words w_0, w_1, ..., and summed as sum_i (i + 1) * w_i
+    in int64 (wrapping; integer sums wrap alike in any order, on any device). A 0-dim int64 tensor on the
+    bucket's device, queued on the current stream: no host sync.
+
+    In a bucket under 16 GiB it catches every change of one word (one flipped byte among them: d * (i + 1)
+    with 0 < |d| < 2^32 is no multiple of 2^64) and every swap of two different words (their difference
+    times the distance between them). Steps of `CHECKSUM_WORDS` words keep the temporaries bounded.
+    """
+    num_bytes, device = buffer_N.numel(), buffer_N.device
+    whole = num_bytes - num_bytes % 4
+    words_W = buffer_N[:whole].view(torch.int32)  # a bucket starts 4-byte aligned (a buffer's start)
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for start in range(0, words_W.numel(), CHECKSUM_WORDS):
+        step_S = words_W[start : start + CHECKSUM_WORDS].to(torch.int64)
+        step_S *= torch.arange(start + 1, start + 1 + step_S.numel(), dtype=torch.int64, device=device)
+        total += step_S.sum()
+    if whole < num_bytes:  # the last 1-3 bytes, zero-padded to one more word
+        tail_4 = torch.zeros(4, dtype=torch.uint8, device=device)
+        tail_4[: num_bytes - whole] = buffer_N[whole:]
+        total += tail_4.view(torch.int32).to(torch.int64)[0] * (whole // 4 + 1)
+    return total
+
+
+def verify_checksums(record: dict, got: list[int], expected: list[int], *, first: int = 0) -> None:
+    """The GPU engines' check: note the device checksums the engine took (`got`, of buckets `first`,
+    `first` + 1, ...) in `record` (its `refit_last_verify` answer), and raise `VerifyError` at the first
+    that differs from the trainer's (`expected`), naming that bucket in `record["failed"]`."""
+    record["checksums"] += got
+    if len(got) != len(expected):
+        error = VerifyError(f"{len(got)} buckets arrived, the trainer sent checksums of {len(expected)}")
+        record.update(failed=first, error=str(error))
+        raise error
+    for index, (mine, theirs) in enumerate(zip(got, expected, strict=True), start=first):
+        if mine != theirs:
+            error = VerifyError(
+                f"bucket {index} has device checksum {mine:#x} on the engine, the trainer packed "
+                f"{theirs:#x}: its bytes changed on the way (the engine rolls back; the trainer retries "
+                "with a full refit)"
+            )
+            record.update(failed=index, error=str(error))
+            raise error
+        record["checked"] = index + 1
 
 
 def check_bucket(index: int, buffer_N: torch.Tensor, expected: int) -> None:
