@@ -318,11 +318,11 @@ def test_one_gpu_is_enough_the_engine_and_the_actor_share_it(with_cuda, monkeypa
     config = resolve([])
     assert config.vllm.placement == "shared"
     assert gpu_share(config) == engine_gpus(config) == 0.5  # Ray places both on the one GPU
-    assert engine_memory_utilization(config) == 0.4 and refit_backend(config, on_gpu=True) == "ipc"
+    assert engine_memory_utilization(config) == 0.4 and refit_backend(config, on_gpu=True) == "refit_ipc"
     with_kl = resolve(["--algo.kl.coef", "0.1"])  # the reference policy shares it too
     assert gpu_share(with_kl) == engine_gpus(with_kl) == 0.3333
     assert "--weight-transfer-config" in (args := engine_extra_args(config))
-    assert '{"backend": "ipc"}' in args and args[args.index("--gpu-memory-utilization") + 1] == "0.4"
+    assert '{"backend": "refit_ipc"}' in args and args[args.index("--gpu-memory-utilization") + 1] == "0.4"
     from molt._validate import start_notes
 
     assert any("refits go over CUDA IPC" in note for note in start_notes(config))
@@ -341,7 +341,7 @@ def test_gpus_of_their_own_keep_the_nccl_refit(with_cuda, monkeypatch):
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 2)
     config = resolve([])
     assert config.vllm.placement == "separate" and gpu_share(config) == 1.0 and engine_gpus(config) == 1
-    assert engine_memory_utilization(config) == 0.8 and refit_backend(config, on_gpu=True) == "nccl"
+    assert engine_memory_utilization(config) == 0.8 and refit_backend(config, on_gpu=True) == "refit_nccl"
     shared = resolve(["--vllm.placement", "shared", "--vllm.gpu_memory_utilization", "0.3"])
     assert shared.vllm.placement == "shared" and engine_memory_utilization(shared) == 0.3
     assert refit_backend(config, on_gpu=False) == "refit_gloo"

@@ -105,6 +105,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_post(self, path: str, body: dict) -> dict:
         if path == "/collective_rpc":
             answers = {
+                "refit_transfer_backend": lambda: "refit_gloo",
                 "refit_checkpoint_specs": lambda: checkpoint_specs(MODEL_DIR),
                 "refit_last_verify": VERIFY.copy,
             }

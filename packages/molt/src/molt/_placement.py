@@ -1,12 +1,13 @@
 """Where a run's processes sit on GPUs, and the refit path each layout takes (`--vllm.placement`).
 
 - separate: every actor rank (of the policy and of each extra group) takes a GPU of its own, every engine
-  TP x DP; the refit goes over NCCL (vLLM's `nccl` weight transfer). The paper's disaggregated layout.
+  TP x DP; the refit goes over NCCL (refit's `refit_nccl`: vLLM's NCCL weight transfer, every bucket
+  checked). The paper's disaggregated layout.
 - shared: one GPU holds the engine and every actor group, one process each. The engine takes
   `--vllm.gpu_memory_utilization` of the GPU's memory (0.4 unless set) and starts first, since vLLM sizes
   its KV cache from the memory it finds free; the actor groups use the rest. The refit hands the engine
-  CUDA IPC handles of the trainer's bucket buffers (vLLM's `ipc` weight transfer): NCCL refuses two ranks
-  on one device.
+  CUDA IPC handles of the trainer's bucket buffers (refit's `refit_ipc`: vLLM's CUDA IPC weight transfer,
+  every bucket checked): NCCL refuses two ranks on one device.
 - auto: shared when a local Ray would have fewer GPUs than separate needs and the run fits on one GPU;
   separate otherwise (and always on a joined cluster, whose GPUs are counted once joined).
 

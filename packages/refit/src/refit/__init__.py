@@ -1,11 +1,12 @@
 """refit: weight refit from an FSDP2 trainer into running vLLM engines, and MoE routing replay.
 
 `update_weights(engines, full_params(model), version=v)` pauses every engine (keeping in-flight
-requests), streams the full parameters in bounded buckets through vLLM's weight-transfer API (vLLM's
-NCCL backend across GPUs, its CUDA IPC backend on one shared GPU, our `refit_gloo` backend on CPU),
-labels them `v`, clears the prefix cache and resumes. On `refit_gloo` every bucket is verified (its
-CRC-32, checked by the engine before it loads; a mismatch is rolled back and retried in full), and
-`delta=True` sends only the elements that changed since the engine's last refit.
+requests), streams the full parameters in bounded buckets through vLLM's weight-transfer API (over our
+backends: `refit_nccl` across GPUs and `refit_ipc` on one shared GPU, vLLM's own NCCL and CUDA IPC engines
+plus a check; `refit_gloo` on CPU), labels them `v`, clears the prefix cache and resumes. Every bucket is
+verified (the engine checks a checksum of the bytes the trainer packed; a mismatch is rolled back and
+retried in full), and on `refit_gloo` `delta=True` sends only the elements that changed since the
+engine's last refit.
 `update_weights(engines, adapter_params(model), version=v, lora=peft_config)` sends a LoRA policy's
 adapters alone to engines that serve them (`--enable-lora`), which swap them in place.
 `decode_routed_experts` and `RoutingReplay` replay an engine's MoE routing in transformers and NeMo

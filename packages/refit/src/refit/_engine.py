@@ -3,8 +3,8 @@
 Every call here is one documented vLLM endpoint (they exist only with `VLLM_SERVER_DEV_MODE=1`):
 `/pause?mode=keep`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
 `/reset_prefix_cache`, `/resume`, `/init_weight_transfer_engine`, `/get_world_size`, and
-`/collective_rpc` for the read-only methods of our worker extension (checkpoint specs, timings, the
-last transfer's verification).
+`/collective_rpc` for the read-only methods of our worker extension (the backend it serves, checkpoint
+specs, timings, the last transfer's verification).
 No engine internals are touched from the trainer. This module does not order the calls; `_refit.py`
 runs the lifecycle. A non-2xx reply raises `EngineCallError` naming the engine, the call and the body.
 """
@@ -29,16 +29,17 @@ __all__ = [
     "engine_flags",
 ]
 
-GLOO_BACKEND = "refit_gloo"  # our CPU backend, registered into vLLM by refit.vllm_worker
-NCCL_BACKEND = "nccl"  # vLLM's own GPU backend, engine and trainer on GPUs of their own
-IPC_BACKEND = "ipc"  # vLLM's own CUDA IPC backend, engine and trainer on one GPU
+# Our weight-transfer backends, registered into vLLM by refit.vllm_worker; every one checks each bucket.
+GLOO_BACKEND = "refit_gloo"  # CPU, over gloo
+NCCL_BACKEND = "refit_nccl"  # vLLM's NCCL engine plus the check: engine and trainer on GPUs of their own
+IPC_BACKEND = "refit_ipc"  # vLLM's CUDA IPC engine plus the check: engine and trainer on one GPU
 BACKENDS = (GLOO_BACKEND, NCCL_BACKEND, IPC_BACKEND)
 
 
 def engine_flags(backend: str = GLOO_BACKEND) -> list[str]:
     """The vLLM server flags an engine needs for refit (besides `VLLM_SERVER_DEV_MODE=1`)."""
-    # The extension registers refit_gloo and answers the checkpoint-spec query every backend uses; the
-    # middleware keeps the weight version that vLLM 0.26 does not (refit.vllm_versions).
+    # The extension registers refit's backends and answers the checkpoint-spec query every backend uses;
+    # the middleware keeps the weight version that vLLM 0.26 does not (refit.vllm_versions).
     return [
         "--worker-extension-cls", "refit.vllm_worker.RefitWorkerExtension",
         "--weight-transfer-config", json.dumps({"backend": backend}),
@@ -47,8 +48,8 @@ def engine_flags(backend: str = GLOO_BACKEND) -> list[str]:
 
 
 def engine_env(backend: str) -> dict[str, str]:
-    """Environment an engine's server needs for `backend`: vLLM's IPC backend takes the CUDA IPC handles
-    as a pickle over HTTP, which vLLM reads only when told to (the server listens on loopback)."""
+    """Environment an engine's server needs for `backend`: the IPC backend takes the CUDA IPC handles as a
+    pickle over HTTP, which vLLM reads only when told to (the server listens on loopback)."""
     return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if backend == IPC_BACKEND else {}
 
 
@@ -63,7 +64,7 @@ def _free_port(host: str) -> int:
 
 
 class Engine:
-    """Handle on one vLLM server at `url` that serves with `backend` (`GLOO_BACKEND` or `NCCL_BACKEND`).
+    """Handle on one vLLM server at `url` that serves with `backend` (one of `BACKENDS`).
 
     `trainer_host` is the address of this (trainer) machine as the engine's workers can reach it; the
     trainer hosts the rendezvous there. `timeout_s` bounds every HTTP call and every collective.
@@ -160,19 +161,31 @@ class Engine:
             self._checkpoint_specs = [ParamSpec.from_json(item) for item in reply[0]]
         return self._checkpoint_specs
 
+    def transfer_backend(self) -> list[str]:
+        """Per worker, the weight-transfer backend the engine was started with."""
+        return self._rpc("refit_transfer_backend")
+
     def worker_timings(self) -> list[dict]:
         """Per worker, seconds spent receiving and loading in the last update (gloo backend only)."""
         return self._rpc("refit_last_timings")
 
     def verify_report(self) -> list[dict]:
         """Per worker, the last transfer's check: `{"checked": buckets that passed, "failed": the bucket
-        that did not, or None, "error": why}` (gloo backend only)."""
+        that did not, or None, "error": why}`, and on the GPU backends `"checksums"`: the device checksum
+        the engine took of each bucket."""
         return self._rpc("refit_last_verify")
 
     # --- the byte pipe ---
     def connect(self, bucket_bytes: int) -> None:
         """Open this engine's transfer group (trainer = rank 0, its workers = 1..N); for IPC, only tell the
-        engine to get ready (each bucket's handle then travels in its own `/update_weights`)."""
+        engine to get ready (each bucket's handle then travels in its own `/update_weights`). Refuses an
+        engine started with another backend (vLLM's own `nccl` takes bare buckets and would leave the
+        trainer's checksum broadcast unmatched)."""
+        if (served := set(self.transfer_backend())) != {self.backend}:
+            raise ValueError(
+                f"{self.url} serves weight-transfer backend {sorted(served)}, refit sends {self.backend!r}: "
+                f"start it with refit.engine_flags({self.backend!r})"
+            )
         if self.backend == IPC_BACKEND:
             if self.world_size() != 1:
                 raise ValueError(
@@ -214,7 +227,7 @@ class Engine:
         }
         if self.backend == GLOO_BACKEND:
             info.update(bucket_bytes=bucket_bytes, token=token, delta_base=delta_base, lora=lora)
-        else:  # vLLM 0.26's NCCL engine reads the packing per update (its init info has none)
+        else:  # refit_nccl runs vLLM 0.26's NCCL receiver, which reads the packing per update
             info.update(packed=True, packed_buffer_size_bytes=bucket_bytes, packed_num_buffers=2)
         return info
 

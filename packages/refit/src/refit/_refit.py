@@ -5,19 +5,22 @@ check names/shapes → connect (first time) → pause(mode=keep) → start_weigh
 (engine verifies and loads layer by layer) → [a verification failed: start + full transfer again, those
 engines only] → finish_weight_update(version) → reset_prefix_cache → resume.
 
-Every refit on refit_gloo is verified: each bucket carries the CRC-32 of the bytes the trainer packed,
-and the engine checks it before it loads the bucket. A mismatch makes the engine roll back (as for an
-abort) and the trainer retry that engine once with a full refit; `RefitStats.verify_failed` names it.
-`delta=True` (refit_gloo only) sends per bucket only what changed since the engine's bytes
-(`refit._delta`). `lora` (refit_gloo only) sends a LoRA adapter (`adapter_params`) to engines serving
-one: they build it with vLLM's LoRA loader while the transfer runs and swap it in place of the adapter
-they serve at `finish_weight_update`, so the version label switches exactly when the weights do.
+Every refit is verified, on every backend: the engine checks each bucket against a checksum of the bytes
+the trainer packed (refit_gloo: the CRC-32 in the bucket's header, before loading it; refit_ipc: a checksum
+taken on the GPU, in the bucket's own call, before loading it; refit_nccl: the same checksum, sent after
+the last bucket, so checked once all are loaded; `refit._transport`). A mismatch makes the engine roll back
+(as for an abort) and the trainer retry that engine once with a full refit, the engine still paused;
+`RefitStats.verify_failed` names it. `delta=True` (refit_gloo only) sends per bucket only what changed
+since the engine's bytes (`refit._delta`). `lora` (refit_gloo only) sends a LoRA adapter
+(`adapter_params`) to engines serving one: they build it with vLLM's LoRA loader while the transfer runs
+and swap it in place of the adapter they serve at `finish_weight_update`, so the version label switches
+exactly when the weights do.
 
 Refuses, before any engine is touched: a parameter list whose names or full shapes differ from the
 checkpoint an engine loaded (a missing parameter would leave its layer half loaded). Failure of one
 engine never stops the others: it is dropped from later phases and reported in `RefitError` with the
 phase it failed in. An engine that failed after `start_weight_update` is never resumed (its layers may
-be on the meta device, or mixed old/new after a gloo rollback); the next successful refit resumes it.
+be on the meta device, or mixed old/new after a rollback); the next successful refit resumes it.
 Every trainer rank calls `update_weights` (the gathers are collectives); rank 0 alone talks to engines,
 through a `refit._run.Run` (the phases' bookkeeping and the transfers).
 """

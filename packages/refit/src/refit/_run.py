@@ -1,10 +1,10 @@
 """The engines of one refit (`refit._refit.update_weights`), as `Run`: each phase run on every live
 engine in parallel, which engines failed in which phase, the phase timings, and the transfers themselves.
 
-A full transfer streams gather, pack, CRC and the wire bucket by bucket through two buffers (`Run._send`);
-a delta transfer diffs every bucket against rank 0's shadow of the engines' bytes first, then sends each
-engine holding them only the patches (`refit._delta`). A failure drops that engine from later phases and
-is recorded with its phase; the others carry on. Rank 0 alone runs it.
+A full transfer streams gather, pack, checksum and the wire bucket by bucket through two buffers
+(`Run._send`); a delta transfer diffs every bucket against rank 0's shadow of the engines' bytes first, then
+sends each engine holding them only the patches (`refit._delta`). A failure drops that engine from later
+phases and is recorded with its phase; the others carry on. Rank 0 alone runs it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from refit._buckets import ParamSpec, bucket_nbytes, packed_buckets
 from refit._delta import ABORTED, FULL, SPARSE, Shadow, bucket_unit, diff_into
 from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, Engine
 from refit._gather import FullParams
-from refit._transport import checksum
+from refit._transport import checksum, device_checksum
 
 __all__ = ["Run"]
 
@@ -68,14 +68,14 @@ class Run:
         return None
 
     def verify_failures(self, *, retry: bool = True) -> list[Engine]:
-        """The engines whose transfer failed because a bucket failed the engine's check (asked only of
-        engines that failed it). `retry`: they are live again, for a retry; else they fail in `verify`."""
+        """The engines whose transfer failed because a bucket failed the engine's check, on any backend
+        (asked only of engines that failed it). `retry`: they are live again, for a retry; else they fail
+        in `verify`."""
         failed = [
             engine
             for url, (phase, _) in self.failures.items()
             if phase == "transfer"
             and (engine := self._by_url.get(url)) is not None
-            and engine.backend == GLOO_BACKEND
             and _verify_failed(engine)
         ]
         for engine in failed:
@@ -105,7 +105,7 @@ class Run:
             e: self.pool.submit(e.update_weights, infos[e]) for e in engines if e.backend != IPC_BACKEND
         }
         for engine in engines:
-            if engine.backend == IPC_BACKEND:
+            if engine.backend != GLOO_BACKEND:  # the GPU channels need the plan (IPC's calls, NCCL's end)
                 engine.channel.begin(specs, plan)
         self.buckets_sent = 0
         try:
@@ -201,7 +201,6 @@ class Run:
         soon as it is packed (behind the one on the wire), and packing the next waits only for the
         send of the bucket whose buffer it reuses, so the wire never waits for the packing."""
         device = "cuda" if any(e.backend in (NCCL_BACKEND, IPC_BACKEND) for e in engines) else "cpu"
-        verified = device == "cpu"  # refit_gloo engines check each bucket's CRC; vLLM's own ones cannot
         buffers_2N = _send_buffers(device, max((bucket_nbytes(specs, b) for b in plan), default=0))
         in_flight: deque[dict[Engine, list]] = deque()
         gather_pack = crc_s = 0.0
@@ -209,7 +208,9 @@ class Run:
         for index, payload_N in packed_buckets(iter(params), specs, plan, buffers_2N):
             gather_pack += time.perf_counter() - began
             began = time.perf_counter()
-            crc = checksum(payload_N) if verified else 0
+            # Every engine checks each bucket: refit_gloo the CRC-32 of its host bytes, the GPU engines a
+            # checksum taken on the device (queued on the stream behind the packing; no host sync here).
+            crc = checksum(payload_N) if device == "cpu" else device_checksum(payload_N)
             crc_s += time.perf_counter() - began
             live = [e for e in engines if e in self.live]
             in_flight.append({e: self._try(e, "send", index, payload_N, crc) for e in live})
@@ -221,7 +222,7 @@ class Run:
         while in_flight:
             self._wait(in_flight.popleft())
         self.seconds[f"{prefix}gather_pack"], self.seconds[f"{prefix}checksum"] = gather_pack, crc_s
-        self.seconds[f"{prefix}send"] = time.perf_counter() - started  # gather + pack + CRC + broadcast
+        self.seconds[f"{prefix}send"] = time.perf_counter() - started  # gather + pack + checksum + broadcast
 
     def _try(self, engine: Engine, method: str, *args) -> list:
         """`engine.channel.method(*args)`, its works; a failure drops the engine (its pipe broke)."""

@@ -1,7 +1,9 @@
-"""The byte pipes from the trainer (rank 0 of each group) to one engine's workers.
+"""The byte pipes from the trainer (rank 0 of each group) to one engine's workers, and the checks on them.
 
 One group per engine, not one for all engines: an engine that dies mid-transfer breaks only its own
-group, so the others still receive every bucket. Two kinds:
+group, so the others still receive every bucket. Every bucket is checked by the engine against a checksum
+of the bytes the trainer packed; a mismatch raises `VerifyError` there, the engine rolls back, and the
+trainer retries it with a full refit (`refit._refit`). Three kinds:
 
 - gloo (CPU, our `refit_gloo` vLLM backend): a TCPStore hosted by the trainer plus a ProcessGroupGloo,
   built from torch alone on both ends (no global process group is touched). Each bucket is preceded by
@@ -9,14 +11,19 @@ group, so the others still receive every bucket. Two kinds:
   trainer packed them. The receiver posts every receive of the refit at once (`Incoming`), so the
   stream must always run to its end: a trainer that fails mid-transfer sends the remaining buckets as
   aborted junk (`GlooChannel.abort`), and the engine, having seen an aborted header, rolls back
-  instead of loading. The engine checks every bucket's CRC before it loads it: a mismatch raises
-  `VerifyError`, the engine rolls back the same way, and the trainer retries with a full refit.
-- ipc (one GPU, vLLM's own `ipc` backend): no group. Each bucket, packed into the trainer's GPU buffer,
-  reaches the engine as a CUDA IPC handle in its own `/update_weights` call; the engine copies it out and
-  loads it before answering. Like NCCL it has no CRC and no abort signal.
-- nccl (GPU, vLLM's own `nccl` backend): vLLM's StatelessProcessGroup + PyNcclCommunicator, because the
-  engine side rendezvouses that way. vLLM is imported only here, lazily. vLLM's NCCL consumer has no
-  header, so an abort cannot be signalled: the engine stays paused and is reported (see `_refit.py`).
+  instead of loading. The engine checks every bucket's CRC before it loads it.
+- ipc (one GPU, our `refit_ipc`: vLLM's CUDA IPC engine plus the check): no group. Each bucket, packed
+  into the trainer's GPU buffer, reaches the engine as a CUDA IPC handle in its own `/update_weights`
+  call, with the bucket's `device_checksum`; the engine checks, copies and loads it before answering.
+  No abort signal (none is needed: nothing is posted ahead).
+- nccl (GPU, our `refit_nccl`: vLLM's NCCL engine plus the check): vLLM's StatelessProcessGroup +
+  PyNcclCommunicator, because the engine side rendezvouses that way. vLLM is imported only here, lazily.
+  vLLM's NCCL receiver takes bare buckets, so the trainer's checksums follow the last bucket as one more
+  broadcast, and the engine checks once every bucket has arrived (and been loaded). No abort signal: a
+  trainer that fails mid-transfer leaves the engine waiting; it stays paused and is reported (`_refit.py`).
+
+The GPU check is `device_checksum`, computed on the device on both ends (no bucket crosses to the host);
+the CPU one is zlib's CRC-32 (`checksum`), which lets go of the GIL while the wire moves.
 """
 
 from __future__ import annotations
@@ -249,7 +256,11 @@ class GlooChannel:
 
 
 class NcclChannel:
-    """Trainer end of one engine's NCCL group (vLLM's communicator; needs vLLM and CUDA)."""
+    """Trainer end of one engine's NCCL group (vLLM's communicator; needs vLLM and CUDA).
+
+    `begin` gives it the refit's bucket plan; `send` broadcasts each bucket and, after the last, the
+    buckets' checksums, which the engine compares with its own (`refit.vllm_gpu`). Every broadcast is
+    queued on the current stream, behind the packing and the checksum of its bucket."""
 
     kind = "nccl"
 
@@ -257,15 +268,22 @@ class NcclChannel:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
         self.comm = trainer_init({"master_address": host, "master_port": port, "world_size": world_size})
+        self.num_buckets = 0
+        self.checksums: list[torch.Tensor] = []
 
-    def send(self, index: int, payload_N: torch.Tensor, crc: int = 0) -> list:
-        # No header on vLLM's NCCL consumer, so no CRC either: this path is not verified.
-        # Enqueued on the current stream; packing the next bucket is ordered after it on that stream.
+    def begin(self, specs: Sequence, plan: Sequence[range]) -> None:
+        self.num_buckets, self.checksums = len(plan), []
+
+    def send(self, index: int, payload_N: torch.Tensor, check: torch.Tensor) -> list:
+        """Bucket `index`; `check`: its `device_checksum` (a 0-dim tensor on the payload's device)."""
         self.comm.broadcast(payload_N, src=0)
+        self.checksums.append(check)
+        if index == self.num_buckets - 1:
+            self.comm.broadcast(torch.stack(self.checksums), src=0)
         return []
 
     def abort(self, sizes: list[int]) -> None:
-        pass  # vLLM's NCCL consumer has no abort signal; the caller keeps the engine paused.
+        pass  # vLLM's NCCL receiver has no abort signal; the caller keeps the engine paused.
 
     def close(self) -> None:
         torch.cuda.current_stream().synchronize()
@@ -273,12 +291,13 @@ class NcclChannel:
 
 
 class IpcChannel:
-    """Trainer end of an engine on this trainer's GPU (vLLM's `ipc` backend; needs CUDA, not vLLM).
+    """Trainer end of an engine on this trainer's GPU (our `refit_ipc` backend; needs CUDA, not vLLM).
 
     `begin` gives it the refit's parameter list and bucket plan; `send` hands the engine a CUDA IPC handle
-    of one packed bucket in one `/update_weights` call (`post`), which answers once the engine has copied
-    and loaded the bucket. The calls run one at a time on a thread of their own, so the trainer packs the
-    next bucket into its other buffer meanwhile; `wait` on what `send` returns before reusing a buffer.
+    of one packed bucket and its checksum in one `/update_weights` call (`post`), which answers once the
+    engine has checked, copied and loaded the bucket. The calls run one at a time on a thread of their own,
+    so the trainer packs the next bucket into its other buffer meanwhile; `wait` on what `send` returns
+    before reusing a buffer.
     """
 
     kind = "ipc"
@@ -292,22 +311,28 @@ class IpcChannel:
     def begin(self, specs: Sequence, plan: Sequence[range]) -> None:
         self.specs, self.plan = list(specs), list(plan)
 
-    def send(self, index: int, payload_N: torch.Tensor, crc: int = 0) -> list[_Posted]:
+    def send(self, index: int, payload_N: torch.Tensor, check: torch.Tensor) -> list[_Posted]:
+        """Bucket `index`; `check`: its `device_checksum` (a 0-dim tensor on the payload's device)."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         torch.cuda.current_stream(payload_N.device).synchronize()  # the packing kernel has written it
-        bucket = [self.specs[i] for i in self.plan[index]]
         gpu = str(torch.cuda.get_device_properties(payload_N.device).uuid)  # the engine finds its GPU here
-        handle = {gpu: reduce_tensor(payload_N)[1]}
-        info = {
+        info = self.update_info(index, {gpu: reduce_tensor(payload_N)[1]}, int(check))
+        return [_Posted(self.pool.submit(self.post, info))]
+
+    def update_info(self, index: int, handle: dict, checksum: int) -> dict:
+        """The `/update_weights` payload of bucket `index`: its parameters, the CUDA IPC `handle` of its
+        packed bytes (by GPU UUID) and their `checksum`."""
+        bucket = [self.specs[i] for i in self.plan[index]]
+        return {
             "names": [spec.name for spec in bucket],
             "dtype_names": [str(spec.dtype).removeprefix("torch.") for spec in bucket],
             "shapes": [list(spec.shape) for spec in bucket],
             "tensor_sizes": [spec.nbytes for spec in bucket],
             "packed": True,
             "ipc_handles_pickled": base64.b64encode(pickle.dumps(handle)).decode(),
+            "checksum": checksum,
         }
-        return [_Posted(self.pool.submit(self.post, info))]
 
     def abort(self, sizes: list[int]) -> None:
         pass  # nothing is posted ahead: the engine never waits for a bucket that is not sent

@@ -1,10 +1,13 @@
-"""Engine side of refit on CPU: the `refit_gloo` weight-transfer backend, loaded into vLLM's workers.
+"""Engine side of refit: the `refit_gloo` weight-transfer backend (CPU), loaded into vLLM's workers, and
+the registration of all of refit's backends.
 
 Give it to a vLLM server with
 `--worker-extension-cls refit.vllm_worker.RefitWorkerExtension --weight-transfer-config
-'{"backend": "refit_gloo"}'`. Importing this module (vLLM does, to resolve the extension class)
-registers `GlooWeightTransferEngine` with `WeightTransferEngineFactory`; vLLM then drives it through
-its own lifecycle (`/start_weight_update`, `/update_weights`, `/finish_weight_update`).
+'{"backend": "refit_gloo"}'` (or `refit_nccl`, `refit_ipc`: `refit.engine_flags`). Importing this module
+(vLLM does, to resolve the extension class) registers `GlooWeightTransferEngine` with
+`WeightTransferEngineFactory`, and the GPU backends of `refit.vllm_gpu` by name (imported when an engine
+is created with one); vLLM then drives them through its own lifecycle (`/start_weight_update`,
+`/update_weights`, `/finish_weight_update`).
 
 Why a backend of our own: vLLM's built-in backends are CUDA-only. This one receives the same buckets
 the sender packs for vLLM's NCCL engine (`refit._buckets`), over a gloo group, each bucket preceded by
@@ -51,11 +54,11 @@ from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
 from refit._buckets import ParamSpec, bucket_nbytes, plan_buckets, unpack_bucket
 from refit._delta import DeltaIncoming, bucket_unit
-from refit._engine import GLOO_BACKEND
+from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND
 from refit._names import in_trainer_names
 from refit._transport import Incoming, ReceiveBuffers, VerifyError, join_gloo_group
 
-__all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension"]
+__all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension", "roll_back_reload"]
 
 logger = init_logger(__name__)
 
@@ -200,13 +203,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.adapters is not None:  # nothing was touched: the served adapter stays
             self.pending_adapter = None
             return
-        for layer in self.model.modules():
-            info = get_layerwise_info(layer)
-            if info.can_load():  # still waiting for weights: forget what it buffered
-                info.loaded_weights.clear()
-                info.load_numel = 0
-        # With nothing buffered, finalize places each waiting layer's kernel tensors back.
-        finalize_layerwise_reload(self.model, self.model_config)
+        roll_back_reload(self.model, self.model_config)
         _repack_tied(self.model)
         self._forget_buffers_if_kept()
 
@@ -216,6 +213,18 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
         raise NotImplementedError("refit_gloo's trainer end is refit.update_weights, not vLLM's trainer API")
+
+
+def roll_back_reload(model: torch.nn.Module, model_config) -> None:
+    """End a layerwise reload that failed: every layer still waiting for weights forgets what it buffered
+    and gets its old tensors back (none stays on the meta device); layers already reloaded keep theirs."""
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            info.loaded_weights.clear()
+            info.load_numel = 0
+    # With nothing buffered, finalize places each waiting layer's kernel tensors back.
+    finalize_layerwise_reload(model, model_config)
 
 
 def _repack_tied(model: torch.nn.Module) -> None:
@@ -304,6 +313,10 @@ class RefitWorkerExtension:
         names = json.loads(trainer_names)
         return in_trainer_names(specs, names, mapper) if mapper is not None and names else specs
 
+    def refit_transfer_backend(self) -> str | None:
+        config = self.vllm_config.weight_transfer_config
+        return None if config is None else config.backend
+
     def refit_last_timings(self) -> dict[str, float]:
         return dict(getattr(self.weight_transfer_engine, "last_timings", {}))
 
@@ -313,3 +326,6 @@ class RefitWorkerExtension:
 
 with contextlib.suppress(ValueError):  # already registered: imported twice in one process
     WeightTransferEngineFactory.register_engine(GLOO_BACKEND, GlooWeightTransferEngine)
+for _name, _cls in ((NCCL_BACKEND, "VerifiedNcclEngine"), (IPC_BACKEND, "VerifiedIpcEngine")):
+    with contextlib.suppress(ValueError):
+        WeightTransferEngineFactory.register_engine(_name, "refit.vllm_gpu", _cls)

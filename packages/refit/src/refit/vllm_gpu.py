@@ -1,0 +1,130 @@
+"""Engine side of refit on GPU: vLLM's own NCCL and CUDA IPC weight-transfer engines, every bucket checked.
+
+`refit.vllm_worker` registers them as `refit_nccl` and `refit_ipc`; vLLM imports this module when it
+creates an engine with one of them. Each receives and loads exactly as vLLM 0.26's engine of its kind
+does, layerwise reload included; besides, it takes each packed bucket's `refit._transport.device_checksum`
+on the device once the bucket has arrived, before it is loaded, and compares it with the trainer's
+(`verify_checksums`; `refit_last_verify` answers the record):
+- refit_ipc: the trainer's checksum comes in the bucket's own `/update_weights` call, so a bucket that
+  fails is never loaded. The bucket is opened from its CUDA IPC handle and unpacked here, as vLLM's
+  `packed_ipc_consumer` does it: that function opens, unpacks and copies in one call and hands back no
+  packed bytes to check, and opening one handle twice would release its IPC reference twice.
+- refit_nccl: vLLM's packed receiver (`packed_nccl_broadcast_consumer`) runs unchanged, over a wrapper of
+  the NCCL group that takes each bucket's checksum right behind its broadcast, on the receiver's stream.
+  vLLM's receiver takes bare buckets (no header), so the trainer's checksums follow the last bucket as
+  one more broadcast: every bucket has been loaded when the engine compares.
+A mismatch raises `VerifyError`, and any error of a transfer rolls back as refit_gloo does
+(`roll_back_reload`: layers still waiting for weights get their old tensors back); vLLM's worker then
+ends the update, and the trainer retries the engine once with a full transfer, the engine still paused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+
+from refit._transport import device_checksum, verify_checksums
+from refit.vllm_worker import roll_back_reload
+
+__all__ = ["ChecksummedGroup", "IpcUpdateInfo", "VerifiedIpcEngine", "VerifiedNcclEngine"]
+
+
+def _fresh_record() -> dict:
+    return {"checked": 0, "failed": None, "error": "", "checksums": []}
+
+
+class ChecksummedGroup:
+    """The engine's NCCL communicator as vLLM's packed receiver calls it: each `broadcast` also queues
+    the device checksum of the bucket it received, on the same stream, so it reads the received bytes."""
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+        self.checksums: list[torch.Tensor] = []
+
+    def broadcast(self, tensor_N: torch.Tensor, src: int) -> None:
+        self.comm.broadcast(tensor_N, src=src)
+        self.checksums.append(device_checksum(tensor_N))
+
+
+class VerifiedNcclEngine(NCCLWeightTransferEngine):
+    """vLLM's NCCL engine, each bucket's checksum compared with the trainer's (module docstring)."""
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.last_verify = _fresh_record()
+
+    def init_transfer_engine(self, init_info) -> None:
+        super().init_transfer_engine(init_info)
+        self.model_update_group = ChecksummedGroup(self.model_update_group)
+
+    def receive_weights(self, update_info) -> None:
+        group = self.model_update_group
+        self.last_verify = _fresh_record()  # one call takes the whole transfer
+        try:
+            if group is None:
+                raise RuntimeError("refit_nccl: /init_weight_transfer_engine was never called")
+            if not update_info.packed:
+                raise ValueError("refit_nccl takes packed buckets (refit.update_weights sends them)")
+            group.checksums = []
+            super().receive_weights(update_info)  # vLLM's receiver, through `group`
+            torch.accelerator.synchronize()  # every bucket in and its checksum taken, on vLLM's streams
+            expected_K = torch.empty(len(group.checksums), dtype=torch.int64, device=self.device)
+            group.comm.broadcast(expected_K, src=0)
+            got = [int(check) for check in group.checksums]
+            verify_checksums(self.last_verify, got, expected_K.tolist())
+        except BaseException:
+            roll_back_reload(self.model, self.model_config)
+            raise
+
+
+@dataclass
+class IpcUpdateInfo(IPCWeightTransferUpdateInfo):
+    checksum: int | None = None  # the trainer's device_checksum of the packed bucket
+
+
+class VerifiedIpcEngine(IPCWeightTransferEngine):
+    """vLLM's CUDA IPC engine, each bucket checked against the trainer's checksum before it is loaded."""
+
+    update_info_cls = IpcUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.last_verify = _fresh_record()
+
+    def start_weight_update(self) -> None:
+        super().start_weight_update()
+        self.last_verify = _fresh_record()  # the transfer's buckets come in calls of their own
+
+    def receive_weights(self, update_info: IpcUpdateInfo) -> None:
+        try:
+            if not update_info.packed or update_info.checksum is None:
+                raise ValueError("refit_ipc takes packed buckets with their checksum (refit.update_weights)")
+            sizes = update_info.tensor_sizes
+            packed_N = _opened(update_info.ipc_handles, self.device.index)[: sum(sizes)]
+            index = len(self.last_verify["checksums"])  # one bucket per call, in order
+            got = int(device_checksum(packed_N))
+            verify_checksums(self.last_verify, [got], [update_info.checksum], first=index)
+            dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+            tensors = unpack_tensor(packed_N, update_info.names, update_info.shapes, dtypes, sizes)
+            # Copies, as vLLM's packed_ipc_consumer makes them: layerwise reload holds on to loaded
+            # tensors past this call, and the trainer packs its next bucket into the same buffer.
+            self.model.load_weights([(name, tensor.clone()) for name, tensor in tensors])
+        except BaseException:
+            roll_back_reload(self.model, self.model_config)
+            raise
+
+
+def _opened(handles: dict[str, tuple], device_index: int) -> torch.Tensor:
+    """The trainer's packed buffer, opened from its CUDA IPC handle on this worker's GPU (the handle is
+    keyed by GPU UUID; its argument 6 is the device index, the receiver's own, as vLLM sets it)."""
+    gpu = str(torch.cuda.get_device_properties(device_index).uuid)
+    if gpu not in handles:
+        raise ValueError(f"refit_ipc: no IPC handle for this GPU ({gpu}); the trainer sent {list(handles)}")
+    args = list(handles[gpu])
+    args[6] = device_index
+    return rebuild_cuda_tensor(*args)
