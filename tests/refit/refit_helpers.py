@@ -106,14 +106,17 @@ def fsdp_refit_rank(rank: int, world_size: int, port: int, model_dir: str, url: 
 
 class CorruptWire:
     """Test hook on the trainer's end of the wire: flips one byte of bucket `bucket`'s payload after the
-    trainer took its CRC (on the full stream, and on a delta stream), the first `times` times it goes out.
-    `hits` counts the corrupted sends. Install with `monkeypatch`; the trainer's own bytes stay intact."""
+    trainer took its checksum, the first `times` times it goes out. `channel`: the channel class whose
+    sends it corrupts: `GlooChannel` (the full stream, and a delta stream's patches) or a GPU one
+    (`IpcChannel`, `NcclChannel`: the copy it sends lives on the GPU). `hits` counts the corrupted sends.
+    Install with `monkeypatch`; the trainer's own bytes stay intact."""
 
-    def __init__(self, monkeypatch, *, bucket: int = 1, times: int = 1) -> None:
+    def __init__(self, monkeypatch, *, bucket: int = 1, times: int = 1, channel=None) -> None:
         from refit._transport import GlooChannel
 
+        kind = channel or GlooChannel
         self.hits, self.kept = 0, []
-        send, send_all = GlooChannel.send, GlooChannel.send_all
+        send = kind.send
 
         def corrupt(payload_N: torch.Tensor) -> torch.Tensor:
             self.hits += 1
@@ -127,6 +130,11 @@ class CorruptWire:
                 payload_N = corrupt(payload_N)
             return send(channel, index, payload_N, crc)
 
+        monkeypatch.setattr(kind, "send", corrupt_send)
+        if kind is not GlooChannel:
+            return
+        send_all = GlooChannel.send_all
+
         def corrupt_send_all(channel, payloads):
             table_N3 = payloads[0]  # a delta stream: the table, then the payloads that travel
             travelling = [i for i, (_, num_bytes, _) in enumerate(table_N3.tolist()) if num_bytes]
@@ -136,7 +144,6 @@ class CorruptWire:
                 payloads[at] = corrupt(payloads[at])
             return send_all(channel, payloads)
 
-        monkeypatch.setattr(GlooChannel, "send", corrupt_send)
         monkeypatch.setattr(GlooChannel, "send_all", corrupt_send_all)
 
 

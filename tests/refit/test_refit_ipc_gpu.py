@@ -1,15 +1,21 @@
-"""Refit into a real CUDA vLLM engine on the trainer's own GPU, through vLLM's CUDA IPC weight transfer
-(`refit.IPC_BACKEND`), and the prefix cache across a refit. GPU machine only: the IPC backend is CUDA's."""
+"""Refit into a real CUDA vLLM engine on the trainer's own GPU, through refit's CUDA IPC weight transfer
+(`refit.IPC_BACKEND`, vLLM's IPC engine plus a check of every bucket), the prefix cache across a refit,
+and the check: a bucket corrupted on its way is refused, rolled back and sent again. The same check over
+NCCL (`refit.NCCL_BACKEND`) into an engine on a second GPU, skipped with one (NCCL refuses two ranks on
+one device). GPU machine only: both backends are CUDA's."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import httpx
 import pytest
 import torch
+from refit_helpers import CorruptWire
 
 import refit
+from refit._transport import IpcChannel, NcclChannel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 TOL = 0.1  # bf16 engine vs bf16 transformers on a random tiny model; weight sets differ by far more
@@ -83,3 +89,57 @@ def test_ipc_refit_serves_the_trainers_weights_and_no_stale_prefix_kv(ipc_engine
         assert _error(url, model) < TOL
         assert not engine.is_paused()
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def nccl_engine(tiny_model_dir, tmp_path_factory):
+    """An engine on the second GPU this process sees; the trainer stays on the first."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the NCCL refit needs a second GPU for the engine (NCCL refuses two ranks on one)")
+    from molt.vllm_server import VLLMServer
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    second = visible.split(",")[1] if visible else "1"
+    args = [*refit.engine_flags(refit.NCCL_BACKEND), "--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
+            "--enforce-eager"]  # fmt: skip
+    log = tmp_path_factory.mktemp("nccl-vllm") / "server.log"
+    env = {**refit.engine_env(refit.NCCL_BACKEND), "CUDA_VISIBLE_DEVICES": second}
+    with VLLMServer(tiny_model_dir, extra_args=args, log_path=log, on_cpu=False, env=env) as server:
+        yield server
+
+
+def _a_corrupted_bucket_is_refused_and_sent_again(server, backend, channel, tmp_path, monkeypatch) -> None:
+    url, engine = server.url, refit.Engine(server.url, backend=backend)
+    clean = _weights(tmp_path, 21)
+    stats = refit.update_weights([engine], refit.full_params(clean), version=21, bucket_bytes=64 << 10)
+    assert stats.verify_failed == () and stats.num_buckets > 1
+    report = engine.verify_report()[0]  # the engine took a checksum of every bucket, and each matched
+    assert report["failed"] is None and report["checked"] == len(report["checksums"]) == stats.num_buckets
+    assert _error(url, clean) < TOL
+
+    wire = CorruptWire(monkeypatch, bucket=1, times=1, channel=channel)  # after the trainer's checksum
+    model = _weights(tmp_path, 22)
+    assert _error(url, model) > 5 * TOL
+    stats = refit.update_weights([engine], refit.full_params(model), version=22, bucket_bytes=64 << 10)
+    assert wire.hits == 1 and stats.verify_failed == (url,)
+    assert {"retry_start", "retry_transfer"} <= set(stats.seconds)
+    assert engine.verify_report()[0]["failed"] is None  # the retry's buckets all passed
+    assert _error(url, model) < TOL  # and it loaded the trainer's weights
+    assert not engine.is_paused() and engine.weight_version() == "22"
+    engine.close()
+
+
+def test_ipc_refit_refuses_a_bucket_corrupted_on_its_way_and_a_full_refit_recovers(
+    ipc_engine, tmp_path, monkeypatch
+):
+    _a_corrupted_bucket_is_refused_and_sent_again(
+        ipc_engine, refit.IPC_BACKEND, IpcChannel, tmp_path, monkeypatch
+    )
+
+
+def test_nccl_refit_refuses_a_bucket_corrupted_on_its_way_and_a_full_refit_recovers(
+    nccl_engine, tmp_path, monkeypatch
+):
+    _a_corrupted_bucket_is_refused_and_sent_again(
+        nccl_engine, refit.NCCL_BACKEND, NcclChannel, tmp_path, monkeypatch
+    )
