@@ -80,7 +80,7 @@ RANGES: dict[str, Range] = {
     "vllm.tensor_parallel_size": _AT_LEAST_1,
     "vllm.data_parallel_size": _AT_LEAST_1, "vllm.max_num_batched_tokens": _AT_LEAST_1,
     "vllm.mtp_num_speculative_tokens": _AT_LEAST_0, "vllm.max_model_len": Range(2),
-    "vllm.gpu_memory_utilization": _FRACTION,
+    "vllm.gpu_memory_utilization": _FRACTION, "vllm.kv_cache_tokens": _AT_LEAST_0,
     "rollout.group_size": _AT_LEAST_1, "rollout.prompts_per_step": _AT_LEAST_1,
     "rollout.max_new_tokens": _AT_LEAST_1, "rollout.temperature": _POSITIVE, "rollout.top_p": _FRACTION,
     "rollout.queue_depth": _AT_LEAST_0, "rollout.max_lag": _AT_LEAST_0,
@@ -112,6 +112,11 @@ def check_ranges(config: Config) -> None:
             raise ConfigError(f"--algo.correction.{flag} is (low, high) with low < high, got ({low}, {high})")
     if config.eval.k > config.eval.n:
         raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
+    if 0 < config.vllm.kv_cache_tokens < config.vllm.max_model_len:
+        raise ConfigError(
+            f"--vllm.kv_cache_tokens {config.vllm.kv_cache_tokens} cannot hold one sequence of "
+            f"--vllm.max_model_len {config.vllm.max_model_len}: raise it (or 0, sized from the run)"
+        )
     if config.rollout.max_new_tokens >= config.vllm.max_model_len:
         raise ConfigError(
             f"--rollout.max_new_tokens {config.rollout.max_new_tokens} leaves no room for a prompt in "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from molt._placement import plain_kv_layout
 from molt.config import Config, ConfigError
 
 __all__ = ["LORA_RANKS", "check_companions", "check_model", "num_experts"]
@@ -50,6 +51,12 @@ def check_model(config: Config, model_dir: str | Path) -> None:
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
             "pick an outcome estimator"
+        )
+    if config.vllm.kv_cache_tokens and not plain_kv_layout(model_config):
+        raise ConfigError(
+            f"--vllm.kv_cache_tokens with --model.path {model_dir}, whose layers do not all cache K and V "
+            "per token (MLA, linear attention or sliding windows): size its engines with "
+            "--vllm.gpu_memory_utilization instead"
         )
     model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
     experts = num_experts(model_config)

@@ -61,6 +61,7 @@ _CUDA_ONLY = {
     "fsdp.offload": "it moves optimizer states to host memory, where a CPU actor's already are",
     "vllm.cuda_graphs": "the CPU engine always runs eager",
     "vllm.gpu_memory_utilization": "it sizes an engine's share of GPU memory",
+    "vllm.kv_cache_tokens": "it sizes a CUDA engine's KV cache (the CPU engine's is VLLM_CPU_KVCACHE_SPACE)",
     "vllm.placement": "it places engines and actor ranks on GPUs",
     "vllm.tensor_parallel_size": "the CPU engine runs one process",
     "vllm.data_parallel_size": "the CPU engine runs one process",

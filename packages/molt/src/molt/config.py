@@ -194,6 +194,11 @@ class VLLM(_Group):
     gpu_memory_utilization: float | None = None
     """Fraction of its GPU's memory an engine may take; none = 0.8 on GPUs of its own, 0.4 on a GPU it
     shares with the actor (see --vllm.placement)."""
+    kv_cache_tokens: int = 0
+    """KV cache of each engine GPU, in tokens (CUDA engines); 0 = what the run can fill: every sequence
+    in flight (--rollout.queue_depth x --rollout.group_size, plus the eval's) at --vllm.max_model_len,
+    when that fits in --vllm.gpu_memory_utilization (else vLLM sizes it from that). A larger cache costs
+    every refit time: its cache reset walks every block."""
     placement: Literal["auto", "shared", "separate"] = "auto"
     """GPUs: separate = each engine and actor rank on its own (NCCL refit); shared = the engine and the actor
     on one GPU (CUDA IPC refit); auto = shared when a local Ray has too few GPUs for separate."""

@@ -3,8 +3,8 @@
 Every call here is one documented vLLM endpoint (they exist only with `VLLM_SERVER_DEV_MODE=1`):
 `/pause?mode=keep`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
 `/reset_prefix_cache`, `/reset_encoder_cache`, `/resume`, `/init_weight_transfer_engine`,
-`/get_world_size`, and `/collective_rpc` for the read-only methods of our worker extension (checkpoint specs, timings, the
-last transfer's verification).
+`/get_world_size`, and `/collective_rpc` for the read-only methods of our worker extension
+(checkpoint specs, timings, the last transfer's verification).
 No engine internals are touched from the trainer. This module does not order the calls; `_refit.py`
 runs the lifecycle. A non-2xx reply raises `EngineCallError` naming the engine, the call and the body.
 """
