@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from molt._batch import TrainBatch, rows_of, shifted_logprobs
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch, shifted_logprobs
 from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._objective import step_loss
@@ -318,11 +318,12 @@ class PolicyWorker:
         peaks = [peak for gpu, peak in BF16_PEAK.items() if gpu in name]
         return {**counts, "peak_flops": peaks[0] if peaks else 0.0}
 
-    def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
+    def _forward_backward(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """One micro-batch: the policy's logprobs and entropies, its loss (`molt._objective.step_loss`)
         and the backward. Returns the loss's metric numerators and, under routing replay, the (token,
         router) pairs it compared and those the router would have routed elsewhere."""
         algo, device = self.config.algo, self.device
+        old_logp_BT, ref_logp_BT = inputs.old_logp_BT, inputs.ref_logp_BT
         with self._routes(mb) as replay:
             # The entropy of the distribution each token was sampled from; a bonus trains it.
             logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if algo.entropy_coef else "detached")
@@ -345,10 +346,10 @@ class PolicyWorker:
             sums.update(routes_differed=differed, routes_compared=compared)
         return sums
 
-    def _micro_batch_sums(self, batch: TrainBatch, loss_of, *tensors_BT) -> dict[str, float]:
-        """Forward and backward of each planned micro-batch of this rank's rows through `loss_of(mb, *its
-        rows of tensors_BT)` (None stays None), which returns metric numerators: their sums over the
-        micro-batches and all ranks. The policy's step and the critic's (`molt._critic`) both run it."""
+    def _micro_batch_sums(self, batch: TrainBatch, loss_of, inputs: StepInputs) -> dict[str, float]:
+        """Forward and backward of each planned micro-batch of this rank's rows through `loss_of(mb, its
+        rows of inputs)`, which returns metric numerators: their sums over the micro-batches and all
+        ranks. The policy's step and the critic's (`molt._critic`) both run it."""
         from torch.distributed.fsdp import FSDPModule
 
         started = time.perf_counter()
@@ -361,8 +362,7 @@ class PolicyWorker:
             # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
             if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
-            mb_tensors = [rows_of(t, rows, mb.tokens_BT.shape[1]) for t in tensors_BT]
-            for name, value in loss_of(mb, *mb_tensors).items():
+            for name, value in loss_of(mb, inputs.rows(rows, mb.tokens_BT.shape[1])).items():
                 totals[name] = totals[name] + value if name in totals else value
         self._count_pass(batch, started, backward=True)
         sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
@@ -389,26 +389,25 @@ class PolicyWorker:
         self.optimizer.zero_grad(set_to_none=True)
         return float(total_norm), lr
 
-    def train_step(
-        self,
-        batch: TrainBatch,
-        old_logp_BT: torch.Tensor | None = None,
-        ref_logp_BT: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
         """One optimizer step over this rank's rows; metrics are global (all ranks, all micro-batches).
 
-        `old_logp_BT`: the logprobs of the policy the surrogate's ratio is taken against (the trainer's
-        old policy: before the first of the batch's `--train.mini_batches` steps), computed once by the
-        caller. None takes them from this step's own forward, detached: right for a batch that is one
-        optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
+        `inputs.old_logp_BT`: the logprobs of the policy the surrogate's ratio is taken against (the
+        trainer's old policy: before the first of the batch's `--train.mini_batches` steps), computed once
+        by the caller. None takes them from this step's own forward, detached: right for a batch that is
+        one optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
         rollout correction (`--algo.correction.*`) weighs each token by the ratio of `old_logp` to the
-        engine's `batch.rollout_logp_BT`. `ref_logp_BT`: reference logprobs, which add the KL loss term.
+        engine's `batch.rollout_logp_BT`. `inputs.ref_logp_BT`: reference logprobs, which add the KL
+        loss term.
         """
         if self.optimizer is None:
             raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
-        if ref_logp_BT is None and self.config.algo.kl.coef != 0 and not self.config.algo.kl.in_reward:
-            raise ValueError("--algo.kl.coef is set: pass reference logprobs (ref_logp_BT) to train_step")
-        sums = self._micro_batch_sums(batch, self._forward_backward, old_logp_BT, ref_logp_BT)
+        kl = self.config.algo.kl
+        if inputs.ref_logp_BT is None and kl.coef != 0 and not kl.in_reward:
+            raise ValueError(
+                "--algo.kl.coef is set: pass reference logprobs (inputs.ref_logp_BT) to train_step"
+            )
+        sums = self._micro_batch_sums(batch, self._forward_backward, inputs)
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums

@@ -48,6 +48,8 @@ __all__ = [
     "explained_variance",
     "last_token_rewards",
     "rows_of",
+    "NO_INPUTS",
+    "StepInputs",
     "row_images",
     "shifted_logprobs",
     "whitened",
@@ -167,12 +169,12 @@ class TrainBatch:
             lengths_B=torch.tensor([self.row_lengths[row] for row in rows], dtype=torch.int64),
         )
 
-    def check_step(self, **tensors_BT: torch.Tensor | None) -> None:
+    def check_step(self, inputs: StepInputs) -> None:
         """Refuse an optimizer step over these rows that has no trainable token, or is given a per-row
-        tensor (None: not given) of another shape than theirs; the policy's and the critic's groups
-        check here, before the rows are split over ranks."""
-        for name, tensor in tensors_BT.items():
-            if tensor is not None and tensor.shape != self.tokens_BT.shape:
+        input of another shape than theirs; the policy's and the critic's groups check here, before the
+        rows are split over ranks."""
+        for name, tensor in inputs.given().items():
+            if tensor.shape != self.tokens_BT.shape:
                 raise ValueError(f"{name} must be {tuple(self.tokens_BT.shape)}, got {tuple(tensor.shape)}")
         if self.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
@@ -230,6 +232,29 @@ class TrainBatch:
             "image_grid_thw": torch.cat([images.grid_thw_I3 for _, images in rows]).to(device),
             "mm_token_type_ids": token_type_BT.to(device),
         }
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The [B, T] tensors an optimizer step reads beside its `TrainBatch`, by name; None where the run has
+    none. Adding an input is a field here and the loss code that reads it: the groups, the loop and the
+    workers cut and pass the whole structure."""
+
+    old_logp_BT: torch.Tensor | None = None  # the policy before the batch's first step (the ratio's base)
+    ref_logp_BT: torch.Tensor | None = None  # the frozen reference policy's (the KL loss term)
+    old_values_BT: torch.Tensor | None = None  # the critic's values before its step (value clipping)
+    returns_BT: torch.Tensor | None = None  # the critic's targets (gae)
+
+    def given(self) -> dict[str, torch.Tensor]:
+        """The inputs that are set, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def rows(self, rows: Sequence[int], num_cols: int) -> StepInputs:
+        """These inputs for `rows` of the batch, cut to `num_cols` columns (`rows_of`)."""
+        return StepInputs(**{name: rows_of(t, rows, num_cols) for name, t in self.given().items()})
+
+
+NO_INPUTS = StepInputs()  # a step that reads none (frozen: one shared default)
 
 
 def rows_of(tensor_BT: torch.Tensor | None, rows: Sequence[int], num_cols: int) -> torch.Tensor | None:

@@ -24,7 +24,7 @@ import msgspec
 import torch
 
 from molt._actor import PolicyWorker
-from molt._batch import TrainBatch
+from molt._batch import StepInputs, TrainBatch
 from molt._group import PolicyGroup
 from molt._sharding import distributed_setup, replicas
 from molt.config import Config
@@ -85,14 +85,14 @@ class CriticWorker(PolicyWorker):
         """V(state before token t) for every column, [B, T] float32 on the CPU."""
         return self._per_micro_batch(batch, self._values)
 
-    def _value_loss(self, mb: TrainBatch, old_values_BT, returns_BT) -> dict[str, torch.Tensor]:
+    def _value_loss(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
         mask_BT = mb.loss_mask_BT.to(self.device)
         values_BT = self._values(mb)
         loss_sum, metrics = value_loss(
             values_BT,
-            old_values_BT.to(self.device),
-            returns_BT.to(self.device),
+            inputs.old_values_BT.to(self.device),
+            inputs.returns_BT.to(self.device),
             mask_BT,
             clip=self.config.algo.critic.value_clip,
         )
@@ -103,11 +103,10 @@ class CriticWorker(PolicyWorker):
             "critic/value_mean": masked_sum(values_BT.detach(), mask_BT),
         }
 
-    def train_step(
-        self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
-    ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss over this rank's rows; global metrics."""
-        sums = self._micro_batch_sums(batch, self._value_loss, old_values_BT, returns_BT)
+    def train_step(self, batch: TrainBatch, inputs: StepInputs) -> dict[str, float]:
+        """One optimizer step of the clipped value loss over this rank's rows (`inputs.old_values_BT`
+        and `inputs.returns_BT`); global metrics."""
+        sums = self._micro_batch_sums(batch, self._value_loss, inputs)
         counted = batch.num_tokens * replicas(self.config)  # as the policy's (`PolicyWorker.train_step`)
         metrics = {name: value / counted for name, value in sums.items()}
         metrics["critic/grad_norm"], metrics["critic/lr"] = self._optimizer_step()
@@ -134,9 +133,10 @@ class CriticGroup(PolicyGroup):
         """Values of every row of `batch`, [B, T], in row order."""
         return self._rows("values", batch)
 
-    def train_step(
-        self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
-    ) -> dict[str, float]:
-        """One critic optimizer step over the whole batch; returns the global metrics."""
-        batch.check_step(old_values_BT=old_values_BT, returns_BT=returns_BT)
-        return self._each("train_step", *self._row_shards(batch, old_values_BT, returns_BT)[1])[0]
+    def train_step(self, batch: TrainBatch, inputs: StepInputs) -> dict[str, float]:
+        """One critic optimizer step over the whole batch (`inputs`: the values before it and the
+        returns); returns the global metrics."""
+        if inputs.old_values_BT is None or inputs.returns_BT is None:
+            raise ValueError("the critic's step needs inputs.old_values_BT and inputs.returns_BT")
+        batch.check_step(inputs)
+        return self._each("train_step", *self._row_shards(batch, inputs)[1])[0]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from molt._actor import PolicyWorker
-from molt._batch import TrainBatch, rows_of
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch
 from molt._packing import plan_micro_batches
 from molt._placement import gpu_share, refit_backend
 from molt._sharding import replicas
@@ -132,19 +132,20 @@ class PolicyGroup:
         budget, packed = self.layout
         return plan_micro_batches(batch.row_lengths, num_ranks=self.dp_size, budget=budget, packed=packed)
 
-    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> tuple[list, list[tuple]]:
+    def _row_shards(self, batch: TrainBatch, inputs: StepInputs | None = None) -> tuple[list, list[tuple]]:
         """Each data-parallel rank's rows (`_plan`), and each rank's arguments: those rows of `batch`,
-        with their micro-batches, and of each [B, T] tensor (None stays None). The ranks of one data-
-        parallel coordinate get the same rows (module docstring)."""
+        with their micro-batches, and of `inputs` where given. The ranks of one data-parallel coordinate
+        get the same rows (module docstring)."""
         ranks_rows, shards = [], []
         for micro_batches in self._plan(batch):
             rows = [row for mb in micro_batches for row in mb]
             local = iter(range(len(rows)))
             plan = tuple(tuple(next(local) for _ in mb) for mb in micro_batches)
             shard = dataclasses.replace(batch.select(rows), plan=plan)
-            num_cols = shard.tokens_BT.shape[1]
             ranks_rows.append(rows)
-            shards.append((shard, *(rows_of(t, rows, num_cols) for t in tensors_BT)))
+            shards.append(
+                (shard,) if inputs is None else (shard, inputs.rows(rows, shard.tokens_BT.shape[1]))
+            )
         return ranks_rows, [shards[rank // self.replicas] for rank in range(self.num_ranks)]
 
     def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
@@ -176,16 +177,11 @@ class PolicyGroup:
         """Logprobs of every row of `batch`, [B, T], in row order."""
         return self._rows("logprobs", batch)
 
-    def train_step(
-        self,
-        batch: TrainBatch,
-        old_logp_BT: torch.Tensor | None = None,
-        ref_logp_BT: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
-        says what the arguments mean)."""
-        batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
-        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)[1]
+        says which inputs it reads)."""
+        batch.check_step(inputs)
+        shards = self._row_shards(batch, inputs)[1]
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
     def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:

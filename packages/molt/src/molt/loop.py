@@ -20,6 +20,8 @@ import torch
 
 from asyncpool import GroupPool, PromptStarved
 from molt._batch import (
+    NO_INPUTS,
+    StepInputs,
     TrainBatch,
     collate,
     explained_variance,
@@ -149,7 +151,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 rewards_R = rewards_R - kl_cfg.coef * rollout_sums(kl_BT, rollouts)
                 ref_logp_BT = None  # no loss term
 
-        critic_args = None  # --algo.advantage.estimator: per rollout (outcome), or per token (gae, opd)
+        critic_inputs = None  # --algo.advantage.estimator: per rollout (outcome), or per token (gae, opd)
         if estimator == "gae":  # the critic's values; the reward sits on each row's last sampled token
             values_BT = await asyncio.to_thread(run.critic.values, batch)
             row_rewards_B = rewards_R.repeat_interleave(rows_per_rollout(rollouts))
@@ -158,7 +160,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 rewards_BT, values_BT, mask_BT, gamma=gae_cfg.gamma, lam=gae_cfg.lam
             )
             advantages_BT = whitened(advantages_BT, mask_BT) if gae_cfg.whiten else advantages_BT
-            critic_args = (values_BT, returns_BT)
+            critic_inputs = StepInputs(old_values_BT=values_BT, returns_BT=returns_BT)
             extra_metrics["critic/explained_variance"] = explained_variance(values_BT, returns_BT, mask_BT)
         elif estimator == "opd":  # the teacher's logprobs of the student's own tokens
             teacher_logp_BT = await asyncio.to_thread(run.teacher.logprobs, batch)
@@ -175,9 +177,10 @@ async def run_steps(config: Config, run: Run) -> None:
         seed = (config.train.seed, step)  # windows of whole rollouts, in a seeded random order
         parts = batch.windows(num_windows, rows_per_rollout(rollouts).tolist(), seed)
         windows = [(w, rows) for w, rows in parts if w.num_tokens]
-        steps = [asyncio.to_thread(train_windows, policy, windows, old_logp_BT, ref_logp_BT)]  # ref: KL term
-        if critic_args is not None:  # the critic's steps run beside the policy's
-            steps.append(asyncio.to_thread(train_windows, run.critic, windows, *critic_args))
+        policy_inputs = StepInputs(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)  # ref: the KL term
+        steps = [asyncio.to_thread(train_windows, policy, windows, policy_inputs)]
+        if critic_inputs is not None:  # the critic's steps run beside the policy's
+            steps.append(asyncio.to_thread(train_windows, run.critic, windows, critic_inputs))
         train_metrics = {name: v for metrics in await asyncio.gather(*steps) for name, v in metrics.items()}
         train_metrics |= await asyncio.to_thread(policy.pass_metrics)  # actor/padding_frac, tokens_per_s
         train_s = time.monotonic() - train_started
@@ -230,16 +233,15 @@ async def run_steps(config: Config, run: Run) -> None:
 _CLIP_FRACS = ("train/clip_frac", "critic/value_clip_frac")
 
 
-def train_windows(group, windows: list[tuple[TrainBatch, list[int]]], *tensors_BT) -> dict[str, float]:
+def train_windows(
+    group, windows: list[tuple[TrainBatch, list[int]]], inputs: StepInputs = NO_INPUTS
+) -> dict[str, float]:
     """One optimizer step of `group` (the policy or the critic) per window of the batch, each given its
-    rows of the [B, T] `tensors_BT` (None stays None). Metrics: the windows' token-weighted mean; a clip
-    fraction over the windows after the first, where the ratio can depart from 1 (0 with one window);
-    the learning rate is the first step's."""
+    rows of `inputs`. Metrics: the windows' token-weighted mean; a clip fraction over the windows after
+    the first, where the ratio can depart from 1 (0 with one window); the learning rate is the first
+    step's."""
     results = [
-        group.train_step(
-            window, *(None if t is None else t[rows, : window.tokens_BT.shape[1]] for t in tensors_BT)
-        )
-        for window, rows in windows
+        group.train_step(window, inputs.rows(rows, window.tokens_BT.shape[1])) for window, rows in windows
     ]
     weights = [window.num_tokens for window, _ in windows]
 
