@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, get_args
 
 import msgspec
 
-from molt._config_algo import loss_agg
+from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Config, ConfigError, OutcomeEstimator
 
 __all__ = [
@@ -243,14 +243,15 @@ def check_algorithm(config: Config) -> None:
             "--algo.dynamic_filter_max_batches bounds the groups --algo.dynamic_filter drops, which is off: "
             "pass --algo.dynamic_filter, or drop it"
         )
-    if algo.advantage.estimator == "opd" and not algo.teacher.model:
+    needs, estimator = estimator_needs(algo.advantage.estimator), algo.advantage.estimator
+    if needs.teacher and not algo.teacher.model:
         raise ConfigError(
-            "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
+            f"--algo.advantage.estimator {estimator} distils from a teacher: set --algo.teacher.model DIR"
         )
-    if algo.advantage.estimator == "opd" and algo.kl.coef and algo.kl.in_reward:
+    if not needs.rewards and algo.kl.coef and algo.kl.in_reward:
         raise ConfigError(
-            "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
-            "drop --algo.kl.in_reward (the KL then is a loss term)"
+            f"--algo.kl.in_reward changes the reward, which --algo.advantage.estimator {estimator} does not "
+            "use: drop --algo.kl.in_reward (the KL then is a loss term)"
         )
     rollouts = rollout.prompts_per_step * rollout.group_size
     if config.train.mini_batches > rollouts:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from molt._config_algo import estimator_needs
 from molt._placement import plain_kv_layout
 from molt.config import Config, ConfigError
 
@@ -47,7 +48,7 @@ def check_model(config: Config, model_dir: str | Path) -> None:
             "adapters on a language model only, and the target modules would wrap the vision tower too; "
             "LoRA runs on text models for now"
         )
-    if "vision_config" in model_config and algo.advantage.estimator == "gae":
+    if "vision_config" in model_config and estimator_needs(algo.advantage.estimator).critic:
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
             "pick an outcome estimator"
@@ -151,10 +152,10 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
 def check_companions(config: Config) -> None:
     """A teacher or critic reads the policy's token ids, so it must tokenize exactly as the policy does."""
     algo = config.algo
-    others = {}
-    if algo.advantage.estimator == "opd":
+    needs, others = estimator_needs(algo.advantage.estimator), {}
+    if needs.teacher:
         others["--algo.teacher.model"] = algo.teacher.model
-    if algo.advantage.estimator == "gae" and algo.critic.model:
+    if needs.critic and algo.critic.model:
         others["--algo.critic.model"] = algo.critic.model
     if not others:
         return

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import msgspec
 
+from molt._config_algo import estimator_needs
 from molt.config import Config, ConfigError
 
 __all__ = [
@@ -46,11 +47,8 @@ _MEMORY = {"separate": 0.8, "shared": 0.4}  # --vllm.gpu_memory_utilization when
 def extra_groups(config: Config) -> list[str]:
     """The optional groups a run starts beside the policy (each with --actor.num_ranks ranks)."""
     algo = config.algo
-    wanted = {
-        "reference": algo.kl.coef != 0,
-        "critic": algo.advantage.estimator == "gae",
-        "teacher": algo.advantage.estimator == "opd",
-    }
+    needs = estimator_needs(algo.advantage.estimator)
+    wanted = {"reference": algo.kl.coef != 0, "critic": needs.critic, "teacher": needs.teacher}
     return [name for name, started in wanted.items() if started]
 
 
