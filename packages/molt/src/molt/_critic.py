@@ -5,8 +5,8 @@ head (transformers' `*ForTokenClassification`, `num_labels=1`), loaded from `--a
 default, from the policy's initial weights. A freshly made head starts at zero, so every first value is 0
 and the first advantages are the returns themselves. It trains with `rlestimators.value_loss` (clipped
 around the values before the step) at `--algo.critic.lr`, with the same one-denominator normalisation as
-the policy (the step's trainable tokens) through the policy worker's micro-batch loop
-(`PolicyWorker._micro_batch_sums`), and checkpoints beside it (`<step>/critic`).
+the policy (the step's trainable tokens) through the micro-batch loop both share
+(`molt._rank.ModelRank._micro_batch_sums`), and checkpoints beside it (`<step>/critic`).
 
 Alignment: `values_BT[:, t]` is the value of the state in which token t was sampled, read from the hidden
 state of token t - 1 (as a logprob in column t comes from the logits of t - 1); column 0 holds 0. The
@@ -23,9 +23,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from molt._actor import PolicyWorker
 from molt._batch import StepInputs, TrainBatch
 from molt._group import PolicyGroup
+from molt._rank import ModelRank
 from molt._sharding import distributed_setup, replicas
 from molt.config import Config
 from rlestimators import masked_sum, value_loss
@@ -65,10 +65,10 @@ def load_value_model(model_dir: str, config: Config, world_size: int, device: to
     return parallelize_model(model.to(device), setup.mesh_context)
 
 
-class CriticWorker(PolicyWorker):
-    """One rank of the critic; the policy worker's process group, optimizer and checkpointing."""
+class CriticWorker(ModelRank):
+    """One rank of the critic (`molt._rank.ModelRank` plus the values and the value loss's step)."""
 
-    name = "critic"
+    checkpoint_dir = "critic"
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_value_model(model_dir, self.config, world_size, self.device)
