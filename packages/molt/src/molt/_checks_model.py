@@ -3,7 +3,8 @@ a vision tower) against the parallel sizes and what a vision-language policy can
 the projections they wrap and what vLLM serves, and a teacher's or critic's tokenizer against the policy's.
 The checks that read the config alone are `molt._checks`. Every message names the flags and what to do.
 
-Imports transformers only for a teacher or critic model.
+Imports transformers only for a teacher or critic model, or to ask whether --actor.shared_prefix's model
+packs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ def num_experts(model_config: dict) -> int:
     return next((int(model_config[key]) for key in _EXPERT_KEYS if model_config.get(key)), 0)
 
 
+def _check_shared_prefix(model_dir: str | Path) -> None:
+    """--actor.shared_prefix lays rows out in packed micro-batches: refused for a model that cannot pack."""
+    from transformers import AutoConfig
+
+    from molt._packing import packing_refusal
+
+    refusal = packing_refusal(AutoConfig.from_pretrained(model_dir))
+    if refusal:
+        raise ConfigError(
+            "--actor.shared_prefix shares prefixes within packed micro-batches, and --model.path "
+            f"{model_dir} cannot pack ({refusal}): drop --actor.shared_prefix"
+        )
+
+
 def check_model(config: Config, model_dir: str | Path) -> None:
     """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
     vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
@@ -37,6 +52,8 @@ def check_model(config: Config, model_dir: str | Path) -> None:
 
         model_dir, model_config = "(the tiny model)", dict(TINY_SHAPE)
     fsdp, algo = config.fsdp, config.algo
+    if config.actor.shared_prefix and model_dir:  # the tiny model packs
+        _check_shared_prefix(model_dir)
     if "vision_config" in model_config and (fsdp.tp_size > 1 or fsdp.cp_size > 1):
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "

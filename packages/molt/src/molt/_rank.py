@@ -8,8 +8,10 @@ writes and reads its part of a checkpoint. The group plans the rows' micro-batch
 (`molt._packing.plan_micro_batches`: a token budget, balanced by cost). Each micro-batch's rows go through
 the model packed end to end (`molt._packing.PackedRows`, attention within each row) and come back as
 [B, T] per-row tensors, so the loss sees the rows exactly as it would padded; a model that cannot pack
-runs them padded. Every pass counts its tokens, token slots, model FLOPs and seconds (`take_pass_counts`:
-`actor/padding_frac`, `actor/tokens_per_s`, `actor/mfu`).
+runs them padded. With --actor.shared_prefix, rows that begin alike share those tokens' computation
+(`molt._prefix.SharedPrefixRows`, the same results per row). Every pass counts its tokens, token slots,
+the slots shared prefixes saved, model FLOPs and seconds (`take_pass_counts`: `actor/padding_frac`,
+`actor/shared_prefix_frac`, `actor/tokens_per_s`, `actor/mfu`).
 
 Loss normalisation (DESIGN §6, paper §3.6): a kind's loss on each micro-batch is divided by the ONE
 denominator of the whole step on all ranks; with FSDP's gradient averaging undone
@@ -44,6 +46,7 @@ from molt._packing import (
     packing_refusal,
     use_packed_attention,
 )
+from molt._prefix import SharedPrefixRows
 from molt._sharding import compute_dtype, freeze_moe_routers, params_by_mesh, sum_gradients_over_ranks
 from molt.config import Config
 
@@ -87,7 +90,9 @@ class ModelRank:
         self.packed = config.actor.pack and packing_refusal(self.model.config) is None
         if self.packed:
             use_packed_attention(self.model)
-        self.passes = dict.fromkeys(("slots", "tokens", "flops", "seconds"), 0.0)  # since the last report
+        self.shared_prefix = self.packed and config.actor.shared_prefix  # --actor.shared_prefix (`_layout`)
+        # since the last report; "saved": the token slots shared prefixes saved
+        self.passes = dict.fromkeys(("slots", "tokens", "saved", "flops", "seconds"), 0.0)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.budget = self._token_budget(trainable)
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
@@ -143,11 +148,16 @@ class ModelRank:
         """This rank's micro-batch budget in tokens, and whether it packs rows (the group plans by both)."""
         return self.budget, self.packed
 
-    def _layout(self, mb: TrainBatch) -> PackedRows | None:
-        """How `mb`'s rows go into the model: packed end to end, or None (as they are, right padded).
+    def _layout(self, mb: TrainBatch) -> PackedRows | SharedPrefixRows | None:
+        """How `mb`'s rows go into the model: as shared-prefix trees where --actor.shared_prefix finds rows
+        that begin alike (`molt._prefix`), packed end to end, or None (as they are, right padded).
         Rows of one length have no padding to save: they run as a [B, T] batch, whose SDPA kernels
         (cuDNN's on Hopper) beat varlen attention on long rows (16k rows on one H200: 2.37 s a step
         padded, 2.89 s packed, BENCHMARKS.md)."""
+        if self.shared_prefix:
+            tree = SharedPrefixRows.of(mb.tokens_BT, mb.row_lengths)
+            if tree.num_saved:
+                return tree
         if not self.packed or len(set(mb.row_lengths)) == 1:
             return None
         return PackedRows.of(mb.row_lengths, cuda=self.device.type == "cuda")
@@ -167,6 +177,7 @@ class ModelRank:
         else:
             tokens_BT, kwargs = layout.pack(mb.tokens_BT).to(self.device), layout.model_kwargs(self.device)
             slots = layout.num_packed
+            self.passes["saved"] += layout.num_saved
         self.passes["slots"] += slots  # the tokens are counted by the pass (an empty turn has none)
         head = self._logprob_head  # each row's last next token is another row's or a wrap: never trained
         with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
@@ -236,7 +247,8 @@ class ModelRank:
         self.passes["flops"] += model_flops(lengths, self.model.config, self.num_params, backward=backward)
 
     def take_pass_counts(self) -> dict[str, float]:
-        """The tokens, token slots, model FLOPs and seconds of this rank's passes since the last call."""
+        """The tokens, token slots (and those shared prefixes saved), model FLOPs and seconds of this
+        rank's passes since the last call."""
         counts, self.passes = self.passes, dict.fromkeys(self.passes, 0.0)
         bf16 = compute_dtype(self.config) == torch.bfloat16 and self.device.type == "cuda"
         name = torch.cuda.get_device_name() if bf16 else ""

@@ -123,6 +123,16 @@ def _check_machine(config: Config) -> None:
     if changed and not _on_gpu():
         path = changed[0]
         raise ConfigError(f"--{path} needs CUDA, and this machine has none: {_CUDA_ONLY[path]}; drop it")
+    if config.actor.shared_prefix and not config.actor.pack:
+        raise ConfigError(
+            "--actor.shared_prefix shares prefixes within packed micro-batches, and --actor.pack false pads "
+            "them: drop one of the two"
+        )
+    if config.actor.shared_prefix and _on_gpu():
+        raise ConfigError(
+            "--actor.shared_prefix runs on the CPU only for now: the CUDA actor's varlen attention takes no "
+            "shared-prefix tree mask; drop --actor.shared_prefix"
+        )
     if config.refit.delta and _on_gpu():
         raise ConfigError(
             "--refit.delta sends changed elements over the CPU (gloo) refit only; CUDA engines take full "

@@ -131,6 +131,11 @@ class Actor(_Group):
     pack: bool = True
     """Lay each micro-batch's rows end to end without padding, attention within each row (varlen on CUDA);
     false pads rows to the micro-batch's longest. Models that cannot pack are padded either way."""
+    shared_prefix: bool = False
+    """Within a packed micro-batch, compute once the tokens that rows begin with alike (a group's prompt, a
+    multi-turn episode's earlier turns), each row's continuation attending to that prefix and not to its
+    siblings (`molt._prefix`); the results are each row's alone. The group's rows are planned into one
+    micro-batch. Needs --actor.pack and a model that packs; CPU only for now."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory (then --actor.compile auto is off)."""
     compile: Literal["auto", "on", "off"] = "auto"

@@ -67,6 +67,7 @@ REQUIRED_METRICS = frozenset(
         "pool/filtered",
         "pool/wasted_frac",
         "actor/padding_frac",
+        "actor/shared_prefix_frac",
         "actor/tokens_per_s",
         "timing/generation",
         "timing/policy_train",
