@@ -45,6 +45,8 @@ def _check_shared_prefix(model_dir: str | Path) -> None:
 def check_model(config: Config, model_dir: str | Path) -> None:
     """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
     vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
+    if config.actor.shared_prefix and model_dir:  # the tiny model packs
+        _check_shared_prefix(model_dir)
     if model_dir:
         model_config = json.loads((Path(model_dir) / "config.json").read_text())
     else:
@@ -52,8 +54,6 @@ def check_model(config: Config, model_dir: str | Path) -> None:
 
         model_dir, model_config = "(the tiny model)", dict(TINY_SHAPE)
     fsdp, algo = config.fsdp, config.algo
-    if config.actor.shared_prefix and model_dir:  # the tiny model packs
-        _check_shared_prefix(model_dir)
     if "vision_config" in model_config and (fsdp.tp_size > 1 or fsdp.cp_size > 1):
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
