@@ -39,7 +39,7 @@ from molt.config import Config, with_run_dir
 from rlestimators import dynamic_filter
 from tito import Tito, create_app, serve_on_loop
 
-__all__ = ["DynamicFilter", "start_extra_groups", "train"]
+__all__ = ["DynamicFilter", "prompt_pool", "run_log", "start_extra_groups", "train"]
 
 
 def train(config: Config, *, resume: bool = False) -> None:
@@ -75,7 +75,7 @@ def train(config: Config, *, resume: bool = False) -> None:
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
         clock.begin("engines")
-        engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
+        engines = launch_engines(model_dir, config, run_dir)  # none for --vllm.urls; they load meanwhile
         cleanup.callback(stop_engines, engines)
         if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
             ray.get([engine.url.remote() for engine in engines])
@@ -111,13 +111,10 @@ def train(config: Config, *, resume: bool = False) -> None:
                 compute_dtype=compute_dtype_name(config), model=ADAPTER if lora else None,
             )  # fmt: skip
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        sinks = dict(tensorboard=config.logger.tensorboard, wandb_project=config.logger.wandb_project)
-        log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
+        log = run_log(config)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        algo = config.algo  # --algo.dynamic_filter: the pool's keep, bounded in each take
-        max_filtered = algo.dynamic_filter_max_batches * config.rollout.prompts_per_step
-        dynamic = DynamicFilter(max_filtered) if algo.dynamic_filter else None
+        dynamic = DynamicFilter.of(config)  # --algo.dynamic_filter: the pool's keep, bounded in each take
         parts = dict(
             policy=policy,
             rows=rows,
@@ -206,18 +203,7 @@ async def _serve_and_run(
             runner = RolloutRunner(
                 tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key, restarts=restarts
             )
-            pool = GroupPool(
-                runner,
-                parts["rows"],
-                group_size=rollout.group_size,
-                depth=rollout.queue_depth,
-                max_lag=rollout.max_lag,
-                keep=parts["dynamic_filter"],
-                retry_delay=0.5,
-                stale=rollout.stale,
-                max_requeues=rollout.max_stale_requeues,
-                cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
-            )
+            pool = prompt_pool(config, runner, parts["rows"], keep=parts["dynamic_filter"])
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
                 await run_steps(config, Run(tito=tito, pool=pool, runner=runner, restarts=restarts, **parts))
@@ -228,6 +214,36 @@ async def _serve_and_run(
     finally:
         restarts.cancel()
         await tito.aclose()
+
+
+def prompt_pool(config: Config, runner, rows, *, keep: DynamicFilter | None = None) -> GroupPool:
+    """The pool of prompt groups of `--rollout.*`: `runner` samples each group of `rows`; `keep`: the
+    dynamic filter (`DynamicFilter.of`)."""
+    rollout = config.rollout
+    return GroupPool(
+        runner,
+        rows,
+        group_size=rollout.group_size,
+        depth=rollout.queue_depth,
+        max_lag=rollout.max_lag,
+        keep=keep,
+        retry_delay=0.5,
+        stale=rollout.stale,
+        max_requeues=rollout.max_stale_requeues,
+        cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
+    )
+
+
+def run_log(config: Config) -> RunLog:
+    """The metric sinks of `--logger.*` in the run directory; W&B gets the resolved config."""
+    logger = config.logger
+    return RunLog(
+        Path(logger.run_dir),
+        num_steps=config.train.num_steps,
+        tensorboard=logger.tensorboard,
+        wandb_project=logger.wandb_project,
+        config=msgspec.to_builtins(config),
+    )
 
 
 def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
@@ -251,6 +267,15 @@ class DynamicFilter:
     def __init__(self, max_groups: int) -> None:
         self.max_groups = max_groups
         self.all_equal: collections.Counter[tuple[str, float]] = collections.Counter()
+
+    @classmethod
+    def of(cls, config: Config) -> DynamicFilter | None:
+        """--algo.dynamic_filter's filter, stopping a take past --algo.dynamic_filter_max_batches x
+        --rollout.prompts_per_step rejections; None when it is off."""
+        algo = config.algo
+        if not algo.dynamic_filter:
+            return None
+        return cls(algo.dynamic_filter_max_batches * config.rollout.prompts_per_step)
 
     def __call__(self, group) -> bool:
         rewards_S = torch.tensor([sample.reward for sample in group.samples])
