@@ -29,7 +29,8 @@ from molt._batch import NO_INPUTS, StepInputs, collate
 from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import launch_engines
 from molt._eval import evaluate
-from molt._launch import DynamicFilter, _model_dir, _start_ray, prompt_pool, run_log, start_extra_groups
+from molt._filters import DynamicFilter
+from molt._launch import _model_dir, _start_ray, prompt_pool, run_log, start_extra_groups
 from molt._log import RunLog
 from molt._objective import step_loss
 from molt._placement import compiles, extra_groups

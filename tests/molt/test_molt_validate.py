@@ -479,12 +479,37 @@ def test_every_field_refuses_a_bad_value_naming_its_flag(path, tmp_path):
 def test_the_python_api_validates_before_anything_starts(tmp_path):
     import ray
 
-    from molt.loop import train
+    from molt import train
 
     config = _config(rollout={"top_p": 0.9}, logger={"run_dir": str(tmp_path / "run")})
     with pytest.raises(ConfigError, match=r"--rollout\.top_p 0\.9: the engine would renormalise"):
         train(config)
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_a_command_run_validates_once_and_the_launch_does_not_again(tmp_path, monkeypatch):
+    """`molt train` validates its flags, then launches what it validated: the launch's first act is its
+    start-up clock, not a second pass (which would import the agent and load tokenizers again)."""
+    import molt._cli
+    import molt._launch
+
+    passes = []
+    monkeypatch.setattr(molt._cli, "validate", lambda config: passes.append(config) or validate(config))
+    monkeypatch.setattr(molt._launch, "validate", lambda config: pytest.fail("launch validated again"))
+
+    class Launched(Exception):
+        pass
+
+    def launched():
+        raise Launched
+
+    monkeypatch.setattr(molt._launch, "StartupClock", launched)
+    monkeypatch.chdir(tmp_path)
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(molt._cli.app, ["train", "--train.num_steps", "3"])
+    assert isinstance(result.exception, Launched), result.output
+    assert len(passes) == 1
 
 
 def test_the_command_refuses_an_out_of_range_flag_before_anything_starts(tmp_path, monkeypatch):
