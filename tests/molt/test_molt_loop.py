@@ -17,8 +17,8 @@ import torch
 from asyncpool import GroupPool
 from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
-from molt._flags import resolve
 from molt._filters import DynamicFilter
+from molt._flags import resolve
 from molt._metrics import rollout_metrics, staleness_mean
 from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
 from molt._rollout import Rollout
