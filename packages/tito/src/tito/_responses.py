@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -35,8 +34,6 @@ from ._protocol import (
 )
 
 __all__ = ["ResponsesRequest", "response_body", "stream_events", "to_messages"]
-
-NUM_REMEMBERED = 32  # a session's recent responses that `previous_response_id` may name
 
 
 class ResponsesRequest(BaseModel):
@@ -113,30 +110,6 @@ class ResponsesRequest(BaseModel):
 
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
-
-
-class History:
-    """A session's recent responses: each one's conversation (input and output, without instructions)."""
-
-    def __init__(self) -> None:
-        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
-
-    def get(self, response_id: str | None) -> list[dict]:
-        if response_id is None:
-            return []
-        if response_id not in self._conversations:
-            raise ProtocolError(
-                400,
-                f"previous_response_id {response_id!r} is not one of this session's last {NUM_REMEMBERED} "
-                "responses: send the conversation as input instead",
-                param="previous_response_id",
-            )
-        return self._conversations[response_id]
-
-    def add(self, response_id: str, conversation: list[dict]) -> None:
-        self._conversations[response_id] = conversation
-        while len(self._conversations) > NUM_REMEMBERED:
-            self._conversations.popitem(last=False)
 
 
 def to_messages(request: ResponsesRequest, history: list[dict]) -> tuple[list[dict], list[dict]]:
