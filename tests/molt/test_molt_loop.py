@@ -18,8 +18,7 @@ from asyncpool import GroupPool
 from molt._batch import collate, explained_variance, last_token_rewards, whitened, with_lags
 from molt._data import read_rows
 from molt._flags import resolve
-from molt._launch import DynamicFilter
-from molt._metrics import rollout_metrics, staleness_mean
+from molt._metrics import DynamicFilter, rollout_metrics, staleness_mean
 from molt._rollout import Rollout
 from molt.config import Config, ConfigError, Data
 from molt.loop import check_token_identity, refit_engines, rollout_sums, take, train_windows

@@ -580,7 +580,7 @@ def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_mode
 def test_the_python_api_validates_before_anything_starts(tmp_path):
     import ray
 
-    from molt.loop import train
+    from molt._launch import train
 
     config = _config(rollout={"top_p": 0.9}, logger={"run_dir": str(tmp_path / "run")})
     with pytest.raises(ConfigError, match=r"--rollout\.top_p 0\.9: the engine would renormalise"):

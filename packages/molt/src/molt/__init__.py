@@ -1,7 +1,7 @@
 """molt: asynchronous agentic RL. Agents are plain Python: subclass `Env` or `ChatAgent`, return a `Result`.
 
-Importing molt loads no torch, Ray or vLLM (the `molt` command starts instantly); the training loop,
-`molt.loop.train`, imports them when a run starts.
+Importing molt loads no torch, Ray or vLLM (the `molt` command starts instantly); a run's launch,
+`molt._launch.train`, imports them when a run starts.
 """
 
 from molt._dumps import RolloutRecord, read_rollouts

@@ -3,13 +3,12 @@
 `train(config)` starts Ray, the vLLM engines (Ray actors), the FSDP2 policy actor (Ray actors, one per
 rank), the optional reference, critic and teacher groups, the agent hosts and tito (in this process), then
 runs `run_steps` on this process's event loop. Whatever happens (an error, Ctrl-C), every engine, actor
-and Ray itself is stopped. It is public as `molt.loop.train`.
+and Ray itself is stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import random
 import secrets
@@ -27,7 +26,7 @@ from molt._data import RowStream, check_held_out, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
-from molt._metrics import sampled_tokens
+from molt._metrics import DynamicFilter, sampled_tokens
 from molt._placement import compute_dtype_name
 from molt._restarts import EngineRestarts
 from molt._rollout import RolloutRunner
@@ -36,10 +35,10 @@ from molt._startup import StartupClock, allow_bytecode
 from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config, with_run_dir
-from rlestimators import dynamic_filter
+from molt.loop import Run, run_steps
 from tito import Tito, create_app, serve_on_loop
 
-__all__ = ["DynamicFilter", "start_extra_groups", "train"]
+__all__ = ["start_extra_groups", "train"]
 
 
 def train(config: Config, *, resume: bool = False) -> None:
@@ -184,8 +183,6 @@ async def _serve_and_run(
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
     (the `Run` fields started by `train`). `actors`: the engines' actors, which restart them (none for
     attached engines)."""
-    from molt.loop import Run, run_steps  # not at the top: `molt.loop` imports this module for `train`
-
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
     parts["startup"].begin("tito")
@@ -240,29 +237,3 @@ def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
     model_dir = build_tiny_model(run_dir / "model", seed=config.train.seed)
     clock.end("model")
     return model_dir
-
-
-class DynamicFilter:
-    """--algo.dynamic_filter (DAPO's dynamic sampling, Yu et al. 2025): the pool's `keep`. A group whose
-    rewards are all equal has every advantage 0, so no gradient: it is rejected and the pool backfills it.
-    Each rejection is counted by prompt (its row, shown) and the reward all its samples had, so that
-    `molt.loop.take`, which stops the run past `max_groups` rejections in one take, can name them."""
-
-    def __init__(self, max_groups: int) -> None:
-        self.max_groups = max_groups
-        self.all_equal: collections.Counter[tuple[str, float]] = collections.Counter()
-
-    def __call__(self, group) -> bool:
-        rewards_S = torch.tensor([sample.reward for sample in group.samples])
-        if bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all()):
-            return True
-        shown = repr(group.prompt) if len(repr(group.prompt)) <= 120 else repr(group.prompt)[:117] + "..."
-        self.all_equal[shown, rewards_S[0].item()] += 1
-        return False
-
-    def most_rejected(self, limit: int = 5) -> str:
-        """The prompts rejected most often, with their count and reward, e.g. `{...} (40 x, reward 0)`."""
-        shown = [f"{prompt} ({count} x, reward {reward:g})" for (prompt, reward), count in
-                 self.all_equal.most_common(limit)]  # fmt: skip
-        more = len(self.all_equal) - len(shown)
-        return "; ".join(shown) + (f"; and {more} other prompts" if more > 0 else "")

@@ -1,15 +1,19 @@
 """The step's rollout and pool metrics (`rollout/*`, `train/staleness_mean`, `pool/*`), from what the
-step took. The training metrics come from the actor (`molt._objective.step_loss`), the evaluation ones from
-`molt._eval`; `molt.loop.REQUIRED_METRICS` names those every step logs."""
+step took, and the pool's `keep` under --algo.dynamic_filter, which counts the groups it rejects. The
+training metrics come from the actor (`molt._objective.step_loss`), the evaluation ones from `molt._eval`;
+`molt.loop.REQUIRED_METRICS` names those every step logs."""
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
 from asyncpool import PoolStats
 from molt._rollout import Rollout
+from rlestimators import dynamic_filter
 
-__all__ = ["pool_metrics", "rollout_metrics", "sampled_tokens", "staleness_mean"]
+__all__ = ["DynamicFilter", "pool_metrics", "rollout_metrics", "sampled_tokens", "staleness_mean"]
 
 
 def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float]:
@@ -68,3 +72,29 @@ def pool_metrics(now: PoolStats, before: PoolStats) -> dict[str, float]:
         "pool/dropped_stale_rate": dropped / num_ended if num_ended else 0.0,
         "pool/wasted_frac": now.wasted / now.spent if now.spent else 0.0,
     }
+
+
+class DynamicFilter:
+    """--algo.dynamic_filter (DAPO's dynamic sampling, Yu et al. 2025): the pool's `keep`. A group whose
+    rewards are all equal has every advantage 0, so no gradient: it is rejected and the pool backfills it.
+    Each rejection is counted by prompt (its row, shown) and the reward all its samples had, so that
+    `molt.loop.take`, which stops the run past `max_groups` rejections in one take, can name them."""
+
+    def __init__(self, max_groups: int) -> None:
+        self.max_groups = max_groups
+        self.all_equal: collections.Counter[tuple[str, float]] = collections.Counter()
+
+    def __call__(self, group) -> bool:
+        rewards_S = torch.tensor([sample.reward for sample in group.samples])
+        if bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all()):
+            return True
+        shown = repr(group.prompt) if len(repr(group.prompt)) <= 120 else repr(group.prompt)[:117] + "..."
+        self.all_equal[shown, rewards_S[0].item()] += 1
+        return False
+
+    def most_rejected(self, limit: int = 5) -> str:
+        """The prompts rejected most often, with their count and reward, e.g. `{...} (40 x, reward 0)`."""
+        shown = [f"{prompt} ({count} x, reward {reward:g})" for (prompt, reward), count in
+                 self.all_equal.most_common(limit)]  # fmt: skip
+        more = len(self.all_equal) - len(shown)
+        return "; ".join(shown) + (f"; and {more} other prompts" if more > 0 else "")
