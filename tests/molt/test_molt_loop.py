@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from asyncpool import GroupPool
-from molt._batch import StepInputs, collate, explained_variance, last_token_rewards, whitened, with_lags
+from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
+from molt._filters import DynamicFilter
 from molt._flags import resolve
-from molt._launch import DynamicFilter
 from molt._metrics import rollout_metrics, staleness_mean
-from molt._objective import rollout_sums
+from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
 from molt._rollout import Rollout
 from molt.config import Config, ConfigError, Data
 from molt.loop import check_token_identity, refit_engines, take, train_windows

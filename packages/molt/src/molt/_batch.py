@@ -45,14 +45,11 @@ __all__ = [
     "RowImages",
     "TrainBatch",
     "collate",
-    "explained_variance",
-    "last_token_rewards",
     "rows_of",
     "NO_INPUTS",
     "StepInputs",
     "row_images",
     "shifted_logprobs",
-    "whitened",
     "with_images",
     "with_lags",
     "with_routes",
@@ -385,35 +382,3 @@ def shifted_logprobs(
     next_tokens_BT = tokens_BT.roll(-1, dims=1)  # the last column wraps around; its result is dropped
     logp_next_BT = token_logprobs(logits_BTV, next_tokens_BT, temperature=temperature)
     return torch.nn.functional.pad(logp_next_BT[:, :-1], (1, 0))
-
-
-# Token-level pieces of GAE (`--algo.advantage.estimator gae`), over a batch's trainable tokens.
-
-
-def last_token_rewards(mask_BT: torch.Tensor, rewards_B: torch.Tensor) -> torch.Tensor:
-    """[B, T] token rewards for GAE: each row's reward on its last trainable token, 0 elsewhere. Every
-    segment of a compacted rollout gets the rollout's reward (as every segment shares an outcome
-    advantage); a segment's value after its last token is 0, so segments do not bootstrap each other."""
-    num_cols = mask_BT.shape[1]
-    last_B = ((mask_BT != 0) * torch.arange(1, num_cols + 1)).argmax(dim=1)  # the last trainable column
-    rewards_BT = torch.zeros_like(mask_BT)
-    rewards_BT[torch.arange(len(rewards_B)), last_B] = rewards_B * (mask_BT.sum(dim=1) > 0)
-    return rewards_BT
-
-
-def whitened(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """`values_BT` shifted and scaled to mean 0, std 1 over the trainable tokens (0 elsewhere)."""
-    trained = values_BT[mask_BT != 0]
-    std = trained.std(unbiased=False) if trained.numel() > 1 else torch.tensor(0.0)
-    return (values_BT - trained.mean()) / (std + 1e-8) * (mask_BT != 0)
-
-
-def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over trainable tokens: 1 is a perfect critic, 0 one no
-    better than a constant, below 0 worse; 0 when the returns do not vary."""
-    trained = mask_BT != 0
-    returns, values = returns_BT[trained], values_BT[trained]
-    variance = returns.var(unbiased=False)
-    if variance == 0:
-        return 0.0
-    return (1 - (returns - values).var(unbiased=False) / variance).item()

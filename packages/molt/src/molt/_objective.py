@@ -50,12 +50,23 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from molt._batch import StepInputs, TrainBatch, explained_variance, last_token_rewards, whitened
+from molt._batch import StepInputs, TrainBatch
 from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Algo, Config
 from rlestimators import ESTIMATORS, gae, kl, masked_sum, opd, policy_loss, rollout_correction
 
-__all__ = ["ADVANTAGES", "Advantages", "Scored", "outcome_advantages", "rollout_sums", "score", "step_loss"]
+__all__ = [
+    "ADVANTAGES",
+    "Advantages",
+    "Scored",
+    "explained_variance",
+    "last_token_rewards",
+    "outcome_advantages",
+    "rollout_sums",
+    "score",
+    "step_loss",
+    "whitened",
+]
 
 
 @dataclass(frozen=True)
@@ -132,6 +143,38 @@ def opd_advantages(batch, rewards_R, rows_R, old_logp_BT, groups, config: Config
     advantages_BT = opd(old_logp_BT, groups.teacher.logprobs(batch), mask_BT)
     metrics = {"teacher/reverse_kl": -(advantages_BT.sum() / mask_BT.sum()).item()}
     return Advantages(advantages_BT, advantages_BT[mask_BT != 0], metrics=metrics)
+
+
+# Token-level pieces of GAE (`--algo.advantage.estimator gae`), over a batch's trainable tokens.
+
+
+def last_token_rewards(mask_BT: torch.Tensor, rewards_B: torch.Tensor) -> torch.Tensor:
+    """[B, T] token rewards for GAE: each row's reward on its last trainable token, 0 elsewhere. Every
+    segment of a compacted rollout gets the rollout's reward (as every segment shares an outcome
+    advantage); a segment's value after its last token is 0, so segments do not bootstrap each other."""
+    num_cols = mask_BT.shape[1]
+    last_B = ((mask_BT != 0) * torch.arange(1, num_cols + 1)).argmax(dim=1)  # the last trainable column
+    rewards_BT = torch.zeros_like(mask_BT)
+    rewards_BT[torch.arange(len(rewards_B)), last_B] = rewards_B * (mask_BT.sum(dim=1) > 0)
+    return rewards_BT
+
+
+def whitened(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """`values_BT` shifted and scaled to mean 0, std 1 over the trainable tokens (0 elsewhere)."""
+    trained = values_BT[mask_BT != 0]
+    std = trained.std(unbiased=False) if trained.numel() > 1 else torch.tensor(0.0)
+    return (values_BT - trained.mean()) / (std + 1e-8) * (mask_BT != 0)
+
+
+def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over trainable tokens: 1 is a perfect critic, 0 one no
+    better than a constant, below 0 worse; 0 when the returns do not vary."""
+    trained = mask_BT != 0
+    returns, values = returns_BT[trained], values_BT[trained]
+    variance = returns.var(unbiased=False)
+    if variance == 0:
+        return 0.0
+    return (1 - (returns - values).var(unbiased=False) / variance).item()
 
 
 # The token-level estimators by --algo.advantage.estimator name (what each reads:

@@ -10,8 +10,8 @@ against the parallel sizes, a teacher's or critic's tokenizer, and the agent mod
 settings. Every message names the flags and what to do. The checks that read the config alone (and the
 files it names) are `molt._checks`, those that read the model `molt._checks_model`; this module holds the
 pass, what this machine can run, and the GPUs.
-`molt train` calls it as soon as its flags are read, and `molt.loop.train` calls it again first thing
-(the Python API gets the same guards); it is idempotent. The one check that needs Ray, a joined cluster's
+`molt train` calls it once, as soon as its flags are read; `molt.train` (the Python API) calls it first
+thing, so it gets the same guards; it is idempotent. The one check that needs Ray, a joined cluster's
 GPUs, is `check_cluster_gpus`, called right after joining. `start_notes` lists what a run should say at
 start about a config it accepts.
 

@@ -1,7 +1,7 @@
 """The training loop of `molt train`: `run_steps`, the whole algorithm in one function, and the step's parts.
 
-`train(config)` (`molt._launch`) starts the parts (Ray, the vLLM engines, the FSDP2 policy actor, tito)
-and runs `run_steps` over them; it is public here, as `molt.loop.train`. Rollouts run on this process's
+`molt._launch` starts the parts (Ray, the vLLM engines, the FSDP2 policy actor, tito) and runs `run_steps`
+over them (`molt.train`, or the `molt train` command). Rollouts run on this process's
 event loop the whole time; the actor's blocking calls run in threads, so the engines keep generating while
 the actor trains (asynchrony bounded by `--rollout.queue_depth` and `--rollout.max_lag`). The step's
 metrics come from `molt._metrics`, its rows from `molt._data`.
@@ -32,8 +32,8 @@ from molt._critic import CriticGroup
 from molt._data import RowStream
 from molt._dumps import write_rollouts
 from molt._eval import evaluate
+from molt._filters import DynamicFilter
 from molt._group import EnginesLost, PolicyGroup
-from molt._launch import DynamicFilter, train
 from molt._log import RunLog, progress
 from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
 from molt._objective import score
@@ -43,7 +43,7 @@ from molt._startup import StartupClock
 from molt.config import Config
 from tito import Tito
 
-__all__ = ["REQUIRED_METRICS", "run_steps", "train"]
+__all__ = ["REQUIRED_METRICS", "Run", "run_steps"]
 
 # Logged every step (DESIGN §6), besides the algorithm's own metrics.
 REQUIRED_METRICS = frozenset(
