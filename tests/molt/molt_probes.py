@@ -310,6 +310,22 @@ def policy_step(config: Config, where: Path) -> dict:
             "refit": sent}  # fmt: skip
 
 
+PROMPT = [1, *range(20, 40)]  # 21 tokens: more than molt._prefix.MIN_SHARED_TOKENS
+SHARED_ROWS = [(PROMPT + [5, 6], [0] * 21 + [1, 1], [-4.0] * 23, 1.0),
+               (PROMPT + [7, 8, 9], [0] * 21 + [1, 1, 1], [-4.0] * 24, -1.0)]  # fmt: skip
+
+
+def prefix_pass(config: Config, where: Path) -> dict:
+    """One policy rank's logprob pass over two rows that share a 21-token prompt: the token slots it ran
+    and those a shared prefix saved."""
+    from molt._actor import PolicyWorker
+
+    with _rank(PolicyWorker, config) as worker:
+        worker.logprobs(collate(SHARED_ROWS, pad_id=0))
+        counts = worker.take_pass_counts()
+    return {"slots": counts["slots"], "saved": counts["saved"]}
+
+
 def critic_step(config: Config, where: Path) -> dict:
     """One critic rank in this process (gloo): one step's metrics, against values of 1 and returns of -1
     (the new head's values, 0, are 1 away: the clipped loss is the larger)."""
