@@ -9,12 +9,12 @@ runs on SmolLM2-135M-Instruct converted by that recipe (`--model`), where the mo
 the trainers' fixed costs, takes most of a step. Each recipe brings its sizes and learning rate (its TOML
 file's); the flags override them. Molt runs first, as `molt train` in a subprocess with its
 defaults otherwise (vLLM CPU engine, asynchronous pool) except two flags that match TRL's setup: one
-micro-batch per step (`--actor.micro_batch_size`, TRL's one batch) and the agent in the trainer's
-process (`--agent.num_runners 0`, as TRL calls its reward function); its numbers come from the run's
-metrics.jsonl. TRL runs second, in this process, with GRPOConfig set as close to molt's defaults as
-TRL allows (see BENCHMARKS.md for what still differs). TRL's reward function is the recipe's own
-`AgentRunner`, and its dataset is the recipe's rows in stream order, rendered with the model's chat
-template, not shuffled.
+micro-batch per step (`--actor.micro_batch_tokens` for every row at the longest length, TRL's one
+batch) and the agent in the trainer's process (`--agent.num_runners 0`, as TRL calls its reward
+function); its numbers come from the run's metrics.jsonl. TRL runs second, in this process, with
+GRPOConfig set as close to molt's defaults as TRL allows (see BENCHMARKS.md for what still differs).
+TRL's reward function is the recipe's own `AgentRunner`, and its dataset is the recipe's rows in stream
+order, rendered with the model's chat template, not shuffled.
 
 A step's wall time is the time between the ends of consecutive optimizer steps (rollouts, logprobs,
 update, weight sync and logging, whatever each trainer does inside a step); the first step is reported
@@ -97,12 +97,13 @@ def run_molt(model_dir: Path, run_dir: Path, args: argparse.Namespace) -> Result
         "--rollout.group_size", str(args.group_size),
         "--rollout.max_new_tokens", str(args.max_new_tokens),
         "--actor.lr", str(args.lr),
-        "--actor.micro_batch_size", str(args.prompts_per_step * args.group_size),  # TRL: one batch
         "--agent.num_runners", "0",  # TRL scores in its own process
         "--logger.run_dir", str(run_dir),
     ]  # fmt: skip
     if (max_model_len := RECIPES[args.recipe]["max_model_len"]) is not None:
         command += ["--vllm.max_model_len", str(max_model_len)]
+    rows = args.prompts_per_step * args.group_size  # TRL: one batch, so one micro-batch that holds every row
+    command += ["--actor.micro_batch_tokens", str(rows * (max_model_len or 2048))]
     print("molt:", " ".join(command[1:]), flush=True)
     began = time.monotonic()
     with (run_dir.parent / "molt.log").open("w") as log:

@@ -75,7 +75,7 @@ def test_visual_question_example_trains(tmp_path, tiny_vl_model_dir, vl_vllm_ser
     """The multimodal loop on the tiny Qwen2-VL: two-turn image episodes (the second image arrives in a
     step's observation) through tito and the engine, pixel inputs rebuilt by the trainer, refit. Two
     actor ranks, one row per micro-batch, three rows: the second rank's padding row runs the vision tower
-    on a blank image (`PolicyWorker._blank_image_column`), or the ranks' collectives would desynchronise."""
+    on a blank image (`ModelRank._blank_image_column`), or the ranks' collectives would desynchronise."""
     run_dir = tmp_path / "run"
     args = [
         MOLT, "train", "--agent.module", str(EXAMPLES / "visual_question.py"),

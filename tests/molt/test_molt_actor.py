@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import torch
 
-from molt._batch import TrainBatch, collate, shifted_logprobs
+from molt._batch import StepInputs, TrainBatch, collate, shifted_logprobs
 from molt.config import Config
 from rlestimators import rollout_correction
 
@@ -111,12 +111,12 @@ def test_train_batch_refuses_mismatched_tensors():
 
 def test_a_step_is_refused_rows_of_another_shape_or_no_trainable_token():
     batch = collate(_sequences(2, [1.0] * 2, lengths=(5, 6)), pad_id=0)
-    batch.check_step(old_logp_BT=torch.zeros(2, 6), ref_logp_BT=None)
+    batch.check_step(StepInputs(old_logp_BT=torch.zeros(2, 6)))
     with pytest.raises(ValueError, match=r"returns_BT must be \(2, 6\), got \(2, 5\)"):
-        batch.check_step(old_values_BT=torch.zeros(2, 6), returns_BT=torch.zeros(2, 5))
+        batch.check_step(StepInputs(old_values_BT=torch.zeros(2, 6), returns_BT=torch.zeros(2, 5)))
     untrainable = collate([([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0)], pad_id=0)
     with pytest.raises(ValueError, match="at least one trainable token"):
-        untrainable.check_step()
+        untrainable.check_step(StepInputs())
 
 
 @pytest.mark.parametrize("temperature", [pytest.param(1.0, id="t1"), pytest.param(0.7, id="t0.7")])
@@ -217,8 +217,8 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
     lagged_BT = batch.loss_mask_BT * torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0])[:, None]  # rows 1, 3: lag 1
     batch = dataclasses.replace(batch, rollout_logp_BT=engine_logp_BT * batch.loss_mask_BT, lag_BT=lagged_BT)
 
-    metrics_one = one.train_step(batch, old_logp_BT)
-    metrics_two = two.train_step(batch, old_logp_BT)
+    metrics_one = one.train_step(batch, StepInputs(old_logp_BT=old_logp_BT))
+    metrics_two = two.train_step(batch, StepInputs(old_logp_BT=old_logp_BT))
 
     assert set(metrics_one) == {
         "train/policy_loss",
@@ -264,7 +264,7 @@ def test_a_step_without_old_logprobs_equals_one_given_the_logprob_pass(groups, t
     batch = collate(_sequences(10, [1.0, -0.5, 0.25, 2.0, -1.0]), pad_id=0)
     group.save(tmp_path / "ckpt")
     write_loop_state(tmp_path / "ckpt", 1, [], tiny_model_dir)
-    separate = group.train_step(batch, group.logprobs(batch))
+    separate = group.train_step(batch, StepInputs(old_logp_BT=group.logprobs(batch)))
     after_separate = group.full_state()
 
     group.load(tmp_path / "ckpt")
@@ -310,7 +310,7 @@ def test_reference_logprobs_add_a_kl_term_reported_as_its_token_mean(groups):
     batch = collate(_sequences(9, [1.0, -1.0], lengths=(8, 9)), pad_id=0)
     logp_BT = group.logprobs(batch)
     ref_logp_BT = logp_BT - 0.1 * batch.loss_mask_BT  # log r = ref - logp = -0.1 on every trained token
-    metrics = group.train_step(batch, ref_logp_BT=ref_logp_BT)
+    metrics = group.train_step(batch, StepInputs(ref_logp_BT=ref_logp_BT))
     k2 = 0.1**2 / 2  # Schulman's k2 estimator (the default --algo.kl.kind) at log r = -0.1
     assert metrics["train/kl"] == pytest.approx(k2, rel=1e-4)
 
@@ -336,9 +336,8 @@ def test_each_loss_kind_gives_its_own_update_once_the_ratio_departs_from_one(gro
         batch = dataclasses.replace(batch, rollout_logp_BT=logp_BT * batch.loss_mask_BT)  # on-policy engine
         metrics, after = {}, {}
         for kind, group in started.items():
-            metrics[kind] = train_windows(
-                group, batch.windows(2, [1] * 6, (0, 1)), group.logprobs(batch), None
-            )
+            old = StepInputs(old_logp_BT=group.logprobs(batch))
+            metrics[kind] = train_windows(group, batch.windows(2, [1] * 6, (0, 1)), old)
             after[kind] = group.full_state()
     finally:
         for group in started.values():

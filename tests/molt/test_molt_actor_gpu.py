@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from molt._batch import collate
+from molt._batch import StepInputs, collate
 from molt.config import Actor, Config, Rollout
 from molt.vllm_server import free_port
 
@@ -43,7 +43,7 @@ def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir
     mask_BT = batch.loss_mask_BT[:, 1:] > 0
     torch.testing.assert_close(logp_BT[:, 1:][mask_BT], expected_BT[mask_BT], atol=2e-4, rtol=2e-4)
 
-    metrics = worker.train_step(batch, logp_BT)
+    metrics = worker.train_step(batch, StepInputs(old_logp_BT=logp_BT))
     assert metrics["train/grad_norm"] > 0 and metrics["train/lr"] == pytest.approx(1e-2)
     after_BT = worker.logprobs(batch)
     advantages_BT = batch.advantages_BT

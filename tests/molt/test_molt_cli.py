@@ -1,6 +1,6 @@
 """The `molt` command: help, errors before anything starts, --print-config, the run dir and the loop call.
 
-The training loop is replaced by a fake `molt.loop` module here: these tests are about what the command hands
+The launch is replaced by a fake `molt._launch` module here: these tests are about what the command hands
 it (the resolved config, after writing it into the run directory), not about training.
 """
 
@@ -32,16 +32,16 @@ class LoopCalls(list):
 
 @pytest.fixture
 def fake_loop(monkeypatch):
-    """Stands in for `molt.loop` (written elsewhere); records the configs it is called with."""
+    """Stands in for `molt._launch` (tested end to end elsewhere); records the configs it is called with."""
     calls = LoopCalls()
 
-    def train(config: Config, *, resume: bool = False) -> None:
+    def launch(config: Config, *, resume: bool = False) -> None:
         calls.append(config)
         calls.resumed.append(resume)
 
-    module = types.ModuleType("molt.loop")
-    module.train = train
-    monkeypatch.setitem(sys.modules, "molt.loop", module)
+    module = types.ModuleType("molt._launch")
+    module.launch = launch
+    monkeypatch.setitem(sys.modules, "molt._launch", module)
     return calls
 
 

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from molt._batch import collate
+from molt._batch import StepInputs, collate
 from molt.config import Config
 
 pytestmark = pytest.mark.slow
@@ -78,8 +78,8 @@ def test_a_new_value_head_starts_at_zero_and_one_step_is_the_same_on_one_or_two_
     assert torch.equal(values_one, torch.zeros_like(values_one)) and torch.equal(values_two, values_one)
 
     returns_BT = _returns(batch)
-    metrics_one = one.train_step(batch, values_one, returns_BT)
-    metrics_two = two.train_step(batch, values_two, returns_BT)
+    metrics_one = one.train_step(batch, StepInputs(old_values_BT=values_one, returns_BT=returns_BT))
+    metrics_two = two.train_step(batch, StepInputs(old_values_BT=values_two, returns_BT=returns_BT))
     assert set(metrics_one) >= {"critic/value_loss", "critic/grad_norm", "critic/lr", "critic/value_mean"}
     # the first loss is 0.5 * mean(R^2) over trainable tokens, whatever the split
     expected = 0.5 * (returns_BT.square().sum() / batch.num_tokens).item()
@@ -96,15 +96,19 @@ def test_the_critic_fits_its_returns_and_resumes_on_another_rank_count(groups, t
     returns_BT = _returns(batch)
     losses = []
     for _ in range(8):
-        losses.append(two.train_step(batch, two.values(batch), returns_BT)["critic/value_loss"])
+        losses.append(
+            two.train_step(batch, StepInputs(old_values_BT=two.values(batch), returns_BT=returns_BT))[
+                "critic/value_loss"
+            ]
+        )
     assert losses[-1] < 0.5 * losses[0], losses
 
     two.save(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "critic" / "scheduler.pt").is_file()
     one.load(tmp_path / "ckpt")  # one rank reads what two ranks wrote, optimizer included
     torch.testing.assert_close(one.values(batch), two.values(batch), atol=1e-5, rtol=0)
-    after_two = two.train_step(batch, two.values(batch), returns_BT)
-    after_one = one.train_step(batch, one.values(batch), returns_BT)
+    after_two = two.train_step(batch, StepInputs(old_values_BT=two.values(batch), returns_BT=returns_BT))
+    after_one = one.train_step(batch, StepInputs(old_values_BT=one.values(batch), returns_BT=returns_BT))
     assert after_one["critic/value_loss"] == pytest.approx(after_two["critic/value_loss"], rel=1e-4)
     torch.testing.assert_close(one.values(batch), two.values(batch), atol=1e-4, rtol=0)
 
@@ -115,4 +119,4 @@ def test_a_frozen_group_gives_the_policys_logprobs_and_refuses_to_train(groups):
     logp_BT = frozen.logprobs(batch)
     torch.testing.assert_close(logp_BT, policy.logprobs(batch), atol=0, rtol=0)
     with pytest.raises(RuntimeError, match="frozen"):
-        frozen.train_step(batch, logp_BT)
+        frozen.train_step(batch, StepInputs(old_logp_BT=logp_BT))

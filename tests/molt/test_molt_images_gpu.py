@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from molt._batch import RowImages, collate
+from molt._batch import RowImages, StepInputs, collate
 from molt.config import Actor, Config, Rollout
 from molt.vllm_server import free_port
 
@@ -56,7 +56,7 @@ def test_automodel_vl_worker_on_cuda_matches_transformers_and_trains(tiny_vl_mod
     torch.testing.assert_close(logp_BT[:, 1:][mask_BT], expected_BT[mask_BT], atol=2e-4, rtol=2e-4)
 
     visual_before = next(worker.model.model.visual.parameters()).detach().clone()
-    metrics = worker.train_step(batch, logp_BT)
+    metrics = worker.train_step(batch, StepInputs(old_logp_BT=logp_BT))
     assert metrics["train/grad_norm"] > 0
     assert not torch.equal(next(worker.model.model.visual.parameters()).detach(), visual_before)
     torch.distributed.destroy_process_group()

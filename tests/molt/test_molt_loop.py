@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from asyncpool import GroupPool
-from molt._batch import collate, explained_variance, last_token_rewards, whitened, with_lags
+from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
+from molt._filters import DynamicFilter
 from molt._flags import resolve
-from molt._launch import DynamicFilter
 from molt._metrics import rollout_metrics, staleness_mean
+from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
 from molt._rollout import Rollout
 from molt.config import Config, ConfigError, Data
-from molt.loop import check_token_identity, refit_engines, rollout_sums, take, train_windows
+from molt.loop import check_token_identity, refit_engines, take, train_windows
 from tito import Segment
 
 
@@ -220,20 +221,34 @@ def test_clip_fractions_are_over_the_windows_after_the_first():
     windows = batch.windows(3, [1] * 6, (0, 1))
     clip = iter([0.0, 0.2, 0.5])
     loss = iter([1.0, 2.0, 3.0])
-    group = SimpleNamespace(train_step=lambda window: {"train/clip_frac": next(clip), "train/x": next(loss)})
+    group = SimpleNamespace(
+        train_step=lambda window, inputs: {"train/clip_frac": next(clip), "train/x": next(loss)}
+    )
     metrics = train_windows(group, windows)
     tokens = [window.num_tokens for window, _ in windows]
     assert metrics["train/clip_frac"] == pytest.approx((0.2 * tokens[1] + 0.5 * tokens[2]) / sum(tokens[1:]))
     assert metrics["train/x"] == pytest.approx((tokens[0] + 2 * tokens[1] + 3 * tokens[2]) / sum(tokens))
-    one = train_windows(SimpleNamespace(train_step=lambda w: {"train/clip_frac": 0.0}), windows[:1])
+    one = train_windows(SimpleNamespace(train_step=lambda w, inputs: {"train/clip_frac": 0.0}), windows[:1])
     assert one["train/clip_frac"] == 0.0  # one window: the ratio is 1, nothing clips
 
 
+def test_each_window_gets_its_own_rows_of_every_named_input():
+    batch = collate(_rows(6, 6, 10, 10, 6, 6), pad_id=0)
+    windows = batch.windows(2, [2, 1, 2, 1], (0, 3))  # rollouts of 2, 1, 2 and 1 rows
+    values_BT = torch.arange(batch.tokens_BT.numel(), dtype=torch.float32).reshape(batch.tokens_BT.shape)
+    inputs = StepInputs(old_values_BT=values_BT, returns_BT=-values_BT)  # the others stay None
+    seen = []
+    train_windows(SimpleNamespace(train_step=lambda w, given: seen.append(given) or {}), windows, inputs)
+    for (window, rows), given in zip(windows, seen, strict=True):
+        assert given.old_logp_BT is None and given.ref_logp_BT is None
+        assert torch.equal(given.old_values_BT, values_BT[rows, : window.tokens_BT.shape[1]])
+        assert torch.equal(given.returns_BT, -values_BT[rows, : window.tokens_BT.shape[1]])
+    assert sorted(row for _, rows in windows for row in rows) == list(range(6))
+
+
 def test_rollout_sums_add_each_rollouts_segments():
-    one = rollout([1, 7], [0, 1], [-1, 0])
-    two = Rollout(one.segments * 2, 1.0, [7, 7], truncated=False)  # a compacted rollout: two rows
-    values_BT = torch.tensor([[0.5, 1.0], [2.0, 0.0], [0.25, 0.25]])  # rows: one, two (x2)
-    assert rollout_sums(values_BT, [one, two]).tolist() == [1.5, 2.5]
+    values_BT = torch.tensor([[0.5, 1.0], [2.0, 0.0], [0.25, 0.25]])  # rows: one, two (a compacted one x2)
+    assert rollout_sums(values_BT, torch.tensor([1, 2])).tolist() == [1.5, 2.5]
 
 
 def test_gae_rewards_sit_on_each_rows_last_trainable_token():

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from molt._batch import collate
+from molt._batch import StepInputs, collate
 from molt.config import FSDP, Actor, Config, Model
 from molt.vllm_server import free_port
 
@@ -134,7 +134,7 @@ def _rank(rank: int, world_size: int, port: int, model_dir: str, dtype: str, siz
     shard = batch.select(range(batch.num_rows)[rank // replicas * per_shard :][:per_shard])
     before = worker.full_state()
     logp_BT = worker.logprobs(shard)  # on-policy: each layout's own logprobs, ratio 1
-    metrics = worker.train_step(shard, logp_BT)
+    metrics = worker.train_step(shard, StepInputs(old_logp_BT=logp_BT))
     num_cols = batch.tokens_BT.shape[1]  # every rank's result as wide as the batch, to rejoin them
     logp_BT, after_logp_BT = (
         torch.nn.functional.pad(t, (0, num_cols - t.shape[1])) for t in (logp_BT, worker.logprobs(shard))

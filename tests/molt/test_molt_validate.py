@@ -6,7 +6,6 @@ none.
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 from typing import Literal, get_args, get_origin
@@ -14,12 +13,11 @@ from typing import Literal, get_args, get_origin
 import msgspec
 import pytest
 
-import molt
 import molt._validate
 from molt._engines import engine_extra_args
 from molt._flags import _leaves, resolve
 from molt._placement import engine_gpus, engine_memory_utilization, gpu_share, gpus_needed, refit_backend
-from molt._validate import _CUDA_ONLY, RANGES, check_cluster_gpus, num_experts, validate
+from molt._validate import RANGES, check_cluster_gpus, num_experts, validate
 from molt.config import Config, ConfigError
 
 
@@ -378,7 +376,7 @@ def test_engine_flags_on_cpu_keep_the_cpu_engine_single_process(monkeypatch):
     assert "--max-num-batched-tokens" in args and "--tensor-parallel-size" not in args
 
 
-# --- every field: a bad value is refused naming its flag; a changed value acts or is refused here ---
+# --- every field: a bad value is refused naming its flag (that a changed one acts: test_molt_flags_act) ---
 
 
 def _numeric(tp) -> bool:
@@ -416,6 +414,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
     "vllm.data_parallel_size": ["0"],
     "vllm.max_num_batched_tokens": ["0"], "vllm.mtp_num_speculative_tokens": ["-1"],
     "vllm.max_model_len": ["1", "0"], "vllm.gpu_memory_utilization": ["0", "1.01", "nan"],
+    "vllm.kv_cache_tokens": ["-1"],
     "rollout.group_size": ["0"], "rollout.prompts_per_step": ["0"], "rollout.max_new_tokens": ["0"],
     "rollout.temperature": ["0", "-1.0", *_NOT_FINITE], "rollout.top_p": ["0", "1.01", "nan"],
     "rollout.queue_depth": ["-1"], "rollout.max_lag": ["-1"], "rollout.max_stale_requeues": ["0"],
@@ -477,113 +476,40 @@ def test_every_field_refuses_a_bad_value_naming_its_flag(path, tmp_path):
         assert f"--{path}" in str(error.value), (value, str(error.value))
 
 
-def _reads(package: Path) -> set[str]:
-    """Every `group.field` the package's code reads from a config (`config.rollout.top_p`, or through a
-    local name: `rollout = config.rollout; rollout.top_p`), outside the config, flag and validation
-    modules. An alias is known by the last attribute it was bound to."""
-    skipped = {"config.py", "_flags.py", "_validate.py", "_checks.py", "_checks_model.py"}
-    reads = set()
-    for file in sorted(package.rglob("*.py")):
-        if file.name in skipped:
-            continue
-        tree = ast.parse(file.read_text())
-        aliases = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign):
-                targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
-                values = node.value.elts if isinstance(node.value, ast.Tuple) else [node.value]
-                for target, value in zip(targets, values, strict=False):
-                    if isinstance(target, ast.Name) and isinstance(value, ast.Attribute):
-                        aliases[target.id] = value.attr
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute):
-                if isinstance(node.value, ast.Attribute):
-                    reads.add(f"{node.value.attr}.{node.attr}")
-                elif isinstance(node.value, ast.Name):
-                    reads.add(f"{aliases.get(node.value.id, node.value.id)}.{node.attr}")
-    return reads
-
-
-_CHANGED = {  # a valid value other than the default, where flipping or nudging the default is not one
-    "model.path": "{model}",
-    "data.path": "{rows}",
-    "eval.path": "{rows}",
-    "algo.teacher.model": "{model}",
-    "algo.critic.model": "{model}",
-    "agent.module": "molt.recipes.smollm2",
-    "vllm.urls": "http://127.0.0.1:1",
-    "ray.address": "127.0.0.1:6379",
-    "rollout.top_p": "1.0",  # the only accepted value: a lower one is refused (test above)
-    "rollout.queue_depth": "48",
-    "rollout.max_lag": "2",
-    "eval.k": "2",
-    "vllm.gpu_memory_utilization": "0.5",
-    "algo.loss.dual_clip": "3",
-    "vllm.max_num_batched_tokens": "4096",
-    "ray.num_cpus": "2",
-    "train.mini_batches": "3",
-    "algo.loss.clip_low": "0.1",
-    "algo.gae.gamma": "0.9",
-    "algo.gae.lam": "0.95",
-    "logger.wandb_project": "molt-runs",
-    "actor.lora.target_modules": "q_proj,v_proj",
-    "actor.lora.dropout": "0.0",  # the only accepted value: another would train a thinned policy (below)
-    "actor.micro_batch_tokens": "4096",  # at least --vllm.max_model_len
-    "actor.compile": "off",  # on needs CUDA (refused above)
-}
-
-
-def _changed_value(path: str, tmp_path: Path, tiny_model_dir) -> str:
-    leaf = _leaves()[path]
-    if path in _CHANGED:
-        (tmp_path / "rows.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-        return _CHANGED[path].format(model=tiny_model_dir, rows=tmp_path / "rows.jsonl")
-    if leaf.type is bool:
-        return str(not leaf.default).lower()
-    if get_origin(leaf.type) is Literal:
-        return next(str(choice) for choice in get_args(leaf.type) if choice != leaf.default)
-    if get_origin(leaf.type) is tuple:
-        return ",".join(str(v * 1.5) for v in leaf.default)
-    if leaf.type in (int, float):
-        return str(leaf.default + 1)
-    return str(tmp_path / path.replace(".", "_"))  # a directory the run writes
-
-
-@pytest.mark.parametrize("path", list(_leaves()))
-def test_every_flag_acts_or_is_refused_on_this_machine(path, tmp_path, tiny_model_dir, cpu_only):
-    """A changed value either reaches code that reads it (a static read of `group.field` outside the
-    config modules), or is refused here because this machine cannot run it (CUDA)."""
-    needs = {"algo.critic.model": ["--algo.advantage.estimator", "gae", "--model.path", str(tiny_model_dir)],
-             "algo.teacher.model": ["--algo.advantage.estimator", "opd", "--model.path", str(tiny_model_dir)],
-             "algo.kl.in_reward": ["--algo.kl.coef", "0.1"],
-             "algo.dynamic_filter_max_batches": ["--algo.dynamic_filter"],
-             "algo.loss.agg_constant": ["--algo.loss.agg", "seq-mean-token-sum-norm"],
-             "ray.num_cpus": [], "train.mini_batches": [],
-             **{f"actor.lora.{name}": ["--actor.lora.rank", "8"]
-                for name in ("alpha", "target_modules", "dropout")}}  # fmt: skip
-    value = _changed_value(path, tmp_path, tiny_model_dir)
-    args = [*needs.get(path, []), f"--{path}", value]
-    if path in _CUDA_ONLY or path == "fsdp.cp_size":  # context parallelism runs nowhere yet
-        with pytest.raises(ConfigError, match=rf"--{path} (needs CUDA|2: the actor does not split)"):
-            resolve(args)
-        return
-    config = resolve(args)
-    if path == "train.force_on_policy":  # it acts through the values it derives (and nothing else)
-        assert (config.rollout.max_lag, config.rollout.partial_rollout) == (0, False)
-        return
-    group, field = path.split(".")[-2:]
-    assert f"{group}.{field}" in _reads(Path(molt.__file__).parent), f"nothing reads --{path}"
-
-
 def test_the_python_api_validates_before_anything_starts(tmp_path):
     import ray
 
-    from molt.loop import train
+    from molt import train
 
     config = _config(rollout={"top_p": 0.9}, logger={"run_dir": str(tmp_path / "run")})
     with pytest.raises(ConfigError, match=r"--rollout\.top_p 0\.9: the engine would renormalise"):
         train(config)
     assert not ray.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_a_command_run_validates_once_and_the_launch_does_not_again(tmp_path, monkeypatch):
+    """`molt train` validates its flags, then launches what it validated: the launch's first act is its
+    start-up clock, not a second pass (which would import the agent and load tokenizers again)."""
+    import molt._cli
+    import molt._launch
+
+    passes = []
+    monkeypatch.setattr(molt._cli, "validate", lambda config: passes.append(config) or validate(config))
+    monkeypatch.setattr(molt._launch, "validate", lambda config: pytest.fail("launch validated again"))
+
+    class Launched(Exception):
+        pass
+
+    def launched():
+        raise Launched
+
+    monkeypatch.setattr(molt._launch, "StartupClock", launched)
+    monkeypatch.chdir(tmp_path)
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(molt._cli.app, ["train", "--train.num_steps", "3"])
+    assert isinstance(result.exception, Launched), result.output
+    assert len(passes) == 1
 
 
 def test_the_command_refuses_an_out_of_range_flag_before_anything_starts(tmp_path, monkeypatch):

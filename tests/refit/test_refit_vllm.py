@@ -33,6 +33,11 @@ def _prefix_cache_hits(url: str) -> float:
     return sum(float(v) for v in re.findall(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)", text, re.M))
 
 
+def _prefix_cache_resets(log_path) -> int:
+    """Resets of the engine's prefix cache so far (vLLM's block pool logs each one)."""
+    return log_path.read_text(errors="replace").count("Successfully reset prefix cache")
+
+
 def test_refit_matches_transformers_for_two_weight_sets_and_clears_the_prefix_cache(
     refit_servers, tiny_model_dir, tmp_path
 ):
@@ -46,10 +51,12 @@ def test_refit_matches_transformers_for_two_weight_sets_and_clears_the_prefix_ca
 
     for seed in (11, 12):
         model = weight_set(tmp_path, seed)
+        resets = _prefix_cache_resets(server.log_path)
         stats = refit.update_weights(
             [engine], refit.full_params(model), version=seed, bucket_bytes=SMALL_BUCKETS
         )
         assert stats.num_buckets > 1 and stats.version == str(seed)
+        assert _prefix_cache_resets(server.log_path) == resets + 1  # one walk over the KV cache a refit
         # The cached prompt must be recomputed with the new weights, not served from stale KV.
         assert max_logprob_error(server.url, model, prompts=[*PROMPTS, long_prompt]) < TOL
         out = generate(server.url, PROMPTS[0], 4)

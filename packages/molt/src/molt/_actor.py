@@ -1,30 +1,14 @@
 """One rank of the FSDP2 policy actor: `PolicyWorker`, a Ray actor that `molt._group.PolicyGroup` drives.
 
-Each worker holds its shard of the policy (NeMo AutoModel + FSDP2; gloo on CPU, NCCL on GPU) and its
-AdamW state. It recomputes logprobs, runs one optimizer step over its rows of a `TrainBatch` (the
-micro-batch loop the critic shares, `_micro_batch_sums`), and refits vLLM engines. The group plans the
-rows' micro-batches for all ranks (`molt._packing.plan_micro_batches`: a token budget, balanced by cost),
-fans each call out with Ray and gathers the results in row order. Each micro-batch's rows go through the
-model packed end to end (`molt._packing.PackedRows`, attention within each row) and come back as [B, T]
-per-row tensors, so the loss sees the rows exactly as it would padded; a model that cannot pack runs
-them padded. Every pass counts its tokens, token slots, model FLOPs and seconds (`take_pass_counts`:
-`actor/padding_frac`, `actor/tokens_per_s`, `actor/mfu`).
-
-Loss normalisation (DESIGN §6, paper §3.6): every micro-batch's loss (`molt._objective.step_loss`) is
-divided by the ONE denominator of `--algo.loss.agg`, made of the whole step's counts on all ranks
-(`batch.num_tokens`, `batch.num_seqs`); with FSDP's gradient averaging undone
-(`molt._sharding.sum_gradients_over_ranks`), the summed gradient is the gradient of the step's loss, so
-the update does not depend on the number of ranks or micro-batches.
-Forward consistency (DESIGN invariant 3): logprobs and entropies use the sampling temperature.
-
-Parallelism (`--fsdp.*`): the ranks form AutoModel's mesh DP x CP x TP (rank = (dp * cp + c) * tp + t),
-with EP groups carved out of them. Rows are sharded by the data-parallel coordinate: the TP ranks of one
-DP group see the same rows, and their identical metric sums are counted once. The sizes were checked by
-`molt._validate` before the run started (no context parallelism; data parallelism only on a CPU).
+A `molt._rank.ModelRank` (process group, shard, micro-batch plan and loop, optimizer step, checkpoint,
+shared with the critic's worker) plus the policy's own: its logprobs and entropies at the sampling
+temperature (DESIGN invariant 3, through `molt._lean.LogprobHead`), its optimizer step over the loss of
+`molt._objective.step_loss` on each micro-batch (divided by the ONE denominator of `--algo.loss.agg`,
+the whole step's counts on all ranks, DESIGN §6), its LoRA adapters (`--actor.lora.*`), MoE routing
+replay (`--train.routing_replay`) and the refit of vLLM engines.
 
 The same workers, built with `trainable=False`, are the frozen groups' ranks: the reference policy of
-`--algo.kl.coef` and the teacher of on-policy distillation (no optimizer, logprobs only). The PPO
-critic's worker (`molt._critic`) is a subclass.
+`--algo.kl.coef` and the teacher of on-policy distillation (no optimizer, logprobs only).
 
 Legend: B sequences, T tokens, V vocabulary.
 """
@@ -32,34 +16,19 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from molt._batch import TrainBatch, rows_of, shifted_logprobs
-from molt._lean import LogprobHead
-from molt._log import redirect_output
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch, shifted_logprobs
 from molt._objective import step_loss
-from molt._packing import (
-    BF16_PEAK,
-    PackedRows,
-    auto_micro_batch_tokens,
-    model_flops,
-    packing_refusal,
-    use_packed_attention,
-)
+from molt._rank import ModelRank
 from molt._sharding import (
     adapter_config,
     compute_dtype,
-    freeze_moe_routers,
     load_model,
-    params_by_mesh,
     replicas,
-    sum_gradients_over_ranks,
 )
 from molt.config import Config
 from rlestimators import entropy_from_logits
@@ -70,11 +39,11 @@ if TYPE_CHECKING:
 __all__ = ["PolicyWorker"]
 
 
-class PolicyWorker:
-    """One rank of the policy actor; a plain class (the group wraps it with `ray.remote`).
+class PolicyWorker(ModelRank):
+    """One rank of the policy actor (`molt._rank.ModelRank` plus the policy's passes, step and refit).
     `trainable=False`: a frozen copy (reference or teacher) that only computes logprobs."""
 
-    name = "actor"  # its directory in a checkpoint
+    checkpoint_dir = "actor"
 
     def __init__(
         self,
@@ -87,124 +56,21 @@ class PolicyWorker:
         trainable: bool = True,
         log_path: str = "",
     ) -> None:
-        if log_path:  # this rank's third-party output (AutoModel's warnings, weight loading) goes there
-            redirect_output(log_path)
-        on_gpu = torch.cuda.is_available()
-        self.rank, self.config = rank, config
-        if on_gpu:
-            torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
-        self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-        dist.init_process_group(
-            backend="nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-        )
-        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) and the
-        # critic have none.
-        lora = trainable and self.name == "actor" and config.actor.lora.rank
-        self.lora = config.actor.lora if lora else None
-        self.model = self._load(str(model_dir), world_size)
-        # --actor.pack: each micro-batch's rows end to end, attention within each (`molt._packing`); a
-        # model that cannot pack runs padded micro-batches.
-        self.packed = config.actor.pack and packing_refusal(self.model.config) is None
-        if self.packed:
-            use_packed_attention(self.model)
-        self.passes = dict.fromkeys(("slots", "tokens", "flops", "seconds"), 0.0)  # since the last report
-        self.num_params = sum(p.numel() for p in self.model.parameters())
-        self.budget = self._token_budget(trainable)
-        head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
-        self._logprob_head = head if isinstance(head, LogprobHead) else None
+        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) has none.
+        self.lora = config.actor.lora if trainable and config.actor.lora.rank else None
+        super().__init__(rank, world_size, master_addr, master_port, model_dir, config, trainable, log_path)
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
-        self.optimizer = self.scheduler = self.replay = None
-        if not trainable:
-            self.model.requires_grad_(False)
-            self.model.eval()
-            return
-        self.model.train()
-        sum_gradients_over_ranks(self.model)
-        if config.train.routing_replay and self.name == "actor":  # tokens go to the engine's experts
+        self.replay = None
+        if trainable and config.train.routing_replay:  # tokens go to the engine's experts
             from refit import RoutingReplay
 
             self.replay = RoutingReplay(self.model)
-        if config.actor.freeze_moe_router:
-            freeze_moe_routers(self.model)
-        actor = config.actor
-        self.optimizer = torch.optim.AdamW(  # one group per device mesh: foreach ops never mix meshes
-            [{"params": params} for params in params_by_mesh(self.model)],
-            lr=self._learning_rate(),
-            weight_decay=actor.weight_decay,
-        )
-        # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
-        )
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)
 
     def _learning_rate(self) -> float:
         return self.config.actor.lr
-
-    def _token_budget(self, trainable: bool) -> int:
-        """--actor.micro_batch_tokens, or with 0 the tokens whose activations fit in the memory this rank
-        has free once loaded, less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB
-        of activations on a CPU)."""
-        if self.config.actor.micro_batch_tokens:
-            return self.config.actor.micro_batch_tokens
-        free = 4 * 2**30
-        if self.device.type == "cuda":
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
-            free = torch.cuda.mem_get_info()[0] - 12 * local * trainable - 4 * 2**30
-        return auto_micro_batch_tokens(
-            self.model.config,
-            free_bytes=free,
-            dtype_bytes=compute_dtype(self.config).itemsize,
-            checkpointing=self.config.actor.activation_checkpointing,
-            at_least=self.config.vllm.max_model_len,
-        )
-
-    def micro_batch_tokens(self) -> tuple[int, bool]:
-        """This rank's micro-batch budget in tokens, and whether it packs rows (the group plans by both)."""
-        return self.budget, self.packed
-
-    def _layout(self, mb: TrainBatch) -> PackedRows | None:
-        """How `mb`'s rows go into the model: packed end to end, or None (as they are, right padded).
-        Rows of one length have no padding to save: they run as a [B, T] batch, whose SDPA kernels
-        (cuDNN's on Hopper) beat varlen attention on long rows (16k rows on one H200: 2.37 s a step
-        padded, 2.89 s packed, BENCHMARKS.md)."""
-        if not self.packed or len(set(mb.row_lengths)) == 1:
-            return None
-        return PackedRows.of(mb.row_lengths, cuda=self.device.type == "cuda")
-
-    def _model_outputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The model over `mb` in its layout, back as [B, T, X] per row: from the logprob head, log p of
-        each next token [B, T, 1] and the entropy of its distribution [B, T]; for a model without that head
-        (`molt._lean.LogprobHead`) or the critic's, the head's outputs and None."""
-        from torch.distributed.tensor import DTensor
-
-        layout, num_cols = self._layout(mb), mb.tokens_BT.shape[1]
-        if layout is None:  # right padded: causal attention never lets a real token see a pad
-            tokens_BT, kwargs = mb.tokens_BT.to(self.device), mb.model_inputs(self.device)
-            if self._needs_blank_image(mb):  # vision-language rows get their images
-                tokens_BT, kwargs = self._blank_image_column(tokens_BT)
-            slots = tokens_BT.numel()
-        else:
-            tokens_BT, kwargs = layout.pack(mb.tokens_BT).to(self.device), layout.model_kwargs(self.device)
-            slots = layout.num_packed
-        self.passes["slots"] += slots  # the tokens are counted by the pass (an empty turn has none)
-        head = self._logprob_head  # each row's last next token is another row's or a wrap: never trained
-        with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
-            out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **kwargs).logits
-            entropy_BT = None if head is None else head.entropy_BT
-        # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
-        out_BTX = out_BTX.full_tensor() if isinstance(out_BTX, DTensor) else out_BTX
-        if layout is not None:
-            out_BTX = layout.unpack(out_BTX, num_cols)
-            entropy_BT = None if entropy_BT is None else layout.unpack(entropy_BT, num_cols)
-        # a blank image's column, if any, dropped
-        return out_BTX[:, :num_cols], None if entropy_BT is None else entropy_BT[:, :num_cols]
 
     def _token_stats(
         self, mb: TrainBatch, *, entropy: str = "none"
@@ -226,11 +92,6 @@ class PolicyWorker:
         entropy_next_BT = entropy_next_BT if entropy == "grad" else entropy_next_BT.detach()
         return logp_BT, torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0))
 
-    @staticmethod
-    def _needs_blank_image(mb: TrainBatch) -> bool:
-        """A micro-batch without images in a batch with some, on several ranks (`_blank_image_column`)."""
-        return bool(mb.images) and all(row is None for row in mb.images) and dist.get_world_size() > 1
-
     @contextlib.contextmanager
     def _routes(self, mb: TrainBatch) -> Iterator[RoutingReplay | None]:
         """`--train.routing_replay`: within the block, the policy's routers send each token of `mb` to
@@ -247,27 +108,6 @@ class PolicyWorker:
         with self.replay.replay(experts_BTLK.to(self.device)):
             yield self.replay
 
-    def _blank_image_column(self, tokens_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A micro-batch without images, in a batch with some, on several ranks: FSDP2 ranks run every
-        sharded module in lock-step (each forward all-gathers its weights, each backward reduce-scatters
-        its gradients), so this forward must run the vision tower too, at the same point. One blank image
-        of one merged token goes in an extra last column of row 0, where causal attention hides it from
-        every real token; its logits are dropped, so the gradients it sends back are zeros."""
-        vision = self.model.config.vision_config  # Qwen-VL: a patch is channels x frames x pixels^2
-        merge = vision.spatial_merge_size
-        num_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        extra_B1 = tokens_BT[:, -1:].clone()
-        extra_B1[0, 0] = self.model.config.image_token_id
-        token_type_BT = torch.zeros_like(tokens_BT)
-        token_type_B1 = torch.zeros_like(extra_B1)
-        token_type_B1[0, 0] = 1
-        images = {
-            "pixel_values": torch.zeros(merge * merge, num_values, device=self.device),
-            "image_grid_thw": torch.tensor([[1, merge, merge]], device=self.device),
-            "mm_token_type_ids": torch.cat([token_type_BT, token_type_B1], dim=1),
-        }
-        return torch.cat([tokens_BT, extra_B1], dim=1), images
-
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
@@ -281,48 +121,12 @@ class PolicyWorker:
         with self._routes(mb):
             return self._token_stats(mb)[0]
 
-    def _per_micro_batch(self, batch: TrainBatch, compute) -> torch.Tensor:
-        """`compute(micro-batch)` [b, t] over each planned micro-batch, back in `batch`'s rows [B, T] on
-        the CPU; the pass's tokens, slots and seconds are counted (`take_pass_counts`)."""
-        started = time.perf_counter()
-        out_BT = torch.zeros(batch.tokens_BT.shape)
-        for rows, mb in self._micro_batches(batch):
-            values_BT = compute(mb).float().cpu()
-            if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
-                num_cols = values_BT.shape[1]
-                inside_BT = torch.arange(num_cols) < mb.lengths_B[:, None]
-                out_BT[rows, :num_cols] = values_BT * inside_BT
-        self._count_pass(batch, started, backward=False)
-        return out_BT
-
-    def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
-        """`batch`'s planned micro-batches, each as its rows and their `TrainBatch`; their tokens counted."""
-        micro_batches = []
-        for rows in batch.micro_batches(self.budget, packed=self.packed):
-            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
-            micro_batches.append((rows, batch.select(rows)))
-        return micro_batches
-
-    def _count_pass(self, batch: TrainBatch, started: float, *, backward: bool) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.passes["seconds"] += time.perf_counter() - started
-        lengths = [n for n in batch.row_lengths if n]
-        self.passes["flops"] += model_flops(lengths, self.model.config, self.num_params, backward=backward)
-
-    def take_pass_counts(self) -> dict[str, float]:
-        """The tokens, token slots, model FLOPs and seconds of this rank's passes since the last call."""
-        counts, self.passes = self.passes, dict.fromkeys(self.passes, 0.0)
-        bf16 = compute_dtype(self.config) == torch.bfloat16 and self.device.type == "cuda"
-        name = torch.cuda.get_device_name() if bf16 else ""
-        peaks = [peak for gpu, peak in BF16_PEAK.items() if gpu in name]
-        return {**counts, "peak_flops": peaks[0] if peaks else 0.0}
-
-    def _forward_backward(self, mb: TrainBatch, old_logp_BT, ref_logp_BT) -> dict[str, torch.Tensor]:
+    def _forward_backward(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """One micro-batch: the policy's logprobs and entropies, its loss (`molt._objective.step_loss`)
         and the backward. Returns the loss's metric numerators and, under routing replay, the (token,
         router) pairs it compared and those the router would have routed elsewhere."""
         algo, device = self.config.algo, self.device
+        old_logp_BT, ref_logp_BT = inputs.old_logp_BT, inputs.ref_logp_BT
         with self._routes(mb) as replay:
             # The entropy of the distribution each token was sampled from; a bonus trains it.
             logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if algo.entropy_coef else "detached")
@@ -345,70 +149,25 @@ class PolicyWorker:
             sums.update(routes_differed=differed, routes_compared=compared)
         return sums
 
-    def _micro_batch_sums(self, batch: TrainBatch, loss_of, *tensors_BT) -> dict[str, float]:
-        """Forward and backward of each planned micro-batch of this rank's rows through `loss_of(mb, *its
-        rows of tensors_BT)` (None stays None), which returns metric numerators: their sums over the
-        micro-batches and all ranks. The policy's step and the critic's (`molt._critic`) both run it."""
-        from torch.distributed.fsdp import FSDPModule
-
-        started = time.perf_counter()
-        micro_batches = self._micro_batches(batch)
-        totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
-        one_rank = dist.get_world_size() == 1
-        for index, (rows, mb) in enumerate(micro_batches):
-            # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
-            # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
-            # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
-            mb_tensors = [rows_of(t, rows, mb.tokens_BT.shape[1]) for t in tensors_BT]
-            for name, value in loss_of(mb, *mb_tensors).items():
-                totals[name] = totals[name] + value if name in totals else value
-        self._count_pass(batch, started, backward=True)
-        sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
-        dist.all_reduce(sums_K)  # SUM over ranks
-        return dict(zip(totals, sums_K.tolist(), strict=True))
-
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip the global gradient norm, step; returns (norm before clipping, learning rate used)."""
-        from torch.distributed.tensor import DTensor
-
-        norms = []  # one per parameter group = device mesh (expert parallelism puts experts on their own)
-        for group in self.optimizer.param_groups:
-            grads = [p.grad for p in group["params"] if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else None
-            if isinstance(norm, DTensor):  # a partial norm of sharded gradients: reduce it over ranks
-                norm = norm.full_tensor()
-            norms += [norm] if norm is not None else []
-        total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        for group in self.optimizer.param_groups:
-            torch.nn.utils.clip_grads_with_norm_(group["params"], self.config.actor.grad_clip, total_norm)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(total_norm), lr
-
-    def train_step(
-        self,
-        batch: TrainBatch,
-        old_logp_BT: torch.Tensor | None = None,
-        ref_logp_BT: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
         """One optimizer step over this rank's rows; metrics are global (all ranks, all micro-batches).
 
-        `old_logp_BT`: the logprobs of the policy the surrogate's ratio is taken against (the trainer's
-        old policy: before the first of the batch's `--train.mini_batches` steps), computed once by the
-        caller. None takes them from this step's own forward, detached: right for a batch that is one
-        optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
+        `inputs.old_logp_BT`: the logprobs of the policy the surrogate's ratio is taken against (the
+        trainer's old policy: before the first of the batch's `--train.mini_batches` steps), computed once
+        by the caller. None takes them from this step's own forward, detached: right for a batch that is
+        one optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
         rollout correction (`--algo.correction.*`) weighs each token by the ratio of `old_logp` to the
-        engine's `batch.rollout_logp_BT`. `ref_logp_BT`: reference logprobs, which add the KL loss term.
+        engine's `batch.rollout_logp_BT`. `inputs.ref_logp_BT`: reference logprobs, which add the KL
+        loss term.
         """
         if self.optimizer is None:
             raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
-        if ref_logp_BT is None and self.config.algo.kl.coef != 0 and not self.config.algo.kl.in_reward:
-            raise ValueError("--algo.kl.coef is set: pass reference logprobs (ref_logp_BT) to train_step")
-        sums = self._micro_batch_sums(batch, self._forward_backward, old_logp_BT, ref_logp_BT)
+        kl = self.config.algo.kl
+        if inputs.ref_logp_BT is None and kl.coef != 0 and not kl.in_reward:
+            raise ValueError(
+                "--algo.kl.coef is set: pass reference logprobs (inputs.ref_logp_BT) to train_step"
+            )
+        sums = self._micro_batch_sums(batch, self._forward_backward, inputs)
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
@@ -450,20 +209,6 @@ class PolicyWorker:
             return None
         counts = {"refit/verify_failed": len(stats.verify_failed), "refit/bytes_sent": stats.bytes_sent}
         return {**stats.seconds, **counts, "failed": {}}
-
-    def save(self, path: str) -> None:
-        """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""
-        from molt._checkpoint import save_actor
-
-        save_actor(
-            self.model, self.optimizer, self.scheduler, Path(path) / self.name, rank=self.rank, lora=self.lora
-        )
-
-    def load(self, path: str) -> None:
-        """Read the model, optimizer and schedule from a checkpoint (any number of ranks wrote it)."""
-        from molt._checkpoint import load_actor
-
-        load_actor(self.model, self.optimizer, self.scheduler, Path(path) / self.name)
 
     def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
         """Full (gathered) parameters, all or `names`, on rank 0 (None elsewhere); call on every rank."""

@@ -45,12 +45,11 @@ __all__ = [
     "RowImages",
     "TrainBatch",
     "collate",
-    "explained_variance",
-    "last_token_rewards",
     "rows_of",
+    "NO_INPUTS",
+    "StepInputs",
     "row_images",
     "shifted_logprobs",
-    "whitened",
     "with_images",
     "with_lags",
     "with_routes",
@@ -167,12 +166,12 @@ class TrainBatch:
             lengths_B=torch.tensor([self.row_lengths[row] for row in rows], dtype=torch.int64),
         )
 
-    def check_step(self, **tensors_BT: torch.Tensor | None) -> None:
+    def check_step(self, inputs: StepInputs) -> None:
         """Refuse an optimizer step over these rows that has no trainable token, or is given a per-row
-        tensor (None: not given) of another shape than theirs; the policy's and the critic's groups
-        check here, before the rows are split over ranks."""
-        for name, tensor in tensors_BT.items():
-            if tensor is not None and tensor.shape != self.tokens_BT.shape:
+        input of another shape than theirs; the policy's and the critic's groups check here, before the
+        rows are split over ranks."""
+        for name, tensor in inputs.given().items():
+            if tensor.shape != self.tokens_BT.shape:
                 raise ValueError(f"{name} must be {tuple(self.tokens_BT.shape)}, got {tuple(tensor.shape)}")
         if self.num_tokens < 1:
             raise ValueError("train_step needs a batch with at least one trainable token (num_tokens >= 1)")
@@ -230,6 +229,29 @@ class TrainBatch:
             "image_grid_thw": torch.cat([images.grid_thw_I3 for _, images in rows]).to(device),
             "mm_token_type_ids": token_type_BT.to(device),
         }
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """The [B, T] tensors an optimizer step reads beside its `TrainBatch`, by name; None where the run has
+    none. Adding an input is a field here and the loss code that reads it: the groups, the loop and the
+    workers cut and pass the whole structure."""
+
+    old_logp_BT: torch.Tensor | None = None  # the policy before the batch's first step (the ratio's base)
+    ref_logp_BT: torch.Tensor | None = None  # the frozen reference policy's (the KL loss term)
+    old_values_BT: torch.Tensor | None = None  # the critic's values before its step (value clipping)
+    returns_BT: torch.Tensor | None = None  # the critic's targets (gae)
+
+    def given(self) -> dict[str, torch.Tensor]:
+        """The inputs that are set, by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def rows(self, rows: Sequence[int], num_cols: int) -> StepInputs:
+        """These inputs for `rows` of the batch, cut to `num_cols` columns (`rows_of`)."""
+        return StepInputs(**{name: rows_of(t, rows, num_cols) for name, t in self.given().items()})
+
+
+NO_INPUTS = StepInputs()  # a step that reads none (frozen: one shared default)
 
 
 def rows_of(tensor_BT: torch.Tensor | None, rows: Sequence[int], num_cols: int) -> torch.Tensor | None:
@@ -360,35 +382,3 @@ def shifted_logprobs(
     next_tokens_BT = tokens_BT.roll(-1, dims=1)  # the last column wraps around; its result is dropped
     logp_next_BT = token_logprobs(logits_BTV, next_tokens_BT, temperature=temperature)
     return torch.nn.functional.pad(logp_next_BT[:, :-1], (1, 0))
-
-
-# Token-level pieces of GAE (`--algo.advantage.estimator gae`), over a batch's trainable tokens.
-
-
-def last_token_rewards(mask_BT: torch.Tensor, rewards_B: torch.Tensor) -> torch.Tensor:
-    """[B, T] token rewards for GAE: each row's reward on its last trainable token, 0 elsewhere. Every
-    segment of a compacted rollout gets the rollout's reward (as every segment shares an outcome
-    advantage); a segment's value after its last token is 0, so segments do not bootstrap each other."""
-    num_cols = mask_BT.shape[1]
-    last_B = ((mask_BT != 0) * torch.arange(1, num_cols + 1)).argmax(dim=1)  # the last trainable column
-    rewards_BT = torch.zeros_like(mask_BT)
-    rewards_BT[torch.arange(len(rewards_B)), last_B] = rewards_B * (mask_BT.sum(dim=1) > 0)
-    return rewards_BT
-
-
-def whitened(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """`values_BT` shifted and scaled to mean 0, std 1 over the trainable tokens (0 elsewhere)."""
-    trained = values_BT[mask_BT != 0]
-    std = trained.std(unbiased=False) if trained.numel() > 1 else torch.tensor(0.0)
-    return (values_BT - trained.mean()) / (std + 1e-8) * (mask_BT != 0)
-
-
-def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
-    """1 - Var(returns - values) / Var(returns) over trainable tokens: 1 is a perfect critic, 0 one no
-    better than a constant, below 0 worse; 0 when the returns do not vary."""
-    trained = mask_BT != 0
-    returns, values = returns_BT[trained], values_BT[trained]
-    variance = returns.var(unbiased=False)
-    if variance == 0:
-        return 0.0
-    return (1 - (returns - values).var(unbiased=False) / variance).item()

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, get_args
 
 import msgspec
 
-from molt._config_algo import loss_agg
+from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Config, ConfigError, OutcomeEstimator
 
 __all__ = [
@@ -80,7 +80,7 @@ RANGES: dict[str, Range] = {
     "vllm.tensor_parallel_size": _AT_LEAST_1,
     "vllm.data_parallel_size": _AT_LEAST_1, "vllm.max_num_batched_tokens": _AT_LEAST_1,
     "vllm.mtp_num_speculative_tokens": _AT_LEAST_0, "vllm.max_model_len": Range(2),
-    "vllm.gpu_memory_utilization": _FRACTION,
+    "vllm.gpu_memory_utilization": _FRACTION, "vllm.kv_cache_tokens": _AT_LEAST_0,
     "rollout.group_size": _AT_LEAST_1, "rollout.prompts_per_step": _AT_LEAST_1,
     "rollout.max_new_tokens": _AT_LEAST_1, "rollout.temperature": _POSITIVE, "rollout.top_p": _FRACTION,
     "rollout.queue_depth": _AT_LEAST_0, "rollout.max_lag": _AT_LEAST_0,
@@ -112,6 +112,11 @@ def check_ranges(config: Config) -> None:
             raise ConfigError(f"--algo.correction.{flag} is (low, high) with low < high, got ({low}, {high})")
     if config.eval.k > config.eval.n:
         raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
+    if 0 < config.vllm.kv_cache_tokens < config.vllm.max_model_len:
+        raise ConfigError(
+            f"--vllm.kv_cache_tokens {config.vllm.kv_cache_tokens} cannot hold one sequence of "
+            f"--vllm.max_model_len {config.vllm.max_model_len}: raise it (or 0, sized from the run)"
+        )
     if config.rollout.max_new_tokens >= config.vllm.max_model_len:
         raise ConfigError(
             f"--rollout.max_new_tokens {config.rollout.max_new_tokens} leaves no room for a prompt in "
@@ -238,14 +243,15 @@ def check_algorithm(config: Config) -> None:
             "--algo.dynamic_filter_max_batches bounds the groups --algo.dynamic_filter drops, which is off: "
             "pass --algo.dynamic_filter, or drop it"
         )
-    if algo.advantage.estimator == "opd" and not algo.teacher.model:
+    needs, estimator = estimator_needs(algo.advantage.estimator), algo.advantage.estimator
+    if needs.teacher and not algo.teacher.model:
         raise ConfigError(
-            "--algo.advantage.estimator opd distils from a teacher: set --algo.teacher.model DIR"
+            f"--algo.advantage.estimator {estimator} distils from a teacher: set --algo.teacher.model DIR"
         )
-    if algo.advantage.estimator == "opd" and algo.kl.coef and algo.kl.in_reward:
+    if not needs.rewards and algo.kl.coef and algo.kl.in_reward:
         raise ConfigError(
-            "--algo.kl.in_reward changes the reward, which --algo.advantage.estimator opd does not use: "
-            "drop --algo.kl.in_reward (the KL then is a loss term)"
+            f"--algo.kl.in_reward changes the reward, which --algo.advantage.estimator {estimator} does not "
+            "use: drop --algo.kl.in_reward (the KL then is a loss term)"
         )
     rollouts = rollout.prompts_per_step * rollout.group_size
     if config.train.mini_batches > rollouts:

@@ -3,7 +3,8 @@ a vision tower) against the parallel sizes and what a vision-language policy can
 the projections they wrap and what vLLM serves, and a teacher's or critic's tokenizer against the policy's.
 The checks that read the config alone are `molt._checks`. Every message names the flags and what to do.
 
-Imports transformers only for a teacher or critic model.
+Imports transformers only for a teacher or critic model, or to ask whether --actor.shared_prefix's model
+packs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from molt._config_algo import estimator_needs
+from molt._placement import plain_kv_layout
 from molt.config import Config, ConfigError
 
 __all__ = ["LORA_RANKS", "check_companions", "check_model", "num_experts"]
@@ -25,9 +28,25 @@ def num_experts(model_config: dict) -> int:
     return next((int(model_config[key]) for key in _EXPERT_KEYS if model_config.get(key)), 0)
 
 
+def _check_shared_prefix(model_dir: str | Path) -> None:
+    """--actor.shared_prefix lays rows out in packed micro-batches: refused for a model that cannot pack."""
+    from transformers import AutoConfig
+
+    from molt._packing import packing_refusal
+
+    refusal = packing_refusal(AutoConfig.from_pretrained(model_dir))
+    if refusal:
+        raise ConfigError(
+            "--actor.shared_prefix shares prefixes within packed micro-batches, and --model.path "
+            f"{model_dir} cannot pack ({refusal}): drop --actor.shared_prefix"
+        )
+
+
 def check_model(config: Config, model_dir: str | Path) -> None:
     """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
     vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
+    if config.actor.shared_prefix and model_dir:  # the tiny model packs
+        _check_shared_prefix(model_dir)
     if model_dir:
         model_config = json.loads((Path(model_dir) / "config.json").read_text())
     else:
@@ -46,10 +65,16 @@ def check_model(config: Config, model_dir: str | Path) -> None:
             "adapters on a language model only, and the target modules would wrap the vision tower too; "
             "LoRA runs on text models for now"
         )
-    if "vision_config" in model_config and algo.advantage.estimator == "gae":
+    if "vision_config" in model_config and estimator_needs(algo.advantage.estimator).critic:
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model: the gae critic does not load one yet; "
             "pick an outcome estimator"
+        )
+    if config.vllm.kv_cache_tokens and not plain_kv_layout(model_config):
+        raise ConfigError(
+            f"--vllm.kv_cache_tokens with --model.path {model_dir}, whose layers do not all cache K and V "
+            "per token (MLA, linear attention or sliding windows): size its engines with "
+            "--vllm.gpu_memory_utilization instead"
         )
     model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
     experts = num_experts(model_config)
@@ -144,10 +169,10 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
 def check_companions(config: Config) -> None:
     """A teacher or critic reads the policy's token ids, so it must tokenize exactly as the policy does."""
     algo = config.algo
-    others = {}
-    if algo.advantage.estimator == "opd":
+    needs, others = estimator_needs(algo.advantage.estimator), {}
+    if needs.teacher:
         others["--algo.teacher.model"] = algo.teacher.model
-    if algo.advantage.estimator == "gae" and algo.critic.model:
+    if needs.critic and algo.critic.model:
         others["--algo.critic.model"] = algo.critic.model
     if not others:
         return

@@ -109,9 +109,9 @@ def train(ctx: typer.Context) -> None:
     # From here on other libraries' output goes into the run directory (their import warnings too).
     with quiet_console(run_dir / "molt.log", verbose=config.logger.verbose):
         allow_bytecode()
-        from molt.loop import train as run_training  # torch, Ray and vLLM load from here on
+        from molt._launch import launch  # torch, Ray and vLLM load from here on
 
-        run_training(config, resume=resume_dir is not None)
+        launch(config, resume=resume_dir is not None)  # validated above, once
 
 
 _RESOLVED = "The run's resolved config, derived values filled in (molt train --resume reads given.toml)."

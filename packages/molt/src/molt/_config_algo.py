@@ -14,6 +14,27 @@ OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp
 EstimatorName = Literal[OutcomeEstimator, "gae", "opd"]
 """An outcome estimator, or one of the token-level `rlestimators.gae` / `rlestimators.opd`."""
 PolicyLossKind = Literal["ppo", "gspo", "cispo", "pg"]
+
+
+class Needs(msgspec.Struct, frozen=True):
+    """What an advantage estimator reads beside the rewards; the groups a run starts, the checks and the
+    loop read it (`estimator_needs`)."""
+
+    critic: bool = False  # a value model's values: a critic group trains beside the policy
+    teacher: bool = False  # a frozen teacher's logprobs of the policy's tokens: --algo.teacher.model
+    rewards: bool = True  # the rollouts' rewards (and so the KL penalty --algo.kl.in_reward folds in)
+    old_logp: bool = False  # the policy's logprobs before the step, as a separate pass
+
+
+# The token-level estimators; every outcome estimator (`rlestimators.ESTIMATORS`) reads the rewards alone.
+TOKEN_ESTIMATORS = {"gae": Needs(critic=True), "opd": Needs(teacher=True, rewards=False, old_logp=True)}
+
+
+def estimator_needs(name: str) -> Needs:
+    """What `--algo.advantage.estimator name` reads (`TOKEN_ESTIMATORS`, else the rewards alone)."""
+    return TOKEN_ESTIMATORS.get(name, Needs())
+
+
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]

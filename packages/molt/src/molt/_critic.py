@@ -5,8 +5,8 @@ head (transformers' `*ForTokenClassification`, `num_labels=1`), loaded from `--a
 default, from the policy's initial weights. A freshly made head starts at zero, so every first value is 0
 and the first advantages are the returns themselves. It trains with `rlestimators.value_loss` (clipped
 around the values before the step) at `--algo.critic.lr`, with the same one-denominator normalisation as
-the policy (the step's trainable tokens) through the policy worker's micro-batch loop
-(`PolicyWorker._micro_batch_sums`), and checkpoints beside it (`<step>/critic`).
+the policy (the step's trainable tokens) through the micro-batch loop both share
+(`molt._rank.ModelRank._micro_batch_sums`), and checkpoints beside it (`<step>/critic`).
 
 Alignment: `values_BT[:, t]` is the value of the state in which token t was sampled, read from the hidden
 state of token t - 1 (as a logprob in column t comes from the logits of t - 1); column 0 holds 0. The
@@ -23,9 +23,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from molt._actor import PolicyWorker
-from molt._batch import TrainBatch
+from molt._batch import StepInputs, TrainBatch
 from molt._group import PolicyGroup
+from molt._rank import ModelRank
 from molt._sharding import distributed_setup, replicas
 from molt.config import Config
 from rlestimators import masked_sum, value_loss
@@ -65,10 +65,10 @@ def load_value_model(model_dir: str, config: Config, world_size: int, device: to
     return parallelize_model(model.to(device), setup.mesh_context)
 
 
-class CriticWorker(PolicyWorker):
-    """One rank of the critic; the policy worker's process group, optimizer and checkpointing."""
+class CriticWorker(ModelRank):
+    """One rank of the critic (`molt._rank.ModelRank` plus the values and the value loss's step)."""
 
-    name = "critic"
+    checkpoint_dir = "critic"
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_value_model(model_dir, self.config, world_size, self.device)
@@ -85,14 +85,14 @@ class CriticWorker(PolicyWorker):
         """V(state before token t) for every column, [B, T] float32 on the CPU."""
         return self._per_micro_batch(batch, self._values)
 
-    def _value_loss(self, mb: TrainBatch, old_values_BT, returns_BT) -> dict[str, torch.Tensor]:
+    def _value_loss(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
         mask_BT = mb.loss_mask_BT.to(self.device)
         values_BT = self._values(mb)
         loss_sum, metrics = value_loss(
             values_BT,
-            old_values_BT.to(self.device),
-            returns_BT.to(self.device),
+            inputs.old_values_BT.to(self.device),
+            inputs.returns_BT.to(self.device),
             mask_BT,
             clip=self.config.algo.critic.value_clip,
         )
@@ -103,11 +103,10 @@ class CriticWorker(PolicyWorker):
             "critic/value_mean": masked_sum(values_BT.detach(), mask_BT),
         }
 
-    def train_step(
-        self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
-    ) -> dict[str, float]:
-        """One optimizer step of the clipped value loss over this rank's rows; global metrics."""
-        sums = self._micro_batch_sums(batch, self._value_loss, old_values_BT, returns_BT)
+    def train_step(self, batch: TrainBatch, inputs: StepInputs) -> dict[str, float]:
+        """One optimizer step of the clipped value loss over this rank's rows (`inputs.old_values_BT`
+        and `inputs.returns_BT`); global metrics."""
+        sums = self._micro_batch_sums(batch, self._value_loss, inputs)
         counted = batch.num_tokens * replicas(self.config)  # as the policy's (`PolicyWorker.train_step`)
         metrics = {name: value / counted for name, value in sums.items()}
         metrics["critic/grad_norm"], metrics["critic/lr"] = self._optimizer_step()
@@ -134,9 +133,10 @@ class CriticGroup(PolicyGroup):
         """Values of every row of `batch`, [B, T], in row order."""
         return self._rows("values", batch)
 
-    def train_step(
-        self, batch: TrainBatch, old_values_BT: torch.Tensor, returns_BT: torch.Tensor
-    ) -> dict[str, float]:
-        """One critic optimizer step over the whole batch; returns the global metrics."""
-        batch.check_step(old_values_BT=old_values_BT, returns_BT=returns_BT)
-        return self._each("train_step", *self._row_shards(batch, old_values_BT, returns_BT)[1])[0]
+    def train_step(self, batch: TrainBatch, inputs: StepInputs) -> dict[str, float]:
+        """One critic optimizer step over the whole batch (`inputs`: the values before it and the
+        returns); returns the global metrics."""
+        if inputs.old_values_BT is None or inputs.returns_BT is None:
+            raise ValueError("the critic's step needs inputs.old_values_BT and inputs.returns_BT")
+        batch.check_step(inputs)
+        return self._each("train_step", *self._row_shards(batch, inputs)[1])[0]

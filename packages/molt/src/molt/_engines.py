@@ -17,7 +17,13 @@ from pathlib import Path
 import ray
 
 from molt._checks_model import LORA_RANKS
-from molt._placement import compute_dtype_name, engine_gpus, engine_memory_utilization, refit_backend
+from molt._placement import (
+    compute_dtype_name,
+    engine_gpus,
+    engine_memory_utilization,
+    kv_cache_bytes,
+    refit_backend,
+)
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
@@ -93,8 +99,9 @@ class EngineActor:
         self.server.stop()
 
 
-def engine_extra_args(config: Config) -> list[str]:
-    """vLLM flags from `--vllm.*` plus refit's worker extension."""
+def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str]:
+    """vLLM flags from `--vllm.*` plus refit's worker extension; `model_dir` sizes a CUDA engine's KV
+    cache (`kv_cache_bytes`)."""
     import torch
 
     import refit
@@ -115,6 +122,9 @@ def engine_extra_args(config: Config) -> list[str]:
         args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
         args += ["--data-parallel-size", str(vllm.data_parallel_size)]
         args += ["--gpu-memory-utilization", str(engine_memory_utilization(config))]
+        if model_dir is not None:
+            kv_bytes = kv_cache_bytes(config, model_dir, torch.cuda.get_device_properties(0).total_memory)
+            args += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes else []
         args += ["--enable-expert-parallel"] if vllm.enable_expert_parallel else []
         args += [] if vllm.cuda_graphs else ["--enforce-eager"]
         args += ["--enable-return-routed-experts"] if config.train.routing_replay else []  # R3's routes
@@ -127,8 +137,8 @@ def engine_extra_args(config: Config) -> list[str]:
 
 
 def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
-    """Start `--vllm.num_engines` engine actors; they load in the background (each actor's `url()`
-    answers once its server does)."""
+    """Start `--vllm.num_engines` engine actors (none where `--vllm.urls` attaches running servers); they
+    load in the background (each actor's `url()` answers once its server does)."""
     import torch
 
     import refit
@@ -137,11 +147,12 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
     on_gpu = torch.cuda.is_available()
     gpus = engine_gpus(config) if on_gpu else 0
     remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # as the actor's
-    args, env = engine_extra_args(config), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
+    args, env = engine_extra_args(config, model_dir), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
     adapter = adapter_config(config.actor.lora) if config.actor.lora.rank else None
+    num_engines = 0 if config.vllm.urls else config.vllm.num_engines
     return [
         remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu, env, adapter)
-        for index in range(config.vllm.num_engines)
+        for index in range(num_engines)
     ]
 
 

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 
 from molt._actor import PolicyWorker
-from molt._batch import TrainBatch, rows_of
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch
 from molt._packing import plan_micro_batches
 from molt._placement import gpu_share, refit_backend
+from molt._prefix import prefix_groups
 from molt._sharding import replicas
 from molt.config import Config
 from molt.vllm_server import free_port
@@ -71,6 +72,7 @@ class PolicyGroup:
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas
         self.layout: tuple[int, bool] | None = None  # the ranks' micro-batch budget and packing (`_plan`)
+        self.shared_prefix = config.actor.shared_prefix
         self.master_addr = ray.util.get_node_ip_address()
         port = free_port(self.master_addr)
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
@@ -121,7 +123,8 @@ class PolicyGroup:
 
     def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
         """Each data-parallel rank's micro-batches of `batch`'s rows (`molt._packing`), by the ranks'
-        budget (the smallest, should their free memory differ) and whether the model packs."""
+        budget (the smallest, should their free memory differ) and whether the model packs; with
+        --actor.shared_prefix, the rows that share a prefix (`molt._prefix`) kept in one micro-batch."""
         import ray
 
         if self.layout is None:  # asked once the ranks are up
@@ -130,21 +133,28 @@ class PolicyGroup:
             )
             self.layout = min(budgets), packed[0]
         budget, packed = self.layout
-        return plan_micro_batches(batch.row_lengths, num_ranks=self.dp_size, budget=budget, packed=packed)
+        together = ()
+        if self.shared_prefix and packed:
+            groups = prefix_groups(batch.tokens_BT, batch.row_lengths)
+            together = [rows for rows, shared in groups if shared]
+        return plan_micro_batches(
+            batch.row_lengths, num_ranks=self.dp_size, budget=budget, packed=packed, together=together
+        )
 
-    def _row_shards(self, batch: TrainBatch, *tensors_BT: torch.Tensor | None) -> tuple[list, list[tuple]]:
+    def _row_shards(self, batch: TrainBatch, inputs: StepInputs | None = None) -> tuple[list, list[tuple]]:
         """Each data-parallel rank's rows (`_plan`), and each rank's arguments: those rows of `batch`,
-        with their micro-batches, and of each [B, T] tensor (None stays None). The ranks of one data-
-        parallel coordinate get the same rows (module docstring)."""
+        with their micro-batches, and of `inputs` where given. The ranks of one data-parallel coordinate
+        get the same rows (module docstring)."""
         ranks_rows, shards = [], []
         for micro_batches in self._plan(batch):
             rows = [row for mb in micro_batches for row in mb]
             local = iter(range(len(rows)))
             plan = tuple(tuple(next(local) for _ in mb) for mb in micro_batches)
             shard = dataclasses.replace(batch.select(rows), plan=plan)
-            num_cols = shard.tokens_BT.shape[1]
             ranks_rows.append(rows)
-            shards.append((shard, *(rows_of(t, rows, num_cols) for t in tensors_BT)))
+            shards.append(
+                (shard,) if inputs is None else (shard, inputs.rows(rows, shard.tokens_BT.shape[1]))
+            )
         return ranks_rows, [shards[rank // self.replicas] for rank in range(self.num_ranks)]
 
     def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
@@ -158,15 +168,20 @@ class PolicyGroup:
         return out_BT
 
     def pass_metrics(self) -> dict[str, float]:
-        """`actor/padding_frac` (token slots that held padding), `actor/tokens_per_s` and, on a GPU of
-        known peak computing in bfloat16, `actor/mfu` (model FLOPs over peak FLOPs), over the passes this
-        group ran since the last call; the TP ranks of a data-parallel group count once."""
+        """`actor/padding_frac` (token slots that held padding), `actor/shared_prefix_frac` (the rows'
+        tokens that shared prefixes saved a slot for), `actor/tokens_per_s` and, on a GPU of known peak
+        computing in bfloat16, `actor/mfu` (model FLOPs over peak FLOPs), over the passes this group ran
+        since the last call; the TP ranks of a data-parallel group count once."""
         counts = self._each("take_pass_counts", *[()] * self.num_ranks)[:: self.replicas]
         slots, tokens = sum(c["slots"] for c in counts), sum(c["tokens"] for c in counts)
-        seconds = max(c["seconds"] for c in counts)
+        saved, seconds = sum(c["saved"] for c in counts), max(c["seconds"] for c in counts)
         if not slots or not seconds:
             return {}
-        metrics = {"actor/padding_frac": 1 - tokens / slots, "actor/tokens_per_s": tokens / seconds}
+        metrics = {
+            "actor/padding_frac": 1 - (tokens - saved) / slots,
+            "actor/shared_prefix_frac": saved / tokens,
+            "actor/tokens_per_s": tokens / seconds,
+        }
         if counts[0]["peak_flops"]:
             flops = sum(c["flops"] for c in counts)
             metrics["actor/mfu"] = flops / (seconds * counts[0]["peak_flops"] * len(counts))
@@ -176,16 +191,11 @@ class PolicyGroup:
         """Logprobs of every row of `batch`, [B, T], in row order."""
         return self._rows("logprobs", batch)
 
-    def train_step(
-        self,
-        batch: TrainBatch,
-        old_logp_BT: torch.Tensor | None = None,
-        ref_logp_BT: torch.Tensor | None = None,
-    ) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
-        says what the arguments mean)."""
-        batch.check_step(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)
-        shards = self._row_shards(batch, old_logp_BT, ref_logp_BT)[1]
+        says which inputs it reads)."""
+        batch.check_step(inputs)
+        shards = self._row_shards(batch, inputs)[1]
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
     def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:

@@ -3,13 +3,12 @@
 `train(config)` starts Ray, the vLLM engines (Ray actors), the FSDP2 policy actor (Ray actors, one per
 rank), the optional reference, critic and teacher groups, the agent hosts and tito (in this process), then
 runs `run_steps` on this process's event loop. Whatever happens (an error, Ctrl-C), every engine, actor
-and Ray itself is stopped. It is public as `molt.loop.train`.
+and Ray itself is stopped. It is public as `molt.train`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import random
 import secrets
@@ -25,6 +24,7 @@ from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
 from molt._data import RowStream, check_held_out, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
+from molt._filters import DynamicFilter
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
 from molt._metrics import sampled_tokens
@@ -36,19 +36,24 @@ from molt._startup import StartupClock, allow_bytecode
 from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config, with_run_dir
-from rlestimators import dynamic_filter
+from molt.loop import Run, run_steps
 from tito import Tito, create_app, serve_on_loop
 
-__all__ = ["DynamicFilter", "start_extra_groups", "train"]
+__all__ = ["launch", "prompt_pool", "run_log", "start_extra_groups", "train"]
 
 
 def train(config: Config, *, resume: bool = False) -> None:
-    """`molt train`: set up, run `run_steps`, and tear everything down on any exit. `resume`: continue
-    from the newest checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
+    """A run from Python (`molt.train`): every refusal before anything starts (`validate`), then `launch`."""
+    launch(with_run_dir(validate(config)), resume=resume)
+
+
+def launch(config: Config, *, resume: bool = False) -> None:
+    """Set up, run `run_steps`, and tear everything down on any exit; `config` as `validate` returned it
+    (`molt train` validates once, before it writes the run directory). `resume`: continue from the newest
+    checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
     import ray
 
-    clock = StartupClock()  # from the command's start: timing/startup_* in step 1's metrics
-    config = with_run_dir(validate(config))  # every refusal before anything starts, whoever calls
+    clock = StartupClock()  # from the launch: timing/startup_* in step 1's metrics
     run_dir = Path(config.logger.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.train.seed)
@@ -75,7 +80,7 @@ def train(config: Config, *, resume: bool = False) -> None:
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
         clock.begin("engines")
-        engines = launch_engines(model_dir, config, run_dir) if num_new else []  # they load meanwhile
+        engines = launch_engines(model_dir, config, run_dir)  # none for --vllm.urls; they load meanwhile
         cleanup.callback(stop_engines, engines)
         if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
             ray.get([engine.url.remote() for engine in engines])
@@ -111,13 +116,10 @@ def train(config: Config, *, resume: bool = False) -> None:
                 compute_dtype=compute_dtype_name(config), model=ADAPTER if lora else None,
             )  # fmt: skip
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        sinks = dict(tensorboard=config.logger.tensorboard, wandb_project=config.logger.wandb_project)
-        log = RunLog(run_dir, num_steps=config.train.num_steps, **sinks, config=msgspec.to_builtins(config))
+        log = run_log(config)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        algo = config.algo  # --algo.dynamic_filter: the pool's keep, bounded in each take
-        max_filtered = algo.dynamic_filter_max_batches * config.rollout.prompts_per_step
-        dynamic = DynamicFilter(max_filtered) if algo.dynamic_filter else None
+        dynamic = DynamicFilter.of(config)  # --algo.dynamic_filter: the pool's keep, bounded in each take
         parts = dict(
             policy=policy,
             rows=rows,
@@ -184,7 +186,6 @@ async def _serve_and_run(
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
     (the `Run` fields started by `train`). `actors`: the engines' actors, which restart them (none for
     attached engines)."""
-    from molt.loop import Run, run_steps  # not at the top: `molt.loop` imports this module for `train`
 
     rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
     fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
@@ -206,18 +207,7 @@ async def _serve_and_run(
             runner = RolloutRunner(
                 tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key, restarts=restarts
             )
-            pool = GroupPool(
-                runner,
-                parts["rows"],
-                group_size=rollout.group_size,
-                depth=rollout.queue_depth,
-                max_lag=rollout.max_lag,
-                keep=parts["dynamic_filter"],
-                retry_delay=0.5,
-                stale=rollout.stale,
-                max_requeues=rollout.max_stale_requeues,
-                cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
-            )
+            pool = prompt_pool(config, runner, parts["rows"], keep=parts["dynamic_filter"])
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
                 await run_steps(config, Run(tito=tito, pool=pool, runner=runner, restarts=restarts, **parts))
@@ -230,6 +220,36 @@ async def _serve_and_run(
         await tito.aclose()
 
 
+def prompt_pool(config: Config, runner, rows, *, keep: DynamicFilter | None = None) -> GroupPool:
+    """The pool of prompt groups of `--rollout.*`: `runner` samples each group of `rows`; `keep`: the
+    dynamic filter (`DynamicFilter.of`)."""
+    rollout = config.rollout
+    return GroupPool(
+        runner,
+        rows,
+        group_size=rollout.group_size,
+        depth=rollout.queue_depth,
+        max_lag=rollout.max_lag,
+        keep=keep,
+        retry_delay=0.5,
+        stale=rollout.stale,
+        max_requeues=rollout.max_stale_requeues,
+        cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
+    )
+
+
+def run_log(config: Config) -> RunLog:
+    """The metric sinks of `--logger.*` in the run directory; W&B gets the resolved config."""
+    logger = config.logger
+    return RunLog(
+        Path(logger.run_dir),
+        num_steps=config.train.num_steps,
+        tensorboard=logger.tensorboard,
+        wandb_project=logger.wandb_project,
+        config=msgspec.to_builtins(config),
+    )
+
+
 def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
     if config.model.path:
         return Path(config.model.path)
@@ -240,29 +260,3 @@ def _model_dir(config: Config, run_dir: Path, clock: StartupClock) -> Path:
     model_dir = build_tiny_model(run_dir / "model", seed=config.train.seed)
     clock.end("model")
     return model_dir
-
-
-class DynamicFilter:
-    """--algo.dynamic_filter (DAPO's dynamic sampling, Yu et al. 2025): the pool's `keep`. A group whose
-    rewards are all equal has every advantage 0, so no gradient: it is rejected and the pool backfills it.
-    Each rejection is counted by prompt (its row, shown) and the reward all its samples had, so that
-    `molt.loop.take`, which stops the run past `max_groups` rejections in one take, can name them."""
-
-    def __init__(self, max_groups: int) -> None:
-        self.max_groups = max_groups
-        self.all_equal: collections.Counter[tuple[str, float]] = collections.Counter()
-
-    def __call__(self, group) -> bool:
-        rewards_S = torch.tensor([sample.reward for sample in group.samples])
-        if bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all()):
-            return True
-        shown = repr(group.prompt) if len(repr(group.prompt)) <= 120 else repr(group.prompt)[:117] + "..."
-        self.all_equal[shown, rewards_S[0].item()] += 1
-        return False
-
-    def most_rejected(self, limit: int = 5) -> str:
-        """The prompts rejected most often, with their count and reward, e.g. `{...} (40 x, reward 0)`."""
-        shown = [f"{prompt} ({count} x, reward {reward:g})" for (prompt, reward), count in
-                 self.all_equal.most_common(limit)]  # fmt: skip
-        more = len(self.all_equal) - len(shown)
-        return "; ".join(shown) + (f"; and {more} other prompts" if more > 0 else "")

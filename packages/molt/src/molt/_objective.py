@@ -1,4 +1,15 @@
-"""The policy's objective for one micro-batch, as one pure function of tensors: `step_loss`.
+"""The algorithm, both halves: a batch's advantages (`score`) and the policy's loss on one micro-batch
+(`step_loss`), each a plain function.
+
+**Advantages.** `score` turns the rollouts' rewards into each trainable token's advantage under
+`--algo.advantage.estimator`: an outcome estimator (`rlestimators.ESTIMATORS`, one advantage per rollout
+against its group, `outcome_advantages`) or a token-level one (`ADVANTAGES`: `gae` with a critic's values,
+`opd` with a teacher's logprobs). What each reads beside the rewards (a critic, a teacher, the policy's
+logprobs before the step) is one row of `molt._config_algo.TOKEN_ESTIMATORS`, which also decides the
+groups a run starts and the checks. A KL penalty in the reward (`--algo.kl.in_reward`) is folded into the
+rewards first. Adding an estimator: docs/adding-an-estimator.md.
+
+**The loss.** `step_loss`:
 
     loss = sum_t  c_t * (w_t * surrogate_t  -  entropy_coef * H_t  +  kl.coef * KL_t)  /  D
 
@@ -35,13 +46,146 @@ Legend: B sequences, T tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
+
 import torch
 
-from molt._config_algo import loss_agg
-from molt.config import Algo
-from rlestimators import kl, masked_sum, policy_loss, rollout_correction
+from molt._batch import StepInputs, TrainBatch
+from molt._config_algo import estimator_needs, loss_agg
+from molt.config import Algo, Config
+from rlestimators import ESTIMATORS, gae, kl, masked_sum, opd, policy_loss, rollout_correction
 
-__all__ = ["step_loss"]
+__all__ = [
+    "ADVANTAGES",
+    "Advantages",
+    "Scored",
+    "explained_variance",
+    "last_token_rewards",
+    "outcome_advantages",
+    "rollout_sums",
+    "score",
+    "step_loss",
+    "whitened",
+]
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A batch scored for its optimizer steps (`score`)."""
+
+    batch: TrainBatch  # with each trainable token's advantage
+    policy: StepInputs  # what the policy's steps read
+    critic: StepInputs | None  # what the critic's steps read; None without a critic
+    advantages: torch.Tensor  # what the advantage metrics count: per rollout, or per trainable token
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Advantages:
+    """What an advantage function gives `score`."""
+
+    advantages_BT: torch.Tensor  # each trainable token's advantage (0 elsewhere)
+    counted: torch.Tensor  # what the advantage metrics count: per rollout, or per trainable token
+    critic: StepInputs | None = None  # the inputs of the critic's steps, for an estimator with one
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def score(batch: TrainBatch, rewards_R: torch.Tensor, rows_R: torch.Tensor, groups, config: Config) -> Scored:
+    """`batch`'s advantages under --algo.advantage.estimator and the inputs of its optimizer steps, from
+    the rollouts' rewards (`rewards_R`; `rows_R`: each rollout's rows, consecutive in the batch) and the
+    passes of `groups` (`.policy`, and `.reference`, `.critic`, `.teacher` where the run has them: these
+    calls block, so the loop runs this in a thread)."""
+    algo, mask_BT = config.algo, batch.loss_mask_BT
+    in_reward = groups.reference is not None and algo.kl.in_reward
+    # The policy's logprobs before the step, which every ratio is taken against: a separate pass where the
+    # batch is several optimizer steps (--train.mini_batches) or they are needed before it (an estimator
+    # that reads them, a KL penalty in the reward); otherwise one step takes them from its own forward.
+    reads_old_logp = estimator_needs(algo.advantage.estimator).old_logp
+    separate = config.train.mini_batches > 1 or reads_old_logp or in_reward
+    old_logp_BT = groups.policy.logprobs(batch) if separate else None
+    ref_logp_BT = groups.reference.logprobs(batch) if groups.reference is not None else None
+    metrics = {}
+    if in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
+        kl_BT = kl(old_logp_BT, ref_logp_BT, kind=algo.kl.kind) * mask_BT
+        metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
+        rewards_R = rewards_R - algo.kl.coef * rollout_sums(kl_BT, rows_R)
+        ref_logp_BT = None  # no loss term
+    advantage = ADVANTAGES.get(algo.advantage.estimator, outcome_advantages)
+    got = advantage(batch, rewards_R, rows_R, old_logp_BT, groups, config)
+    scored = replace(batch, advantages_BT=got.advantages_BT)
+    policy = StepInputs(old_logp_BT=old_logp_BT, ref_logp_BT=ref_logp_BT)  # ref: the KL loss term
+    return Scored(scored, policy, got.critic, got.counted, metrics | got.metrics)
+
+
+def outcome_advantages(batch, rewards_R, rows_R, old_logp_BT, groups, config: Config) -> Advantages:
+    """An outcome estimator (`rlestimators.ESTIMATORS`): one advantage per rollout, against the others of
+    its group (`--rollout.group_size` consecutive rollouts), on every trainable token of its rows."""
+    group_ids_R = torch.arange(len(rewards_R)).div(config.rollout.group_size, rounding_mode="floor")
+    advantages_R = ESTIMATORS[config.algo.advantage.estimator](rewards_R, group_ids_R)
+    return Advantages(advantages_R.repeat_interleave(rows_R)[:, None] * batch.loss_mask_BT, advantages_R)
+
+
+def gae_advantages(batch, rewards_R, rows_R, old_logp_BT, groups, config: Config) -> Advantages:
+    """gae: the critic's values; each rollout's reward sits on its rows' last sampled token."""
+    gae_cfg, mask_BT = config.algo.gae, batch.loss_mask_BT
+    values_BT = groups.critic.values(batch)
+    rewards_BT = last_token_rewards(mask_BT, rewards_R.repeat_interleave(rows_R))
+    advantages_BT, returns_BT = gae(rewards_BT, values_BT, mask_BT, gamma=gae_cfg.gamma, lam=gae_cfg.lam)
+    advantages_BT = whitened(advantages_BT, mask_BT) if gae_cfg.whiten else advantages_BT
+    critic = StepInputs(old_values_BT=values_BT, returns_BT=returns_BT)
+    metrics = {"critic/explained_variance": explained_variance(values_BT, returns_BT, mask_BT)}
+    return Advantages(advantages_BT, advantages_BT[mask_BT != 0], critic, metrics)
+
+
+def opd_advantages(batch, rewards_R, rows_R, old_logp_BT, groups, config: Config) -> Advantages:
+    """opd: the teacher's logprobs of the student's own tokens, against the student's before the step."""
+    mask_BT = batch.loss_mask_BT
+    advantages_BT = opd(old_logp_BT, groups.teacher.logprobs(batch), mask_BT)
+    metrics = {"teacher/reverse_kl": -(advantages_BT.sum() / mask_BT.sum()).item()}
+    return Advantages(advantages_BT, advantages_BT[mask_BT != 0], metrics=metrics)
+
+
+# Token-level pieces of GAE (`--algo.advantage.estimator gae`), over a batch's trainable tokens.
+
+
+def last_token_rewards(mask_BT: torch.Tensor, rewards_B: torch.Tensor) -> torch.Tensor:
+    """[B, T] token rewards for GAE: each row's reward on its last trainable token, 0 elsewhere. Every
+    segment of a compacted rollout gets the rollout's reward (as every segment shares an outcome
+    advantage); a segment's value after its last token is 0, so segments do not bootstrap each other."""
+    num_cols = mask_BT.shape[1]
+    last_B = ((mask_BT != 0) * torch.arange(1, num_cols + 1)).argmax(dim=1)  # the last trainable column
+    rewards_BT = torch.zeros_like(mask_BT)
+    rewards_BT[torch.arange(len(rewards_B)), last_B] = rewards_B * (mask_BT.sum(dim=1) > 0)
+    return rewards_BT
+
+
+def whitened(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """`values_BT` shifted and scaled to mean 0, std 1 over the trainable tokens (0 elsewhere)."""
+    trained = values_BT[mask_BT != 0]
+    std = trained.std(unbiased=False) if trained.numel() > 1 else torch.tensor(0.0)
+    return (values_BT - trained.mean()) / (std + 1e-8) * (mask_BT != 0)
+
+
+def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over trainable tokens: 1 is a perfect critic, 0 one no
+    better than a constant, below 0 worse; 0 when the returns do not vary."""
+    trained = mask_BT != 0
+    returns, values = returns_BT[trained], values_BT[trained]
+    variance = returns.var(unbiased=False)
+    if variance == 0:
+        return 0.0
+    return (1 - (returns - values).var(unbiased=False) / variance).item()
+
+
+# The token-level estimators by --algo.advantage.estimator name (what each reads:
+# `molt._config_algo.TOKEN_ESTIMATORS`); every other name is an outcome estimator.
+ADVANTAGES = {"gae": gae_advantages, "opd": opd_advantages}
+
+
+def rollout_sums(values_BT: torch.Tensor, rows_R: torch.Tensor) -> torch.Tensor:
+    """Each rollout's sum of `values_BT` over its rows (`rows_R` consecutive rows each)."""
+    owner_B = torch.arange(len(rows_R)).repeat_interleave(rows_R)
+    return torch.zeros(len(rows_R)).index_add_(0, owner_B, values_BT.sum(dim=1).float())
 
 
 def step_loss(

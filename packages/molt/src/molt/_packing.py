@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from molt._prefix import tree_mask
+
 __all__ = [
     "ATTENTION",
     "BF16_PEAK",
@@ -60,32 +62,54 @@ def row_cost(length: int) -> float:
     return length + length * length / ATTENTION_TOKENS
 
 
-def _fits(lengths: list[int], length: int, budget: int, packed: bool) -> bool:
-    """Whether a row of `length` joins a micro-batch of rows `lengths` within `budget` token slots."""
+def _fits(lengths: list[int], new: list[int], budget: int, packed: bool) -> bool:
+    """Whether rows of `new` lengths join a micro-batch of rows `lengths` within `budget` token slots."""
     if packed:
-        return sum(lengths) + length <= budget
-    return (len(lengths) + 1) * max([length, *lengths]) <= budget
+        return sum(lengths) + sum(new) <= budget
+    return (len(lengths) + len(new)) * max([*new, *lengths]) <= budget
 
 
-def _fill(order: list[int], lengths: Sequence[int], num_bins: int, budget: int, packed: bool):
-    """Rows (longest first) into `num_bins` micro-batches: each row into the cheapest one it fits in;
-    None if one fits nowhere."""
+def _fill(units: list[list[int]], lengths: Sequence[int], num_bins: int, budget: int, packed: bool):
+    """Units of rows (longest first) into `num_bins` micro-batches: each unit into the cheapest one it
+    fits in; None if one fits nowhere."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     costs = [0.0] * num_bins
-    for row in order:
-        fitting = [
-            b for b in range(num_bins) if _fits([lengths[r] for r in bins[b]], lengths[row], budget, packed)
-        ]
+    for unit in units:
+        new = [lengths[r] for r in unit]
+        fitting = [b for b in range(num_bins) if _fits([lengths[r] for r in bins[b]], new, budget, packed)]
         if not fitting:
             return None
         best = min(fitting, key=lambda b: costs[b])
-        bins[best].append(row)
-        costs[best] += row_cost(lengths[row])
+        bins[best] += unit
+        costs[best] += sum(map(row_cost, new))
     return bins
 
 
+def _units(
+    lengths: Sequence[int], together: Sequence[Sequence[int]], budget: int, packed: bool
+) -> list[list[int]]:
+    """The rows as units a micro-batch takes whole, longest first: each of `together`, in pieces that fit
+    the budget, and every other row alone; rows of zero length left out."""
+    grouped = {row for rows in together for row in rows}
+    units = [[row] for row, n in enumerate(lengths) if n > 0 and row not in grouped]
+    for rows in together:
+        piece: list[int] = []
+        for row in rows:
+            if piece and not _fits([lengths[r] for r in piece], [lengths[row]], budget, packed):
+                units.append(piece)
+                piece = []
+            piece.append(row)
+        units += [piece] if piece else []
+    return sorted(units, key=lambda unit: -sum(lengths[r] for r in unit))
+
+
 def plan_micro_batches(
-    lengths: Sequence[int], *, num_ranks: int, budget: int, packed: bool = True
+    lengths: Sequence[int],
+    *,
+    num_ranks: int,
+    budget: int,
+    packed: bool = True,
+    together: Sequence[Sequence[int]] = (),
 ) -> list[list[list[int]]]:
     """Row indices per rank, per micro-batch: every rank the same number of micro-batches (some may be
     empty), each within `budget` (packed: the rows' tokens; padded: rows x the longest), as few as the
@@ -94,18 +118,20 @@ def plan_micro_batches(
     Rows are placed longest first into the cheapest micro-batch they fit in, over the fewest micro-batches
     per rank for which that places every row; the micro-batches, by cost, are then dealt to the ranks in
     snake order (0, 1, .., R-1, R-1, .., 0), so the i-th micro-batches of the ranks are neighbours by cost.
-    Rows of zero length (none to compute) are left out. A row longer than `budget` is refused: the run
-    checks the budget against --vllm.max_model_len before it starts.
+    Each group of rows in `together` (rows that share a prefix, `molt._prefix`) is placed as one, its
+    tokens counted unshared, and split only where it passes the budget. Rows of zero length (none to
+    compute) are left out. A row longer than `budget` is refused: the run checks the budget against
+    --vllm.max_model_len before it starts.
     """
     if num_ranks < 1 or budget < 1:
         raise ValueError(f"num_ranks and budget must be >= 1, got {num_ranks} and {budget}")
     too_long = [length for length in lengths if length > budget]
     if too_long:
         raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")
-    order = sorted((r for r, n in enumerate(lengths) if n > 0), key=lambda r: -lengths[r])
-    total = sum(lengths[r] for r in order)
+    units = _units(lengths, together, budget, packed)
+    total = sum(lengths)
     per_rank = max(1, -(-total // (budget * num_ranks)))  # the fewest the tokens allow
-    while (bins := _fill(order, lengths, per_rank * num_ranks, budget, packed)) is None:
+    while (bins := _fill(units, lengths, per_rank * num_ranks, budget, packed)) is None:
         per_rank += 1
     bins.sort(key=lambda rows: -sum(row_cost(lengths[r]) for r in rows))
     plan: list[list[list[int]]] = [[] for _ in range(num_ranks)]
@@ -133,6 +159,8 @@ class PackedRows:
             padded = -(-total // CUDA_PACK_MULTIPLE) * CUDA_PACK_MULTIPLE
             return cls(tuple(lengths), padded, max(1 << (longest - 1).bit_length(), padded - total))
         return cls(tuple(lengths), total, longest)
+
+    num_saved = 0  # token slots saved by sharing: none (`molt._prefix.SharedPrefixRows` saves some)
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
@@ -195,11 +223,15 @@ def packed_attention(
     sliding_window: int | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    tree_positions: torch.Tensor | None = None,
+    tree_branches: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract ([B, H, N, D] in, [B, N, H, D] out) over one packed row:
-    causal attention within each row of `cu_seq_lens_q`, never across. Without row bounds (an unpacked
-    forward of the same model) it is transformers' SDPA, causal over right-padded rows."""
+    causal attention within each row of `cu_seq_lens_q`, never across. With `tree_branches` (shared
+    prefixes, `molt._prefix`), a span that holds a tree attends by its mask, SDPA, on the CPU. Without
+    row bounds (an unpacked forward of the same model) it is transformers' SDPA, causal over right-padded
+    rows."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -214,6 +246,8 @@ def packed_attention(
             **kwargs,
         )
     assert query_1HND.shape[0] == 1 and dropout == 0.0, "packed attention runs one row, without dropout"
+    tree = tree_branches is not None
+    assert not (tree and query_1HND.is_cuda), "shared prefixes run on the CPU (molt._validate refuses CUDA)"
     if query_1HND.is_cuda and query_1HND.dtype in (torch.bfloat16, torch.float16):  # flash takes 16-bit only
         from torch.nn.attention.varlen import varlen_attn
 
@@ -236,9 +270,9 @@ def packed_attention(
     for start, stop in itertools.pairwise(cu_seq_lens_q.tolist()):
         q, k, v = (t[:, :, start:stop] for t in (query_1HND, key_1HND, value_1HND))
         mask = None
-        if (
-            sliding_window is not None
-        ):  # causal within the window: key j is seen from query i when i - w < j <= i
+        if tree and bool((tree_branches[start:stop] < 0).any()):  # a prefix and its continuations
+            mask = tree_mask(tree_positions[start:stop], tree_branches[start:stop], sliding_window)
+        elif sliding_window is not None:  # causal in the window: query i sees key j when i - w < j <= i
             i, j = torch.arange(stop - start)[:, None], torch.arange(stop - start)[None]
             mask = ((j <= i) & (j > i - sliding_window)).to(q.device)
         outs.append(

@@ -17,10 +17,13 @@ run: a shared GPU holds one actor rank and one single-GPU engine.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import msgspec
 
+from molt._config_algo import estimator_needs
 from molt.config import Config, ConfigError
 
 __all__ = [
@@ -32,6 +35,9 @@ __all__ = [
     "extra_groups",
     "gpus_needed",
     "gpu_share",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "plain_kv_layout",
     "refit_backend",
     "resolve_placement",
 ]
@@ -42,11 +48,8 @@ _MEMORY = {"separate": 0.8, "shared": 0.4}  # --vllm.gpu_memory_utilization when
 def extra_groups(config: Config) -> list[str]:
     """The optional groups a run starts beside the policy (each with --actor.num_ranks ranks)."""
     algo = config.algo
-    wanted = {
-        "reference": algo.kl.coef != 0,
-        "critic": algo.advantage.estimator == "gae",
-        "teacher": algo.advantage.estimator == "opd",
-    }
+    needs = estimator_needs(algo.advantage.estimator)
+    wanted = {"reference": algo.kl.coef != 0, "critic": needs.critic, "teacher": needs.teacher}
     return [name for name, started in wanted.items() if started]
 
 
@@ -129,6 +132,46 @@ def engine_memory_utilization(config: Config) -> float:
         if chosen is not None
         else _MEMORY["shared" if config.vllm.placement == "shared" else "separate"]
     )
+
+
+def plain_kv_layout(model_config: dict) -> bool:
+    """Whether every layer caches K and V per token (no MLA, linear attention or sliding windows)."""
+    model_config = model_config.get("text_config", model_config)
+    kinds = set(model_config.get("layer_types") or ["full_attention"])
+    return "kv_lora_rank" not in model_config and kinds == {"full_attention"}
+
+
+def kv_bytes_per_token(model_config: dict, tp_size: int, dtype_bytes: int) -> int | None:
+    """KV cache bytes one token takes on one engine GPU (K and V of every layer, its share of the key-value
+    heads); None for a layout that caches otherwise (MLA, linear attention, sliding windows)."""
+    if not plain_kv_layout(model_config):
+        return None
+    model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    return 2 * model_config["num_hidden_layers"] * math.ceil(kv_heads / tp_size) * head_dim * dtype_bytes
+
+
+def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | None:
+    """`--kv-cache-memory-bytes` for each engine GPU of `gpu_bytes` memory: --vllm.kv_cache_tokens, or the
+    tokens every sequence in flight can take (a partly filled 16-token block each) where that fits beside
+    the weights in the engine's memory share; None leaves the sizing to vLLM (--gpu-memory-utilization)."""
+    vllm, rollout, evaluation = config.vllm, config.rollout, config.eval
+    model_config = json.loads((model_dir / "config.json").read_text())
+    dtype_bytes = 4 if compute_dtype_name(config) == "float32" else 2
+    per_token = kv_bytes_per_token(model_config, vllm.tensor_parallel_size, dtype_bytes)
+    if per_token is None:
+        return None
+    if vllm.kv_cache_tokens:
+        return vllm.kv_cache_tokens * per_token
+    sequences = rollout.queue_depth * rollout.group_size + evaluation.num_prompts * evaluation.n * bool(
+        evaluation.every
+    )
+    wanted = sequences * (vllm.max_model_len + 16) * per_token
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // vllm.tensor_parallel_size
+    room = engine_memory_utilization(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs
+    return wanted if wanted <= room else None
 
 
 def compute_dtype_name(config: Config) -> str:

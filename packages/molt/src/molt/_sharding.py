@@ -14,6 +14,7 @@ __all__ = [
     "adapter_config",
     "compile_layers",
     "compute_dtype",
+    "distributed_settings",
     "distributed_setup",
     "freeze_moe_routers",
     "load_model",
@@ -35,9 +36,10 @@ def compute_dtype(config: Config) -> torch.dtype:
     return getattr(torch, compute_dtype_name(config))
 
 
-def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
-    """AutoModel's FSDP2 setup over `world_size` ranks, computing in `dtype`."""
-    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+def distributed_settings(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool) -> dict:
+    """The arguments of AutoModel's `DistributedSetup.build` for `--fsdp.*` over `world_size` ranks,
+    computing in `dtype`: the FSDP2 strategy, the parallel sizes and activation checkpointing."""
+    from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh import ParallelismSizes
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
@@ -55,12 +57,19 @@ def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gp
         cp_size=fsdp.cp_size,
         ep_size=fsdp.ep_size,
     )
-    return DistributedSetup.build(
+    return dict(
         strategy=strategy,
         parallelism_sizes=sizes,
         activation_checkpointing=config.actor.activation_checkpointing,
         world_size=world_size,
     )
+
+
+def distributed_setup(config: Config, world_size: int, dtype: torch.dtype, on_gpu: bool):
+    """AutoModel's FSDP2 setup over `world_size` ranks, computing in `dtype` (`distributed_settings`)."""
+    from nemo_automodel.components.distributed.config import DistributedSetup
+
+    return DistributedSetup.build(**distributed_settings(config, world_size, dtype, on_gpu))
 
 
 def peft_config(lora: LoRA):

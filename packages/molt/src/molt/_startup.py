@@ -1,7 +1,7 @@
 """The start of a run: how long each stage took, and compiled bytecode for every process a run starts.
 
-`StartupClock` times the stages of `molt.loop.train` from the start of this process (the command): the
-stages that run side by side (engines, actor ranks, agent hosts load at once) are waited for together
+`StartupClock` times the stages of a run's launch (`molt._launch.launch`) from its start: the stages
+that run side by side (engines, actor ranks, agent hosts load at once) are waited for together
 (`wait`), each noted when it is ready. Step 1 logs them as `timing/startup_<stage>` (seconds each stage
 took) and `timing/startup_total` (the command to step 1's metrics), and the console prints one line.
 

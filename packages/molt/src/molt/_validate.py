@@ -10,8 +10,8 @@ against the parallel sizes, a teacher's or critic's tokenizer, and the agent mod
 settings. Every message names the flags and what to do. The checks that read the config alone (and the
 files it names) are `molt._checks`, those that read the model `molt._checks_model`; this module holds the
 pass, what this machine can run, and the GPUs.
-`molt train` calls it as soon as its flags are read, and `molt.loop.train` calls it again first thing
-(the Python API gets the same guards); it is idempotent. The one check that needs Ray, a joined cluster's
+`molt train` calls it once, as soon as its flags are read; `molt.train` (the Python API) calls it first
+thing, so it gets the same guards; it is idempotent. The one check that needs Ray, a joined cluster's
 GPUs, is `check_cluster_gpus`, called right after joining. `start_notes` lists what a run should say at
 start about a config it accepts.
 
@@ -61,6 +61,7 @@ _CUDA_ONLY = {
     "fsdp.offload": "it moves optimizer states to host memory, where a CPU actor's already are",
     "vllm.cuda_graphs": "the CPU engine always runs eager",
     "vllm.gpu_memory_utilization": "it sizes an engine's share of GPU memory",
+    "vllm.kv_cache_tokens": "it sizes a CUDA engine's KV cache (the CPU engine's is VLLM_CPU_KVCACHE_SPACE)",
     "vllm.placement": "it places engines and actor ranks on GPUs",
     "vllm.tensor_parallel_size": "the CPU engine runs one process",
     "vllm.data_parallel_size": "the CPU engine runs one process",
@@ -122,6 +123,16 @@ def _check_machine(config: Config) -> None:
     if changed and not _on_gpu():
         path = changed[0]
         raise ConfigError(f"--{path} needs CUDA, and this machine has none: {_CUDA_ONLY[path]}; drop it")
+    if config.actor.shared_prefix and not config.actor.pack:
+        raise ConfigError(
+            "--actor.shared_prefix shares prefixes within packed micro-batches, and --actor.pack false pads "
+            "them: drop one of the two"
+        )
+    if config.actor.shared_prefix and _on_gpu():
+        raise ConfigError(
+            "--actor.shared_prefix runs on the CPU only for now: the CUDA actor's varlen attention takes no "
+            "shared-prefix tree mask; drop --actor.shared_prefix"
+        )
     if config.refit.delta and _on_gpu():
         raise ConfigError(
             "--refit.delta sends changed elements over the CPU (gloo) refit only; CUDA engines take full "

@@ -131,6 +131,11 @@ class Actor(_Group):
     pack: bool = True
     """Lay each micro-batch's rows end to end without padding, attention within each row (varlen on CUDA);
     false pads rows to the micro-batch's longest. Models that cannot pack are padded either way."""
+    shared_prefix: bool = False
+    """Within a packed micro-batch, compute once the tokens that rows begin with alike (a group's prompt, a
+    multi-turn episode's earlier turns), each row's continuation attending to that prefix and not to its
+    siblings (`molt._prefix`); the results are each row's alone. The group's rows are planned into one
+    micro-batch. Needs --actor.pack and a model that packs; CPU only for now."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory (then --actor.compile auto is off)."""
     compile: Literal["auto", "on", "off"] = "auto"
@@ -194,6 +199,11 @@ class VLLM(_Group):
     gpu_memory_utilization: float | None = None
     """Fraction of its GPU's memory an engine may take; none = 0.8 on GPUs of its own, 0.4 on a GPU it
     shares with the actor (see --vllm.placement)."""
+    kv_cache_tokens: int = 0
+    """KV cache of each engine GPU, in tokens (CUDA engines); 0 = what the run can fill: every sequence
+    in flight (--rollout.queue_depth x --rollout.group_size, plus the eval's) at --vllm.max_model_len,
+    when that fits in --vllm.gpu_memory_utilization (else vLLM sizes it from that). A larger cache costs
+    every refit time: its cache reset walks every block."""
     placement: Literal["auto", "shared", "separate"] = "auto"
     """GPUs: separate = each engine and actor rank on its own (NCCL refit); shared = the engine and the actor
     on one GPU (CUDA IPC refit); auto = shared when a local Ray has too few GPUs for separate."""

@@ -1,7 +1,7 @@
 """The training loop of `molt train`: `run_steps`, the whole algorithm in one function, and the step's parts.
 
-`train(config)` (`molt._launch`) starts the parts (Ray, the vLLM engines, the FSDP2 policy actor, tito)
-and runs `run_steps` over them; it is public here, as `molt.loop.train`. Rollouts run on this process's
+`molt._launch` starts the parts (Ray, the vLLM engines, the FSDP2 policy actor, tito) and runs `run_steps`
+over them (`molt.train`, or the `molt train` command). Rollouts run on this process's
 event loop the whole time; the actor's blocking calls run in threads, so the engines keep generating while
 the actor trains (asynchrony bounded by `--rollout.queue_depth` and `--rollout.max_lag`). The step's
 metrics come from `molt._metrics`, its rows from `molt._data`.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +19,10 @@ import torch
 
 from asyncpool import GroupPool, PromptStarved
 from molt._batch import (
+    NO_INPUTS,
+    StepInputs,
     TrainBatch,
     collate,
-    explained_variance,
-    last_token_rewards,
-    whitened,
     with_images,
     with_lags,
     with_routes,
@@ -34,18 +32,18 @@ from molt._critic import CriticGroup
 from molt._data import RowStream
 from molt._dumps import write_rollouts
 from molt._eval import evaluate
+from molt._filters import DynamicFilter
 from molt._group import EnginesLost, PolicyGroup
-from molt._launch import DynamicFilter, train
 from molt._log import RunLog, progress
 from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
+from molt._objective import score
 from molt._restarts import EngineRestarts
 from molt._rollout import Rollout, RolloutRunner
 from molt._startup import StartupClock
 from molt.config import Config
-from rlestimators import ESTIMATORS, gae, kl, opd
 from tito import Tito
 
-__all__ = ["REQUIRED_METRICS", "run_steps", "train"]
+__all__ = ["REQUIRED_METRICS", "Run", "run_steps"]
 
 # Logged every step (DESIGN §6), besides the algorithm's own metrics.
 REQUIRED_METRICS = frozenset(
@@ -69,6 +67,7 @@ REQUIRED_METRICS = frozenset(
         "pool/filtered",
         "pool/wasted_frac",
         "actor/padding_frac",
+        "actor/shared_prefix_frac",
         "actor/tokens_per_s",
         "timing/generation",
         "timing/policy_train",
@@ -102,9 +101,7 @@ class Run:
 async def run_steps(config: Config, run: Run) -> None:
     """The algorithm: take groups, advantages, then one step (logprobs, correction, loss), refit, log."""
     policy, pool, runner = run.policy, run.pool, run.runner
-    estimator = config.algo.advantage.estimator  # an outcome estimator, gae (critic) or opd (teacher)
     pad_id = run.tito.tokenizer.pad_token_id
-    kl_cfg, gae_cfg = config.algo.kl, config.algo.gae
     last = config.train.num_steps
     pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
     for step in range(run.first_step, last + 1):
@@ -120,7 +117,6 @@ async def run_steps(config: Config, run: Run) -> None:
             write_rollouts(Path(config.train.rollout_dump_dir), step, groups)
 
         rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-        group_ids_R = torch.arange(len(groups)).repeat_interleave(config.rollout.group_size)
         batch = collate(segment_rows(rollouts, torch.zeros(len(rollouts))), pad_id=pad_id)  # advantages below
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
         rows = [segment for rollout in rollouts for segment in rollout.segments]  # the batch's rows
@@ -130,54 +126,19 @@ async def run_steps(config: Config, run: Run) -> None:
             batch = with_images(batch, [row.images for row in rows], images.processor)
         if config.train.routing_replay:  # the engines' MoE routes, replayed in the policy's forward
             batch = with_routes(batch, [row.routes() for row in rows])
-        mask_BT = batch.loss_mask_BT
 
         train_started = time.monotonic()
-        # The policy's logprobs before the step, which every ratio is taken against: a separate pass
-        # where the batch is several optimizer steps (--train.mini_batches) or they are needed before it
-        # (the opd advantage, a KL penalty in the reward); otherwise one step takes them from its own
-        # forward (one pass).
-        num_windows = config.train.mini_batches
-        needs_old_logp = num_windows > 1 or estimator == "opd" or (run.reference and kl_cfg.in_reward)
-        old_logp_BT = await asyncio.to_thread(policy.logprobs, batch) if needs_old_logp else None
-        ref_logp_BT, extra_metrics = None, {}
-        if run.reference is not None:  # --algo.kl.coef: the frozen reference policy's logprobs
-            ref_logp_BT = await asyncio.to_thread(run.reference.logprobs, batch)
-            if kl_cfg.in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
-                kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_cfg.kind) * mask_BT
-                extra_metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
-                rewards_R = rewards_R - kl_cfg.coef * rollout_sums(kl_BT, rollouts)
-                ref_logp_BT = None  # no loss term
-
-        critic_args = None  # --algo.advantage.estimator: per rollout (outcome), or per token (gae, opd)
-        if estimator == "gae":  # the critic's values; the reward sits on each row's last sampled token
-            values_BT = await asyncio.to_thread(run.critic.values, batch)
-            row_rewards_B = rewards_R.repeat_interleave(rows_per_rollout(rollouts))
-            rewards_BT = last_token_rewards(mask_BT, row_rewards_B)
-            advantages_BT, returns_BT = gae(
-                rewards_BT, values_BT, mask_BT, gamma=gae_cfg.gamma, lam=gae_cfg.lam
-            )
-            advantages_BT = whitened(advantages_BT, mask_BT) if gae_cfg.whiten else advantages_BT
-            critic_args = (values_BT, returns_BT)
-            extra_metrics["critic/explained_variance"] = explained_variance(values_BT, returns_BT, mask_BT)
-        elif estimator == "opd":  # the teacher's logprobs of the student's own tokens
-            teacher_logp_BT = await asyncio.to_thread(run.teacher.logprobs, batch)
-            advantages_BT = opd(old_logp_BT, teacher_logp_BT, mask_BT)
-            extra_metrics["teacher/reverse_kl"] = -(advantages_BT.sum() / mask_BT.sum()).item()
-        else:
-            advantages_R = ESTIMATORS[estimator](rewards_R, group_ids_R)  # each of a rollout's rows gets it
-            advantages_BT = advantages_R.repeat_interleave(rows_per_rollout(rollouts))[:, None] * mask_BT
-        batch = dataclasses.replace(batch, advantages_BT=advantages_BT)
-        # The advantage metrics count rollouts for an outcome estimator, trainable tokens for gae and opd.
-        advantages = advantages_R if estimator in ESTIMATORS else advantages_BT[mask_BT != 0]
-        # Each window is one optimizer step; its loss, rollout correction included (invariant 2), is
+        # Advantages, and the logprobs, values and KL they need (`molt._objective.score`); then each
+        # window is one optimizer step whose loss, rollout correction included (invariant 2), is
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
+        rows_R = rows_per_rollout(rollouts)
+        scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config)
         seed = (config.train.seed, step)  # windows of whole rollouts, in a seeded random order
-        parts = batch.windows(num_windows, rows_per_rollout(rollouts).tolist(), seed)
+        parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), seed)
         windows = [(w, rows) for w, rows in parts if w.num_tokens]
-        steps = [asyncio.to_thread(train_windows, policy, windows, old_logp_BT, ref_logp_BT)]  # ref: KL term
-        if critic_args is not None:  # the critic's steps run beside the policy's
-            steps.append(asyncio.to_thread(train_windows, run.critic, windows, *critic_args))
+        steps = [asyncio.to_thread(train_windows, policy, windows, scored.policy)]
+        if scored.critic is not None:  # the critic's steps run beside the policy's
+            steps.append(asyncio.to_thread(train_windows, run.critic, windows, scored.critic))
         train_metrics = {name: v for metrics in await asyncio.gather(*steps) for name, v in metrics.items()}
         train_metrics |= await asyncio.to_thread(policy.pass_metrics)  # actor/padding_frac, tokens_per_s
         train_s = time.monotonic() - train_started
@@ -200,10 +161,10 @@ async def run_steps(config: Config, run: Run) -> None:
                 **rollout_metrics(rollouts, config.rollout.group_size),
                 "train/kl": 0.0,  # no reference: no KL
                 **train_metrics,  # the policy's (and the critic's) step, the correction's mismatch included
-                **extra_metrics,
+                **scored.metrics,  # the estimator's own, and train/kl where the reward holds the KL
                 "train/staleness_mean": staleness_mean(rollouts, trainer_version=step - 1),
-                "train/advantage_abs_mean": advantages.abs().mean().item(),
-                "train/zero_advantage_frac": (advantages == 0).float().mean().item(),
+                "train/advantage_abs_mean": scored.advantages.abs().mean().item(),
+                "train/zero_advantage_frac": (scored.advantages == 0).float().mean().item(),
                 **pool_metrics(pool_now, pool_before),
                 **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
                 "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
@@ -230,16 +191,15 @@ async def run_steps(config: Config, run: Run) -> None:
 _CLIP_FRACS = ("train/clip_frac", "critic/value_clip_frac")
 
 
-def train_windows(group, windows: list[tuple[TrainBatch, list[int]]], *tensors_BT) -> dict[str, float]:
+def train_windows(
+    group, windows: list[tuple[TrainBatch, list[int]]], inputs: StepInputs = NO_INPUTS
+) -> dict[str, float]:
     """One optimizer step of `group` (the policy or the critic) per window of the batch, each given its
-    rows of the [B, T] `tensors_BT` (None stays None). Metrics: the windows' token-weighted mean; a clip
-    fraction over the windows after the first, where the ratio can depart from 1 (0 with one window);
-    the learning rate is the first step's."""
+    rows of `inputs`. Metrics: the windows' token-weighted mean; a clip fraction over the windows after
+    the first, where the ratio can depart from 1 (0 with one window); the learning rate is the first
+    step's."""
     results = [
-        group.train_step(
-            window, *(None if t is None else t[rows, : window.tokens_BT.shape[1]] for t in tensors_BT)
-        )
-        for window, rows in windows
+        group.train_step(window, inputs.rows(rows, window.tokens_BT.shape[1])) for window, rows in windows
     ]
     weights = [window.num_tokens for window, _ in windows]
 
@@ -334,12 +294,6 @@ async def refit_engines(
         back = " while the dead ones restart" if restarts is not None and restarts.coming_back else ""
         progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s){back}")
         return {}
-
-
-def rollout_sums(values_BT: torch.Tensor, rollouts: list[Rollout]) -> torch.Tensor:
-    """Each rollout's sum of `values_BT` over its rows (one row per segment, in `segment_rows` order)."""
-    owner_B = torch.arange(len(rollouts)).repeat_interleave(rows_per_rollout(rollouts))
-    return torch.zeros(len(rollouts)).index_add_(0, owner_B, values_BT.sum(dim=1).float())
 
 
 def rows_per_rollout(rollouts: list[Rollout]) -> torch.Tensor:

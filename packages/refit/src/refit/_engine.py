@@ -2,9 +2,9 @@
 
 Every call here is one documented vLLM endpoint (they exist only with `VLLM_SERVER_DEV_MODE=1`):
 `/pause?mode=keep`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`,
-`/reset_prefix_cache`, `/resume`, `/init_weight_transfer_engine`, `/get_world_size`, and
-`/collective_rpc` for the read-only methods of our worker extension (the backend it serves, checkpoint
-specs, timings, the last transfer's verification).
+`/reset_prefix_cache`, `/reset_encoder_cache`, `/resume`, `/init_weight_transfer_engine`,
+`/get_world_size`, and `/collective_rpc` for the read-only methods of our worker extension (the backend
+it serves, checkpoint specs, timings, the last transfer's verification).
 No engine internals are touched from the trainer. This module does not order the calls; `_refit.py`
 runs the lifecycle. A non-2xx reply raises `EngineCallError` naming the engine, the call and the body.
 """
@@ -112,9 +112,10 @@ class Engine:
 
     # --- the lifecycle endpoints, in the order a refit calls them ---
     def pause(self) -> None:
-        # In-flight requests freeze, not abort. vLLM's pause also clears its caches (clear_cache, default
-        # true), the image encoder's among them: kept, it would serve image embeddings of the old weights.
-        self._call("POST", "/pause", params={"mode": "keep"})
+        # In-flight requests freeze, not abort. The caches are cleared once, after the load
+        # (`reset_prefix_cache`): vLLM's pause would clear them too (clear_cache, default true), and each
+        # reset walks every block of the KV cache.
+        self._call("POST", "/pause", params={"mode": "keep", "clear_cache": "false"})
 
     def start_weight_update(self) -> None:
         self._call("POST", "/start_weight_update")
@@ -129,11 +130,15 @@ class Engine:
         self._call("POST", "/finish_weight_update", json={"weight_version": version})
 
     def reset_prefix_cache(self) -> None:
+        """Drop every KV block and encoder output computed with the old weights (one walk over the
+        KV cache a refit)."""
         # reset_running_requests: kept requests hold blocks, so a plain reset would fail; preempting
         # them makes vLLM recompute their KV with the new weights when they resume.
         reply = self._call("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"})
         if not reply.json().get("success"):
             raise EngineCallError(f"{self.url}/reset_prefix_cache did not reset: {reply.text}")
+        # A vision-language engine's cached image embeddings are the old encoder's (cheap when empty).
+        self._call("POST", "/reset_encoder_cache")
 
     def resume(self) -> None:
         self._call("POST", "/resume")

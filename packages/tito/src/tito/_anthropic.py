@@ -1,4 +1,4 @@
-"""Anthropic messages: the request schema, its translation to messages, replies and the SSE events.
+"""Anthropic messages: the route, its request schema and translation to messages, replies, SSE events.
 
 Supported: `system` (a string or text blocks, and `role: system` messages among the turns), text /
 image / tool_use / tool_result blocks, `tools`, `tool_choice`, `max_tokens`, `stop_sequences`,
@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, message_text
@@ -30,8 +33,11 @@ from ._protocol import (
     forced_tool_call,
     response_format_constraint,
 )
+from ._routes import sdk_retry, stream, whole
+from ._service import Session, Tito
+from ._turn import ChatTurn
 
-__all__ = ["MessagesRequest", "message_reply", "sse", "to_messages"]
+__all__ = ["MessagesRequest", "message_reply", "messages", "sse", "to_messages"]
 
 STOP = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
@@ -160,6 +166,30 @@ class MessagesRequest(BaseModel):
         return bool(self.tools) and (self.tool_choice or {}).get("type") != "none"
 
 
+async def messages(tito: Tito, session: Session, body: MessagesRequest, request: Request) -> Response | dict:
+    """`POST /s/{id}/v1/messages`: one turn, answered in one body or streamed as events."""
+    chat_messages, tools = to_messages(body)
+    turn = ChatTurn(
+        tito,
+        session,
+        chat_messages,
+        tools,
+        stops=body.stop_sequences,
+        parse_tools=body.parse_tools(),
+        id_prefix="toolu_",
+        route="messages",
+        retry=sdk_retry(request),
+    )
+    asked = body.asked(tools, tito.vocab_size)
+    if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
+        asked.fields["query"] = dict(request.query_params)
+    if body.stream:
+        return await stream(session, turn, asked, stream_events(turn, tito.model_name), error_event)
+    parsed = await whole(request, session, turn, asked, reply_message)
+    reason = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
+    return message_reply(tito.model_name, parsed, reason, turn.counts)
+
+
 def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None]:
     """Internal (OpenAI-shaped) messages and tools for the chat template."""
     messages: list[dict] = []
@@ -276,6 +306,33 @@ def message_reply(
 
 def sse(event: str, data: dict) -> str:
     return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
+
+
+async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
+    """The events of one streamed turn; the turn is committed after the last was sent."""
+    message = message_reply(model, turn.parsed, ("end_turn", None), (turn.counts[0], 0))
+    yield sse("message_start", {"message": {**message, "content": [], "stop_reason": None}})
+    index = 0  # the text block, if any, is block 0; tool_use blocks follow
+    async for delta in turn.deltas():
+        if index == 0:
+            yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            index = 1
+        yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+    if index == 1:
+        yield sse("content_block_stop", {"index": 0})
+    for block in content_blocks(turn.parsed):
+        if block["type"] != "tool_use":
+            continue
+        yield sse("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+        partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        yield sse("content_block_delta", {"index": index, "delta": partial})
+        yield sse("content_block_stop", {"index": index})
+        index += 1
+    reason, sequence = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed)
+    stop = {"stop_reason": reason, "stop_sequence": sequence}
+    yield sse("message_delta", {"delta": stop, "usage": {"output_tokens": turn.counts[1]}})
+    yield sse("message_stop", {})
+    turn.commit(reply_message(turn.parsed))
 
 
 def error_event(message: str) -> str:

@@ -77,7 +77,7 @@ def serve(
         "max_sessions": max_sessions,
     }
     if workers > 1:
-        from ._workers import serve_workers
+        from ._launch import serve_workers
 
         serve_workers(workers, host, port, tito_args, api_key)
         return

@@ -1,4 +1,4 @@
-"""OpenAI chat completions: the request schema, its translation to messages, replies and SSE chunks.
+"""OpenAI chat completions: the route, its request schema and translation to messages, replies, SSE chunks.
 
 Supported: system/developer, user (text and `image_url` parts), assistant (with tool_calls) and tool
 messages; `tools` and `tool_choice`; `temperature`, `top_p`, `top_k`, `min_p`, the penalties,
@@ -12,10 +12,13 @@ last), and the fields `_fields.REFUSED` names. Other fields are recorded with th
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import msgspec
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -31,8 +34,11 @@ from ._protocol import (
     logit_bias,
     response_format_constraint,
 )
+from ._routes import sdk_retry, stream, whole
+from ._service import Session, Tito
+from ._turn import ChatTurn
 
-__all__ = ["ChatRequest", "chat_chunk", "chat_completion", "to_messages"]
+__all__ = ["ChatRequest", "chat_chunk", "chat_completion", "chat_completions", "to_messages"]
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
 
@@ -159,6 +165,30 @@ class ChatRequest(BaseModel):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+async def chat_completions(tito: Tito, session: Session, body: ChatRequest, request: Request) -> Response:
+    """`POST /s/{id}/v1/chat/completions`: one turn, answered in one body or streamed as chunks."""
+    messages, tools = to_messages(body)
+    turn = ChatTurn(
+        tito,
+        session,
+        messages,
+        tools,
+        stops=body.stop,
+        parse_tools=body.parse_tools(),
+        id_prefix="call_",
+        route="chat.completions",
+        retry=sdk_retry(request),
+    )
+    asked = body.asked(tools, tito.vocab_size)
+    request_id = "chatcmpl-" + secrets.token_hex(12)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = stream_events(turn, request_id, tito.model_name, include_usage)
+        return await stream(session, turn, asked, events, error_event)
+    parsed = await whole(request, session, turn, asked, reply_message)
+    return chat_completion(request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts)
+
+
 def to_messages(request: ChatRequest) -> tuple[list[dict], list[dict] | None]:
     """Internal messages and tools for the chat template (tool-call arguments as objects)."""
     messages = []
@@ -262,6 +292,22 @@ def stream_tool_deltas(parsed: ParsedReply) -> list[dict]:
         }
         for index, call in enumerate(parsed.tool_calls)
     ]
+
+
+async def stream_events(
+    turn: ChatTurn, request_id: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    """The chunks of one streamed turn; the turn is committed after the last was sent."""
+    yield chat_chunk(request_id, model, {"role": "assistant", "content": ""})
+    async for delta in turn.deltas():
+        yield chat_chunk(request_id, model, {"content": delta})
+    for delta in stream_tool_deltas(turn.parsed):
+        yield chat_chunk(request_id, model, delta)
+    yield chat_chunk(request_id, model, {}, finish_reason(turn.generation.finish_reason, turn.parsed))
+    if include_usage:
+        yield chat_chunk(request_id, model, None, usage=usage(*turn.counts))
+    yield "data: [DONE]\n\n"
+    turn.commit(reply_message(turn.parsed))
 
 
 def error_event(message: str) -> str:

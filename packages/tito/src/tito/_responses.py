@@ -1,4 +1,4 @@
-"""The OpenAI Responses API: the request schema, its translation to messages, replies and SSE events.
+"""The OpenAI Responses API: the route, its request schema and translation to messages, replies, SSE events.
 
 Supported: `input` as a string or items (messages with input_text / output_text / input_image parts,
 `function_call`, `function_call_output`), `instructions` (the system message, not carried over to a
@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
+from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -33,10 +33,11 @@ from ._protocol import (
     forced_tool_call,
     response_format_constraint,
 )
+from ._routes import sdk_retry, stream, whole
+from ._service import Session, Tito
+from ._turn import ChatTurn
 
-__all__ = ["ResponsesRequest", "response_body", "stream_events", "to_messages"]
-
-NUM_REMEMBERED = 32  # a session's recent responses that `previous_response_id` may name
+__all__ = ["ResponsesRequest", "create_response", "response_body", "stream_events", "to_messages"]
 
 
 class ResponsesRequest(BaseModel):
@@ -115,28 +116,37 @@ class ResponsesRequest(BaseModel):
         return bool(self.tools) and self.tool_choice != "none"
 
 
-class History:
-    """A session's recent responses: each one's conversation (input and output, without instructions)."""
+async def create_response(tito: Tito, session: Session, body: ResponsesRequest, request: Request) -> Response:
+    """`POST /s/{id}/v1/responses`: one turn, answered in one body or streamed as events; the session
+    remembers its conversation for a later `previous_response_id`."""
+    tools = body.chat_tools()
+    messages, conversation = to_messages(body, session.responses.get(body.previous_response_id))
+    turn = ChatTurn(
+        tito,
+        session,
+        messages,
+        tools,
+        stops=None,
+        parse_tools=body.parse_tools(),
+        id_prefix="call_",
+        route="responses",
+        retry=sdk_retry(request),
+    )
+    asked = body.asked(tools)
+    response_id = "resp_" + secrets.token_hex(12)
 
-    def __init__(self) -> None:
-        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
+    def remember(parsed: ParsedReply) -> None:  # what previous_response_id will continue from
+        session.responses.add(response_id, [*conversation, reply_message(parsed)])
 
-    def get(self, response_id: str | None) -> list[dict]:
-        if response_id is None:
-            return []
-        if response_id not in self._conversations:
-            raise ProtocolError(
-                400,
-                f"previous_response_id {response_id!r} is not one of this session's last {NUM_REMEMBERED} "
-                "responses: send the conversation as input instead",
-                param="previous_response_id",
-            )
-        return self._conversations[response_id]
-
-    def add(self, response_id: str, conversation: list[dict]) -> None:
-        self._conversations[response_id] = conversation
-        while len(self._conversations) > NUM_REMEMBERED:
-            self._conversations.popitem(last=False)
+    if body.stream:
+        events = stream_events(turn, body, response_id, tito.model_name, remember)
+        return await stream(session, turn, asked, events, error_event)
+    parsed = await whole(request, session, turn, asked, reply_message)
+    if turn.committed:
+        remember(parsed)
+    items = output_items(parsed, "msg_" + secrets.token_hex(12))
+    finish = turn.generation.finish_reason
+    return encode(response_body(body, response_id, tito.model_name, items, finish, turn.counts))
 
 
 def to_messages(request: ResponsesRequest, history: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -313,14 +323,15 @@ class _Events:
 
 
 async def stream_events(
-    turn, request: ResponsesRequest, response_id: str, model: str, on_done
+    turn: ChatTurn, request: ResponsesRequest, response_id: str, model: str, remember
 ) -> AsyncIterator[str]:
-    """The Responses event sequence for one turn; `on_done(parsed)` runs after the last event was sent
-    (it commits the turn)."""
+    """The Responses event sequence for one turn; after the last event was sent the turn is committed
+    and `remember(parsed)` runs."""
     event = _Events()
     yield event("response.created", response=response_body(request, response_id, model, [], None, None))
     yield event("response.in_progress", response=response_body(request, response_id, model, [], None, None))
     message_id, text, index = "msg_" + secrets.token_hex(12), "", 0
+    at = {"item_id": message_id, "output_index": 0, "content_index": 0}  # the text, in the message item
     async for delta in turn.deltas():
         if not text:
             item = {
@@ -332,32 +343,14 @@ async def stream_events(
             }
             yield event("response.output_item.added", output_index=0, item=item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield event(
-                "response.content_part.added", item_id=message_id, output_index=0, content_index=0, part=part
-            )
+            yield event("response.content_part.added", **at, part=part)
         text += delta
-        yield event(
-            "response.output_text.delta",
-            item_id=message_id,
-            output_index=0,
-            content_index=0,
-            delta=delta,
-            logprobs=[],
-        )
+        yield event("response.output_text.delta", **at, delta=delta, logprobs=[])
     items = output_items(turn.parsed, message_id)
     if text:
         (part,) = items[0]["content"]
-        yield event(
-            "response.output_text.done",
-            item_id=message_id,
-            output_index=0,
-            content_index=0,
-            text=part["text"],
-            logprobs=[],
-        )
-        yield event(
-            "response.content_part.done", item_id=message_id, output_index=0, content_index=0, part=part
-        )
+        yield event("response.output_text.done", **at, text=part["text"], logprobs=[])
+        yield event("response.content_part.done", **at, part=part)
         yield event("response.output_item.done", output_index=0, item=items[0])
         index = 1
     for position, item in enumerate(items[index:], start=index):
@@ -381,7 +374,8 @@ async def stream_events(
     yield event(
         "response.completed" if body["status"] == "completed" else "response.incomplete", response=body
     )
-    on_done(turn.parsed)
+    turn.commit(reply_message(turn.parsed))
+    remember(turn.parsed)
 
 
 def error_event(message: str) -> str:

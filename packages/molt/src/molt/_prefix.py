@@ -1,0 +1,175 @@
+"""Shared prefixes in a packed micro-batch (`--actor.shared_prefix`): the tokens that several rows begin with
+(a group's prompt, the earlier turns of a multi-turn episode's segments) go through the model once.
+
+`prefix_groups` finds the rows of a micro-batch that begin with the same `MIN_SHARED_TOKENS` tokens or more;
+`SharedPrefixRows` lays each such group out as a one-level tree, [prefix | row 1's continuation | row 2's
+continuation | ...], and each row that shares nothing end to end, as `molt._packing.PackedRows` does.
+Positions continue from the prefix in every continuation (the prefix 0..S-1, row b's continuation
+S..n_b-1: a token's position is its column in its row), and `molt._packing.packed_attention` lets a
+continuation see the prefix and its own earlier tokens, never a sibling's (`tree_branches`: -1 on the
+prefix, the row on its continuation; a boolean mask per group, SDPA). `unpack` reads row b's column j from
+the prefix for j < S and from its continuation past it, so every per-token result is the row's alone.
+
+The next token. A logprob in column j is read at position j - 1 with the row's own token j as target,
+and the packed forward takes its targets from the packed tokens shifted by one (`tokens.roll(-1)` in
+`molt._rank.ModelRank._model_outputs`, for `molt._lean.LogprobHead` and `shifted_logprobs` alike). The
+shared prefix therefore stops ONE token short of the rows' common tokens: the token after it is the last
+common one, the same in every row, and each continuation starts with it (repeated once per row). Every
+position's packed next token is then each row's own next token, but at a continuation's last token (past
+the row's end, never trained), and the first token a row has of its own is scored at its continuation's
+first position, which sees the whole prefix.
+
+Exact: each token is computed from the same tokens at the same positions as in its row alone, and the
+gradient of a shared position is the sum of its rows' (computed once instead of once per row), so the
+logprobs, entropies, values and the update equal the unshared ones to float rounding.
+
+Not done: nested trees (rows that share more among a subset of a group share the group's prefix only),
+the CUDA attention (varlen takes no tree mask; `molt._validate` refuses the flag on a GPU, and with it
+routing replay, where the engine may have routed one prefix token differently in each row).
+
+Legend: B rows, T tokens (columns), N packed tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "prefix_groups", "tree_mask"]
+
+MIN_SHARED_TOKENS = 16
+"""Rows share a prefix only when it saves at least this many tokens a row: shorter common beginnings (a
+chat template's first tokens) are not worth a tree mask."""
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` begin with alike."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def prefix_groups(
+    tokens_BT: torch.Tensor, lengths: Sequence[int], *, min_shared: int = MIN_SHARED_TOKENS
+) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The rows as groups that share a prefix, each with the tokens its prefix holds: (rows, S), every row
+    in one group; a row that shares nothing is a group of one with S = 0.
+
+    Rows sorted by their tokens put those with a common beginning side by side; each joins the group
+    before it when the group then still shares at least `min_shared` tokens and saves no fewer tokens
+    than without it. S is the common tokens less one (module docstring: the next token)."""
+    rows = [tokens_BT[b, :n].tolist() for b, n in enumerate(lengths)]
+    groups: list[tuple[list[int], int]] = []  # (rows, the tokens they all begin with)
+    for b in sorted(range(len(rows)), key=lambda b: rows[b]):
+        if groups:
+            members, common = groups[-1]
+            joined = min(common, _common_length(rows[members[-1]], rows[b]))
+            saved = (len(members) - 1) * (common - 1)
+            if joined - 1 >= min_shared and len(members) * (joined - 1) >= saved:
+                groups[-1] = ([*members, b], joined)
+                continue
+        groups.append(([b], lengths[b]))
+    return tuple((tuple(members), common - 1 if len(members) > 1 else 0) for members, common in groups)
+
+
+@dataclass(frozen=True)
+class SharedPrefixRows:
+    """One micro-batch's rows as shared-prefix trees, end to end (module docstring); the interface of
+    `molt._packing.PackedRows`. No padding row: it runs on the CPU only."""
+
+    lengths: tuple[int, ...]
+    groups: tuple[tuple[tuple[int, ...], int], ...]
+    """`prefix_groups`: (rows, S) per group, in packed order."""
+
+    @classmethod
+    def of(
+        cls, tokens_BT: torch.Tensor, lengths: Sequence[int], *, min_shared: int = MIN_SHARED_TOKENS
+    ) -> SharedPrefixRows:
+        return cls(tuple(lengths), prefix_groups(tokens_BT, lengths, min_shared=min_shared))
+
+    @functools.cached_property
+    def _sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Per packed token: its row and column (a prefix token: its group's first row's), its branch
+        (-1 on a prefix, the row on a continuation); and where each group starts, then N."""
+        rows_N, cols_N, branches_N, bounds = [], [], [], [0]
+        for members, shared in self.groups:
+            rows_N += [members[0]] * shared
+            cols_N += range(shared)
+            branches_N += [-1] * shared
+            for b in members:
+                rows_N += [b] * (self.lengths[b] - shared)
+                cols_N += range(shared, self.lengths[b])
+                branches_N += [b] * (self.lengths[b] - shared)
+            bounds.append(len(rows_N))
+        return torch.tensor(rows_N), torch.tensor(cols_N), torch.tensor(branches_N), bounds
+
+    @property
+    def num_packed(self) -> int:
+        """N, the packed length."""
+        return self._sources[3][-1]
+
+    @property
+    def num_saved(self) -> int:
+        """Token slots the shared prefixes saved: the rows' tokens less N."""
+        return sum(self.lengths) - self.num_packed
+
+    def pack(self, values_BT: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """[1, N, ...]: each group's prefix (from its first row), then each row's continuation. There is no
+        padding row, so `fill` (`PackedRows.pack`'s) is unused."""
+        rows_N, cols_N, _, _ = self._sources
+        return values_BT[rows_N, cols_N][None]
+
+    def position_ids(self) -> torch.Tensor:
+        """[1, N] int64: a token's column in its row (a continuation's go on from its prefix)."""
+        return self._sources[1][None]
+
+    def model_kwargs(self, device: torch.device) -> dict:
+        """The forward's keyword arguments: positions, each group's bounds (attention never crosses one)
+        and the tree within it (`tree_positions`, `tree_branches`), which `packed_attention` reads."""
+        _, cols_N, branches_N, bounds = self._sources
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+        longest = max(stop - start for start, stop in itertools.pairwise(bounds))
+        return {
+            "position_ids": cols_N[None].to(device),
+            "cu_seq_lens_q": cu_seqlens,
+            "cu_seq_lens_k": cu_seqlens,
+            "max_length_q": longest,
+            "max_length_k": longest,
+            "tree_positions": cols_N.to(device),
+            "tree_branches": branches_N.to(device),
+        }
+
+    def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
+        """[B, num_cols, ...] from [1, N, ...]: row b's column j from its prefix (j < S) or its
+        continuation, 0 past its n_b columns. A prefix value goes to every row of its group."""
+        index_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.int64)
+        valid_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.bool)
+        start = 0
+        for members, shared in self.groups:
+            prefix = torch.arange(start, start + shared)
+            start += shared
+            for b in members:
+                own = self.lengths[b] - shared
+                index_BT[b, : self.lengths[b]] = torch.cat([prefix, torch.arange(start, start + own)])
+                valid_BT[b, : self.lengths[b]] = True
+                start += own
+        index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
+        gathered = values_1N[0][index_BT]
+        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
+        return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+
+
+def tree_mask(
+    positions_n: torch.Tensor, branches_n: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
+    """[n, n] bool over one group's packed tokens: query i sees key j when j is on the prefix or on i's
+    own branch and not after i (by position), within the sliding window if any."""
+    before = positions_n[None] <= positions_n[:, None]
+    related = (branches_n[None] < 0) | (branches_n[None] == branches_n[:, None])
+    mask = before & related
+    if sliding_window is not None:
+        mask &= positions_n[None] > positions_n[:, None] - sliding_window
+    return mask

@@ -1,0 +1,108 @@
+"""The engines' KV cache sized to what a run can fill (`--vllm.kv_cache_tokens`): a cache far larger than
+the sequences in flight makes every refit's cache reset walk blocks nobody uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import molt._validate
+from molt._engines import engine_extra_args
+from molt._flags import resolve
+from molt._placement import kv_bytes_per_token, kv_cache_bytes
+from molt.config import Config
+
+QWEN3_1_7B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "hidden_size": 2048, "layer_types": ["full_attention"] * 28}  # fmt: skip
+H200 = 150_000_000_000  # bytes of GPU memory
+
+
+def test_a_token_holds_k_and_v_of_every_layer_for_this_gpus_share_of_the_kv_heads():
+    assert kv_bytes_per_token(QWEN3_1_7B, tp_size=1, dtype_bytes=2) == 2 * 28 * 8 * 128 * 2  # 112 KiB
+    assert kv_bytes_per_token(QWEN3_1_7B, tp_size=2, dtype_bytes=2) == 2 * 28 * 4 * 128 * 2
+    assert kv_bytes_per_token(QWEN3_1_7B, tp_size=16, dtype_bytes=2) == 2 * 28 * 1 * 128 * 2  # replicated
+    no_head_dim = {k: v for k, v in QWEN3_1_7B.items() if k != "head_dim"}
+    assert kv_bytes_per_token(no_head_dim, tp_size=1, dtype_bytes=4) == 2 * 28 * 8 * (2048 // 16) * 4
+    assert kv_bytes_per_token({"text_config": QWEN3_1_7B}, 1, 2) == 2 * 28 * 8 * 128 * 2  # a VL model's LLM
+
+
+OTHER_LAYOUTS = [
+    {"kv_lora_rank": 512},  # MLA
+    {"layer_types": ["linear_attention", "full_attention"]},
+    {"layer_types": ["sliding_attention", "full_attention"]},
+]
+
+
+@pytest.mark.parametrize("other", OTHER_LAYOUTS)
+def test_layouts_that_cache_otherwise_are_left_to_vllm(other):
+    assert kv_bytes_per_token(QWEN3_1_7B | other, tp_size=1, dtype_bytes=2) is None
+
+
+def _model(tmp_path, weights_bytes: int = 0):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_7B))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * weights_bytes)
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def with_cuda(monkeypatch):
+    """The flags resolve as on a GPU machine (--vllm.kv_cache_tokens is refused on a CPU)."""
+    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: True)
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 2)  # an engine's GPU and the actor's
+
+
+def _config(*flags: str) -> Config:
+    return resolve(["--model.dtype", "bfloat16", *flags])
+
+
+def test_the_default_holds_every_sequence_in_flight_at_the_longest_length(tmp_path):
+    model = _model(tmp_path)
+    per_token = 2 * 28 * 8 * 128 * 2
+    # 16 prompts a step: 32 groups of 8 in flight, each sequence up to 2048 tokens plus a partial block
+    assert kv_cache_bytes(_config(), model, H200) == 32 * 8 * (2048 + 16) * per_token
+    wider = _config(
+        "--rollout.group_size", "4", "--rollout.queue_depth", "20", "--vllm.max_model_len", "1024"
+    )
+    assert kv_cache_bytes(wider, model, H200) == 20 * 4 * (1024 + 16) * per_token
+    with_eval = _config("--eval.every", "5", "--eval.num_prompts", "8", "--eval.n", "2")
+    assert kv_cache_bytes(with_eval, model, H200) == (32 * 8 + 8 * 2) * (2048 + 16) * per_token
+    assert kv_cache_bytes(_config("--vllm.kv_cache_tokens", "50000"), model, H200) == 50000 * per_token
+
+
+def test_a_default_that_would_not_fit_the_engines_memory_share_is_left_to_vllm(tmp_path):
+    model = _model(tmp_path)  # 32 x 8 x 4112 tokens x 112 KiB = 113 GiB > 0.8 x 150 GB - 4 GiB
+    assert kv_cache_bytes(_config("--vllm.max_model_len", "4096"), model, H200) is None
+    shared = _config("--vllm.placement", "shared")  # 56 GiB > 0.4 x 150 GB - 4 GiB: the actor needs the rest
+    assert kv_cache_bytes(shared, model, H200) is None
+    fits = kv_cache_bytes(_config("--vllm.max_model_len", "1024"), model, H200)  # 29 GiB
+    assert fits is not None
+    heavy = _model(tmp_path, weights_bytes=1000)  # weights count against the share
+    assert kv_cache_bytes(_config("--vllm.max_model_len", "1024"), heavy, fits + 4 * 2**30 + 999) is None
+
+
+def test_a_cuda_engine_is_started_with_the_size(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": H200})
+    )
+    args = engine_extra_args(_config(), _model(tmp_path))
+    per_token = 2 * 28 * 8 * 128 * 2
+    assert args[args.index("--kv-cache-memory-bytes") + 1] == str(32 * 8 * (2048 + 16) * per_token)
+    assert "--kv-cache-memory-bytes" not in engine_extra_args(
+        _config("--vllm.max_model_len", "4096"), tmp_path
+    )
+
+
+def test_a_size_the_model_cannot_be_given_or_below_one_sequence_is_refused(tmp_path):
+    from molt.config import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_7B | {"kv_lora_rank": 512}))
+    with pytest.raises(
+        ConfigError, match="--vllm.kv_cache_tokens with --model.path .*do not all cache K and V.*MLA"
+    ):
+        _config("--model.path", str(tmp_path), "--vllm.kv_cache_tokens", "50000")
+    with pytest.raises(ConfigError, match="--vllm.kv_cache_tokens 1000 cannot hold one sequence of"):
+        _config("--vllm.kv_cache_tokens", "1000")
