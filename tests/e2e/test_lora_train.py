@@ -56,4 +56,6 @@ def test_the_default_recipe_trains_lora_adapters_with_exact_versions(tmp_path, l
     assert all(step["train/mismatch_kl"] < 1e-6 for step in steps), [s["train/mismatch_kl"] for s in steps]
     rewards = [step["rollout/reward_mean"] for step in steps]
     assert sum(rewards[-10:]) / 10 - rewards[0] > MIN_REWARD_GAIN, rewards
-    assert steps[-1]["train/entropy"] < steps[0]["train/entropy"] / 2  # the adapters moved the policy
+    # The adapters moved the policy: with the base alone the entropy stays at the vocabulary's ~4.1 (the
+    # unscaled head: 4.73 -> 4.72 over 100 steps); trained, it fell to 0.06 in one run, 2.1 in another.
+    assert steps[-1]["train/entropy"] < 0.75 * steps[0]["train/entropy"]

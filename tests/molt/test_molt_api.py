@@ -7,7 +7,9 @@ import molt
 
 
 def test_public_names_are_pinned():
-    assert sorted(molt.__all__) == ["ChatAgent", "Context", "Env", "Result", "RolloutRecord", "read_rollouts"]
+    assert sorted(molt.__all__) == [
+        "ChatAgent", "Context", "Env", "Result", "RolloutRecord", "read_rollouts", "train"
+    ]  # fmt: skip
     assert all(hasattr(molt, name) for name in molt.__all__)
 
 
