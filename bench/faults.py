@@ -39,7 +39,8 @@ from pathlib import Path
 
 import psutil
 
-MOLT = [str(Path(sys.executable).parent / "molt")]  # the console script, as a user runs it
+_SCRIPT = Path(sys.executable).parent / "molt"  # the console script, as a user runs it, where installed
+MOLT = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "molt"]
 
 
 def machine() -> str:

@@ -17,6 +17,15 @@ from molt.vllm_server import free_port
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """A worker opens the default process group: a test that fails before closing it must not make the
+    next test's worker fail to open its own."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def test_automodel_worker_on_cuda_matches_transformers_and_trains(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -65,8 +74,12 @@ def test_critic_and_frozen_workers_on_cuda(tiny_model_dir):
     assert next(critic.model.parameters()).is_cuda
     values_BT = critic.values(batch)
     assert torch.equal(values_BT, torch.zeros_like(values_BT))
-    step = critic.train_step
-    losses = [step(batch, critic.values(batch), returns_BT)["critic/value_loss"] for _ in range(5)]
+
+    def step() -> float:
+        inputs = StepInputs(old_values_BT=critic.values(batch), returns_BT=returns_BT)
+        return critic.train_step(batch, inputs)["critic/value_loss"]
+
+    losses = [step() for _ in range(5)]
     assert losses[0] == pytest.approx(2.0) and losses[-1] < losses[0]
     torch.distributed.destroy_process_group()
 

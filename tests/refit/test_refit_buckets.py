@@ -148,3 +148,19 @@ def test_buckets_are_byte_identical_to_vllm_packed_chunks():
             pack_bucket(ours, [named[i][1] for i in bucket])
             assert torch.equal(ours, chunk.packed_tensor)
         assert pack_tensors(stream, flat, bucket_bytes) is None
+
+
+def test_engines_on_the_trainers_gpu_take_fewer_larger_buckets():
+    """refit_ipc pays one `/update_weights` call per bucket: a 1.7B model's 3.4 GB goes in a few buckets
+    there, in 256 MiB ones over the wire backends."""
+    from refit._refit import default_bucket_bytes
+
+    specs = [ParamSpec(f"layer{i}.weight", torch.bfloat16, (2048, 6144)) for i in range(140)]  # 3.5 GB
+    ipc, gloo = (
+        refit.Engine("http://127.0.0.1:1", backend=refit.IPC_BACKEND),
+        refit.Engine("http://127.0.0.1:1"),
+    )
+    over_ipc = plan_buckets(specs, default_bucket_bytes([ipc]))
+    assert len(over_ipc) <= 4
+    assert len(plan_buckets(specs, default_bucket_bytes([gloo]))) >= 13
+    assert default_bucket_bytes([ipc, gloo]) == default_bucket_bytes([gloo])  # a mix: the smaller
