@@ -157,12 +157,14 @@ def test_packed_varlen_rows_train_as_padded_ones_in_bfloat16_and_compile_few_sha
         )
         worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
         assert worker.packed == pack
+        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         graphs = []
         runs = []
         for batch in batches:
             runs.append((worker.logprobs(batch), worker.train_step(batch)))
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         counts = worker.take_pass_counts()
+        assert counts["compiles"] == graphs[-1] - graphs_before > 0  # `actor/compiles`
         results[pack] = runs, graphs, counts
         torch.distributed.destroy_process_group()
         torch._dynamo.reset()

@@ -171,7 +171,8 @@ class PolicyGroup:
         """`actor/padding_frac` (token slots that held padding), `actor/shared_prefix_frac` (the rows'
         tokens that shared prefixes saved a slot for), `actor/tokens_per_s` and, on a GPU of known peak
         computing in bfloat16, `actor/mfu` (model FLOPs over peak FLOPs), over the passes this group ran
-        since the last call; the TP ranks of a data-parallel group count once."""
+        since the last call; the TP ranks of a data-parallel group count once. `actor/compiles`: the
+        graphs torch.compile built meanwhile (0 once every shape has been seen)."""
         counts = self._each("take_pass_counts", *[()] * self.num_ranks)[:: self.replicas]
         slots, tokens = sum(c["slots"] for c in counts), sum(c["tokens"] for c in counts)
         saved, seconds = sum(c["saved"] for c in counts), max(c["seconds"] for c in counts)
@@ -181,6 +182,7 @@ class PolicyGroup:
             "actor/padding_frac": 1 - (tokens - saved) / slots,
             "actor/shared_prefix_frac": saved / tokens,
             "actor/tokens_per_s": tokens / seconds,
+            "actor/compiles": max(c["compiles"] for c in counts),
         }
         if counts[0]["peak_flops"]:
             flops = sum(c["flops"] for c in counts)

@@ -10,8 +10,9 @@ the model packed end to end (`molt._packing.PackedRows`, attention within each r
 [B, T] per-row tensors, so the loss sees the rows exactly as it would padded; a model that cannot pack
 runs them padded. With --actor.shared_prefix, rows that begin alike share those tokens' computation
 (`molt._prefix.SharedPrefixRows`, the same results per row). Every pass counts its tokens, token slots,
-the slots shared prefixes saved, model FLOPs and seconds (`take_pass_counts`: `actor/padding_frac`,
-`actor/shared_prefix_frac`, `actor/tokens_per_s`, `actor/mfu`).
+the slots shared prefixes saved, model FLOPs and seconds, and the graphs torch.compile built meanwhile
+(`take_pass_counts`: `actor/padding_frac`, `actor/shared_prefix_frac`, `actor/tokens_per_s`, `actor/mfu`,
+`actor/compiles`).
 
 Loss normalisation (DESIGN §6, paper §3.6): a kind's loss on each micro-batch is divided by the ONE
 denominator of the whole step on all ranks; with FSDP's gradient averaging undone
@@ -93,6 +94,7 @@ class ModelRank:
         self.shared_prefix = self.packed and config.actor.shared_prefix  # --actor.shared_prefix (`_layout`)
         # since the last report; "saved": the token slots shared prefixes saved
         self.passes = dict.fromkeys(("slots", "tokens", "saved", "flops", "seconds"), 0.0)
+        self.graphs_seen = compiled_graphs()
         self.num_params = sum(p.numel() for p in self.model.parameters())
         self.budget = self._token_budget(trainable)
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
@@ -248,8 +250,10 @@ class ModelRank:
 
     def take_pass_counts(self) -> dict[str, float]:
         """The tokens, token slots (and those shared prefixes saved), model FLOPs and seconds of this
-        rank's passes since the last call."""
+        rank's passes since the last call, and the graphs torch.compile built since then."""
         counts, self.passes = self.passes, dict.fromkeys(self.passes, 0.0)
+        graphs = compiled_graphs()  # a step that still compiles is slow for that, not for its tokens
+        counts["compiles"], self.graphs_seen = graphs - self.graphs_seen, graphs
         bf16 = compute_dtype(self.config) == torch.bfloat16 and self.device.type == "cuda"
         name = torch.cuda.get_device_name() if bf16 else ""
         peaks = [peak for gpu, peak in BF16_PEAK.items() if gpu in name]
@@ -316,3 +320,10 @@ class ModelRank:
         from molt._checkpoint import load_actor
 
         load_actor(self.model, self.optimizer, self.scheduler, Path(path) / self.checkpoint_dir)
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile has built in this process (Dynamo's own count)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -69,6 +69,7 @@ REQUIRED_METRICS = frozenset(
         "actor/padding_frac",
         "actor/shared_prefix_frac",
         "actor/tokens_per_s",
+        "actor/compiles",
         "timing/generation",
         "timing/policy_train",
         "timing/broadcast",
