@@ -36,7 +36,9 @@ read back for the batch's size) and the flags after `--`. From steps 2..N it pri
   (metrics.jsonl): `actor/tokens_per_s`, `actor/padding_frac`, `actor/mfu` (datasheet peak);
 - peak GPU memory of the actor's and of the engine's processes (nvidia-smi, summed per kind, every 0.5 s);
 - the groups dropped as stale over the run (`pool/dropped_stale`: long episodes past `--rollout.max_lag`
-  are rerun, which costs generation), and in the JSON (`--out`) the refit's seconds by phase.
+  are rerun, which costs generation), and in the JSON (`--out`) the refit's seconds by phase;
+- compiling steps: the timed steps in which the actor still compiled a graph (`actor/compiles` > 0; their
+  actor seconds hold the compile).
 
 Then, per workload, packed over padded. Each run's console goes to `<root>/<workload>-<mode>.log`.
 
@@ -217,6 +219,7 @@ def summarise(run_dir: Path, at_steps: list, peak_mib: dict[str, int], peak_tflo
         "actor_peak_gib": peak_mib.get("actor", 0) / 1024,
         "engine_peak_gib": peak_mib.get("engine", 0) / 1024,
         "dropped_stale": timed[-1].get("pool/dropped_stale"),
+        "compiling_steps": sum(step.get("actor/compiles", 0) > 0 for step in timed),
         "turns": med("rollout/turns"),
         "refit_s": refit,
     }
@@ -226,9 +229,10 @@ def print_table(reports: dict[str, dict], machine: str) -> None:
     print(f"\n{machine}")
     print(
         "| run | step s | engine tokens/s | wait s | rows | row tokens | actor s | actor tokens/s | MFU "
-        "| logged tokens/s | logged padding | logged MFU | actor GiB | engine GiB | dropped stale |"
+        "| logged tokens/s | logged padding | logged MFU | actor GiB | engine GiB | dropped stale "
+        "| compiling steps |"
     )
-    print("| --- |" + " ---: |" * 14)
+    print("| --- |" + " ---: |" * 15)
 
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
@@ -240,7 +244,7 @@ def print_table(reports: dict[str, dict], machine: str) -> None:
                  cell(r["actor_mfu"], ".1%"), cell(r["logged_tokens_per_s"], ",.0f"),
                  cell(r["logged_padding_frac"], ".1%"), cell(r["logged_mfu"], ".1%"),
                  cell(r["actor_peak_gib"], ".1f"), cell(r["engine_peak_gib"], ".1f"),
-                 cell(r["dropped_stale"], ".0f")]  # fmt: skip
+                 cell(r["dropped_stale"], ".0f"), cell(r["compiling_steps"], "d")]  # fmt: skip
         print(f"| {name} | " + " | ".join(cells) + " |")
     for workload in dict.fromkeys(name.split("-")[0] for name in reports):
         packed, padded = reports.get(f"{workload}-packed"), reports.get(f"{workload}-padded")
