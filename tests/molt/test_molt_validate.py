@@ -403,7 +403,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
     "algo.correction.token_bounds": ["0.0,3", "-1.0,3", "2.0,1.0", "0.5,inf"],
     "algo.correction.seq_bounds": ["0.0,3", "1.01,0.99", "nan,1.0"],
     "algo.kl.coef": ["-0.1", *_NOT_FINITE], "algo.entropy_coef": ["-0.01", *_NOT_FINITE],
-    "algo.dynamic_filter_max_batches": ["0", "-1"], "algo.loss.agg_constant": ["-1"],
+    "algo.filter_max_batches": ["0", "-1"], "algo.loss.agg_constant": ["-1"],
     "algo.gae.gamma": ["-0.1", "1.01", "nan"], "algo.gae.lam": ["-0.1", "1.5", "nan"],
     "algo.critic.lr": ["0", "-1e-3", *_NOT_FINITE], "algo.critic.value_clip": ["0", "-0.2", "inf"],
     "actor.lr": ["0", "-1e-3", *_NOT_FINITE], "actor.weight_decay": ["-0.1", "nan"],
@@ -453,6 +453,7 @@ _BAD_TEXT = {  # the string fields' bad values (tmp_path -> value)
     "ray.address": lambda tmp: "not an address",
     "logger.wandb_project": lambda tmp: "team/project",
     "actor.lora.target_modules": lambda tmp: "qkv_proj",
+    "algo.filters": lambda tmp: "all_equal",
 }
 
 

@@ -69,7 +69,7 @@ RANGES: dict[str, Range] = {
     "algo.correction.token_cap": _POSITIVE,
     "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
     "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
-    "algo.dynamic_filter_max_batches": _AT_LEAST_1, "algo.loss.agg_constant": _AT_LEAST_0,
+    "algo.filter_max_batches": _AT_LEAST_1, "algo.loss.agg_constant": _AT_LEAST_0,
     "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
     "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
     "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
@@ -235,14 +235,13 @@ def check_algorithm(config: Config) -> None:
             "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
             "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
         )
-    if (
-        not algo.dynamic_filter
-        and algo.dynamic_filter_max_batches != Config().algo.dynamic_filter_max_batches
-    ):
+    if not algo.filters and algo.filter_max_batches != Config().algo.filter_max_batches:
         raise ConfigError(
-            "--algo.dynamic_filter_max_batches bounds the groups --algo.dynamic_filter drops, which is off: "
-            "pass --algo.dynamic_filter, or drop it"
+            "--algo.filter_max_batches bounds the groups --algo.filters drop, and none is on: name a filter "
+            "(--algo.filters all_equal_rewards), or drop it"
         )
+    if twice := next((name for name in algo.filters if algo.filters.count(name) > 1), None):
+        raise ConfigError(f"--algo.filters names {twice} twice: name each filter once")
     needs, estimator = estimator_needs(algo.advantage.estimator), algo.advantage.estimator
     if needs.teacher and not algo.teacher.model:
         raise ConfigError(

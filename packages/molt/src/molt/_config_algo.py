@@ -1,8 +1,8 @@
-"""The algorithm's flag groups (`--algo.*`: estimator, loss, correction, KL, critic, teacher) and the base
-of every flag group. `molt.config` re-exports them; `molt --help` reads these field docstrings too.
+"""The algorithm's flag groups (`--algo.*`: estimator, loss, correction, KL, filters, critic, teacher) and
+the base of every flag group. `molt.config` re-exports them; `molt --help` reads these field docstrings too.
 
-The Literal types restate rlestimators' names instead of importing them (rlestimators imports torch, and
-`molt --help` loads this module); a test checks the two agree.
+The Literal types restate rlestimators' names and `molt._filters.FILTERS`' instead of importing them
+(rlestimators and the filters import torch, and `molt --help` loads this module); tests check they agree.
 """
 
 from typing import Literal
@@ -38,6 +38,8 @@ def estimator_needs(name: str) -> Needs:
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
+FilterName = Literal["all_equal_rewards", "truncated"]
+"""The keys of `molt._filters.FILTERS`: the group filters --algo.filters composes."""
 
 
 class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -139,11 +141,14 @@ class Algo(Group):
     kl: KL = KL()
     entropy_coef: float = 0.0
     """Entropy bonus coefficient; 0 disables it."""
-    dynamic_filter: bool = False
-    """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
-    dynamic_filter_max_batches: int = 10
-    """With --algo.dynamic_filter: the run stops when more than this many x --rollout.prompts_per_step groups
-    are dropped while one step waits for its groups (verl's max_num_gen_batches), naming their prompts."""
+    filters: list[FilterName] = msgspec.field(default_factory=list)
+    """Filters every finished prompt group must pass, in the order given (comma-separated; molt._filters):
+    all_equal_rewards drops a group whose rewards are all equal (DAPO dynamic sampling), truncated one with
+    a sample cut at the token limit. A dropped group is replaced by a new one; pool/filtered/<name> counts
+    each filter's drops."""
+    filter_max_batches: int = 10
+    """With --algo.filters: the run stops when more than this many x --rollout.prompts_per_step groups are
+    dropped while one step waits for its groups (verl's max_num_gen_batches), naming filters and prompts."""
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
     critic: Critic = Critic()

@@ -127,8 +127,17 @@ def flag_help() -> list[tuple[str, str, str, str]]:
     ]
 
 
+# Flags that were renamed: the old name fails, saying what to pass instead.
+_RENAMED = {
+    "algo.dynamic_filter": "--algo.filters all_equal_rewards",
+    "algo.dynamic_filter_max_batches": "--algo.filter_max_batches",
+}
+
+
 def _unknown(name: str, where: str) -> ConfigError:
-    """An error for an unknown flag or key, suggesting the closest known flag."""
+    """An error for an unknown flag or key, naming its new name (`_RENAMED`) or the closest known flag."""
+    if name in _RENAMED:
+        return ConfigError(f"{where} was renamed: pass {_RENAMED[name]}")
     known = list(_leaves())
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     if not close:  # a right field name in the wrong group: compare last segments
