@@ -78,12 +78,12 @@ def test_each_filters_rejections_are_counted_by_prompt():
     assert not keep(group("b", [1.0, 1.0, 1.0]))
     assert not keep(group("c", [0.0, 0.0]))
     assert not keep(group("c", [0.0, 0.0]))
-    shown = keep.most_rejected()
+    shown = keep.most_dropped()
     assert shown.startswith(
         "all_equal_rewards dropped 3 groups, most often 'c' (2 x, reward 0); 'b' (1 x, reward 1)"
     )
     assert "DAPO" in shown  # what the filter drops, from its docstring
-    assert "'c' (2 x, reward 0); and 1 other prompts" in keep.most_rejected(limit=1)
+    assert "'c' (2 x, reward 0); and 1 other prompts" in keep.most_dropped(limit=1)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ A filter sees a whole group (its `prompt` and `samples`, the rollouts) and keeps
 single samples would change the baseline the others are measured against. A dropped group is replaced by
 a new one (asyncpool's backfill), and its tokens are counted as wasted (`pool/wasted_frac`). Staleness is
 judged before any filter: a stale group is run again, never filtered. The first paragraph of a filter's
-docstring is what a run stopped by too many drops says of it (`GroupFilters.most_rejected`).
+docstring is what a run stopped by too many drops says of it (`GroupFilters.most_dropped`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class GroupFilters:
         """`pool/filtered/<name>`: the groups each filter dropped since the run began (as `pool/filtered`)."""
         return {f"pool/filtered/{name}": float(count) for name, count in self.num_dropped.items()}
 
-    def most_rejected(self, limit: int = 5) -> str:
+    def most_dropped(self, limit: int = 5) -> str:
         """Each filter's drops in this take, the prompts it dropped most often with their count and rewards,
         and what it drops, e.g. `all_equal_rewards dropped 40 groups, most often {...} (40 x, reward 0).
         all_equal_rewards: Drops a group whose ...`."""

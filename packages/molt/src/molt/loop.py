@@ -252,7 +252,7 @@ async def take(
             problem = (
                 f"{filtered} groups were dropped by --algo.filters while waiting for {num_groups}, more than "
                 f"{filters.max_groups} (--algo.filter_max_batches x --rollout.prompts_per_step): "
-                f"{filters.most_rejected()} Fix what the filter drops, raise --algo.filter_max_batches, or "
+                f"{filters.most_dropped()} Fix what the filter drops, raise --algo.filter_max_batches, or "
                 "take the filter out of --algo.filters"
             )
         if problem:
