@@ -29,7 +29,7 @@ from molt._batch import NO_INPUTS, StepInputs, collate
 from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import launch_engines
 from molt._eval import evaluate
-from molt._filters import DynamicFilter
+from molt._filters import GroupFilters
 from molt._launch import _model_dir, _start_ray, prompt_pool, run_log, start_extra_groups
 from molt._log import RunLog
 from molt._objective import step_loss
@@ -233,11 +233,14 @@ def pool(config: Config, where: Path) -> dict:
     return {name: getattr(made, name) for name in ("group_size", "depth", "max_lag", "stale", "max_requeues")}
 
 
-def dynamic_filter(config: Config, where: Path) -> tuple | None:
-    """The pool's filter: None, or its bound and whether it keeps a group of equal rewards."""
-    keep = DynamicFilter.of(config)
-    equal = SimpleNamespace(prompt="p", samples=[SimpleNamespace(reward=1.0)] * 2)
-    return None if keep is None else (keep.max_groups, keep(equal))
+def filters(config: Config, where: Path) -> tuple | None:
+    """The pool's filters: None, or their bound and whether they keep a group of equal rewards and one with
+    a truncated sample."""
+    keep = GroupFilters.of(config)
+    equal = SimpleNamespace(prompt="p", samples=[SimpleNamespace(reward=1.0, truncated=False)] * 2)
+    samples = [SimpleNamespace(reward=0.0, truncated=False), SimpleNamespace(reward=1.0, truncated=True)]
+    cut = SimpleNamespace(prompt="p", samples=samples)
+    return None if keep is None else (keep.max_groups, keep(equal), keep(cut))
 
 
 def eval_scores(config: Config, where: Path) -> dict[str, float]:
@@ -433,10 +436,10 @@ def loop_run(config: Config, where: Path) -> dict:
                  eval_rows=eval_rows(config, agent) if config.eval.every else [], **extra)  # fmt: skip
 
     async def run() -> None:
-        keep = DynamicFilter.of(config)
+        keep = GroupFilters.of(config)
         rollouts.pool = prompt_pool(config, rollouts, rows, keep=keep)
         async with rollouts.pool:
-            await run_steps(config, Run(pool=rollouts.pool, dynamic_filter=keep, **parts))
+            await run_steps(config, Run(pool=rollouts.pool, filters=keep, **parts))
 
     asyncio.run(run())
     log.close()

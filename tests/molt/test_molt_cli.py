@@ -77,7 +77,8 @@ def test_config_error_exits_2_naming_the_flag(fake_loop, tmp_path, monkeypatch):
 
 
 def test_print_config_round_trips(fake_loop, tmp_path):
-    args = ["--algo.advantage.estimator", "grpo", "--algo.kl.coef", "0.1", "--algo.dynamic_filter", "true"]
+    args = ["--algo.advantage.estimator", "grpo", "--algo.kl.coef", "0.1"]
+    args += ["--algo.filters", "truncated,all_equal_rewards"]
     args += ["--vllm.max_num_batched_tokens", "8192", "--algo.correction.mode", "seq-mask-tis"]
     result = runner.invoke(app, ["train", *args, "--print-config"])
     assert result.exit_code == 0, result.output

@@ -218,8 +218,8 @@ def test_bool_values(text, value):
 
 def test_bare_bool_flag_means_true():
     assert resolve(["--actor.freeze_moe_router"]).actor.freeze_moe_router is True
-    config = resolve(["--actor.freeze_moe_router", "--algo.dynamic_filter", "--rollout.group_size", "4"])
-    assert (config.actor.freeze_moe_router, config.algo.dynamic_filter, config.rollout.group_size) == (
+    config = resolve(["--actor.freeze_moe_router", "--rollout.seed_requests", "--rollout.group_size", "4"])
+    assert (config.actor.freeze_moe_router, config.rollout.seed_requests, config.rollout.group_size) == (
         True,
         True,
         4,

@@ -83,8 +83,8 @@ PROBES: dict[str, Probe] = {
     "algo.kl.kind": P(probes.loss, "k3", "--algo.kl.coef", "0.1"),
     "algo.kl.in_reward": P(probes.loop_run, "", *SMALL, "--algo.kl.coef", "0.1", part="steps"),
     "algo.entropy_coef": P(probes.loss, "0.01"),
-    "algo.dynamic_filter": P(probes.dynamic_filter),
-    "algo.dynamic_filter_max_batches": P(probes.dynamic_filter, "", "--algo.dynamic_filter"),
+    "algo.filters": P(probes.filters, "all_equal_rewards"),
+    "algo.filter_max_batches": P(probes.filters, "", "--algo.filters", "all_equal_rewards,truncated"),
     "algo.teacher.model": P(probes.groups, "{other}", *MODEL, "--algo.advantage.estimator", "opd",
                             "--algo.teacher.model", "{teacher}"),  # fmt: skip
     "algo.gae.gamma": P(probes.loop_run, "0.9", *GAE, part="steps"),

@@ -1,11 +1,10 @@
-"""The loop's own pieces: the token-identity check, rollout metrics, the dynamic filter and `take`'s bound on
-it (over a real GroupPool with a stand-in rollout: no engine), data rows, and the token-level pieces of GAE
-(where the reward sits, whitening, explained variance)."""
+"""The loop's own pieces: the token-identity check, rollout metrics, `take`'s order (over a real GroupPool
+with a stand-in rollout: no engine; its bound on the groups --algo.filters drop is test_molt_filters'), data
+rows, and the token-level pieces of GAE (where the reward sits, whitening, explained variance)."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -17,12 +16,10 @@ import torch
 from asyncpool import GroupPool
 from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
-from molt._filters import DynamicFilter
-from molt._flags import resolve
 from molt._metrics import rollout_metrics, staleness_mean
 from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
 from molt._rollout import Rollout
-from molt.config import Config, ConfigError, Data
+from molt.config import Config, Data
 from molt.loop import check_token_identity, refit_engines, take, train_windows
 from tito import Segment
 
@@ -76,67 +73,11 @@ def test_each_trainable_tokens_lag_is_the_trainers_version_minus_the_engines():
     assert batch.select([0]).lag_BT.tolist() == [[0, 1, 0]] and batch.select([]).lag_BT.tolist() == [[0]]
 
 
-def test_dynamic_filter_rejects_groups_without_signal_counting_their_prompts():
-    def group(prompt, rewards):
-        return SimpleNamespace(prompt=prompt, samples=[SimpleNamespace(reward=r) for r in rewards])
-
-    keep = DynamicFilter(max_groups=8)
-    assert keep(group("a", [1.0, 0.0, 0.0]))
-    assert not keep(group("b", [1.0, 1.0, 1.0]))
-    assert not keep(group("c", [0.0, 0.0]))
-    assert not keep(group("c", [0.0, 0.0]))
-    assert keep.most_rejected() == "'c' (2 x, reward 0); 'b' (1 x, reward 1)"
-    assert keep.most_rejected(limit=1) == "'c' (2 x, reward 0); and 1 other prompts"
-
-
 @dataclass(frozen=True)
 class _Sample:
     reward: float
     min_version: int = 0
     max_version: int = 0
-
-
-async def _equal_rewards(prompt: dict, index: int) -> _Sample:
-    """Every sample of an "easy" prompt gets reward 1, of the others alternately 0 and 1."""
-    await asyncio.sleep(0)
-    return _Sample(1.0 if prompt["easy"] else float(index % 2))
-
-
-def _take_from(rows: list[dict], max_groups: int, num_groups: int = 2):
-    """`take` of a real GroupPool over `rows` (cycled), with --algo.dynamic_filter's keep; tito is a stand-in
-    holding the engines' liveness that `take` watches. A stall fails within 10 s instead of hanging."""
-
-    async def main():
-        keep = DynamicFilter(max_groups)
-        pool = GroupPool(_equal_rewards, itertools.cycle(rows), group_size=4, depth=4, keep=keep)
-        tito = SimpleNamespace(router=SimpleNamespace(engines=[SimpleNamespace(alive=True)]))
-        async with pool:
-            return await asyncio.wait_for(take(pool, num_groups, tito, keep), timeout=10)
-
-    return asyncio.run(main())
-
-
-def test_a_run_whose_groups_keep_coming_back_all_equal_stops_naming_the_prompts_and_the_fix():
-    with pytest.raises(RuntimeError) as error:
-        _take_from([{"id": "always-solved-3", "easy": True}], max_groups=20)
-    message = str(error.value)
-    assert "all-equal rewards" in message and "more than 20" in message
-    assert "{'id': 'always-solved-3', 'easy': True} (" in message and "reward 1)" in message
-    for flag in ("--algo.dynamic_filter_max_batches", "--algo.dynamic_filter", "--rollout.temperature"):
-        assert flag in message
-
-
-def test_the_filters_bound_is_refused_without_the_filter():
-    with pytest.raises(ConfigError, match="--algo.dynamic_filter_max_batches bounds .* which is off"):
-        resolve(["--algo.dynamic_filter_max_batches", "3"])
-    config = resolve(["--algo.dynamic_filter", "--algo.dynamic_filter_max_batches", "3"])
-    assert config.algo.dynamic_filter_max_batches == 3
-
-
-def test_groups_that_vary_are_taken_despite_the_ones_filtered():
-    rows = [{"id": "easy", "easy": True}, {"id": "hard", "easy": False}]
-    groups = _take_from(rows, max_groups=20)
-    assert [group.prompt["id"] for group in groups] == ["hard", "hard"]
 
 
 def test_a_steps_groups_come_in_prompt_order_whichever_finished_first():

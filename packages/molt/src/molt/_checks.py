@@ -1,110 +1,25 @@
-"""The checks of `molt._validate.validate` that read the config alone, with the files it names: every
-numeric field against its range (`RANGES`: a finite number in the stated interval; `0` never means
-unbounded), the files and addresses the run reads, the combinations of flags (asynchrony without importance
-correction, DESIGN invariant 2; a group baseline over groups of one; a sampler the trainer does not
-reproduce, invariant 3), and the agent module against the data settings. The checks that read the model
-are `molt._checks_model`'s; what this machine can run is `molt._validate`'s; the order of the pass is
-`validate`'s. Every message names the flags and what to do.
+"""The checks of `molt._validate.validate` that read the config alone: the combinations of flags
+(numbers tied to one another; asynchrony without importance correction, DESIGN invariant 2; a group
+baseline over groups of one; a sampler the trainer does not reproduce, invariant 3) and the derived values
+they fill. Each numeric field's own bound is `molt._bounds`'; the files, addresses and agent module the
+run reads are `molt._checks_paths`'; the model `molt._checks_model`'s; what this machine can run is
+`molt._validate`'s; the order of the pass is `validate`'s. Every message names the flags and what to do.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import math
-import re
-from pathlib import Path
-from typing import Any, NamedTuple, get_args
+from typing import get_args
 
 import msgspec
 
 from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Config, ConfigError, OutcomeEstimator
 
-__all__ = [
-    "RANGES",
-    "Range",
-    "check_agent",
-    "check_algorithm",
-    "check_paths",
-    "check_ranges",
-    "check_sampling",
-    "field_value",
-    "on_policy",
-]
+__all__ = ["check_algorithm", "check_pairs", "check_sampling", "loss_denominator", "on_policy"]
 
 
-class Range(NamedTuple):
-    """A numeric field's allowed values: `low <= v <= high`, strict where `open_low` / `open_high`."""
-
-    low: float = -math.inf
-    high: float = math.inf
-    open_low: bool = False
-    open_high: bool = False
-
-    def holds(self, value: float) -> bool:
-        if isinstance(value, float) and math.isnan(value):
-            return False
-        above = value > self.low if self.open_low else value >= self.low
-        below = value < self.high if self.open_high else value <= self.high
-        return above and below and abs(value) != math.inf
-
-    def __str__(self) -> str:
-        if self.high == math.inf:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
-        left, right = "(" if self.open_low else "[", ")" if self.open_high else "]"
-        return f"in {left}{self.low:g}, {self.high:g}{right}"
-
-
-_POSITIVE, _AT_LEAST_0, _AT_LEAST_1 = Range(0, open_low=True), Range(0), Range(1)
-_UNIT, _FRACTION = Range(0, 1), Range(0, 1, open_low=True)
-
-# Every int and float field of `Config`, by dotted path (a test checks the two agree). `None`, where a
-# field allows it, is not checked.
-RANGES: dict[str, Range] = {
-    "data.seed": _AT_LEAST_0,
-    "agent.timeout": _POSITIVE, "agent.max_turns": _AT_LEAST_1, "agent.num_runners": _AT_LEAST_0,
-    "algo.loss.clip_low": Range(0, 1, open_high=True), "algo.loss.clip_high": _AT_LEAST_0,
-    "algo.loss.dual_clip": Range(1, open_low=True),
-    "algo.correction.token_cap": _POSITIVE,
-    "algo.correction.token_bounds": _POSITIVE, "algo.correction.seq_bounds": _POSITIVE,  # each end
-    "algo.kl.coef": _AT_LEAST_0, "algo.entropy_coef": _AT_LEAST_0,
-    "algo.dynamic_filter_max_batches": _AT_LEAST_1, "algo.loss.agg_constant": _AT_LEAST_0,
-    "algo.gae.gamma": _UNIT, "algo.gae.lam": _UNIT,
-    "algo.critic.lr": _POSITIVE, "algo.critic.value_clip": _POSITIVE,
-    "actor.lr": _POSITIVE, "actor.weight_decay": _AT_LEAST_0, "actor.grad_clip": _POSITIVE,
-    "actor.micro_batch_tokens": _AT_LEAST_0, "actor.warmup_steps": _AT_LEAST_0,
-    "actor.num_ranks": _AT_LEAST_1,
-    "fsdp.tp_size": _AT_LEAST_1, "fsdp.ep_size": _AT_LEAST_1, "fsdp.cp_size": _AT_LEAST_1,
-    "vllm.num_engines": _AT_LEAST_1, "vllm.max_restarts": _AT_LEAST_0,
-    "vllm.tensor_parallel_size": _AT_LEAST_1,
-    "vllm.data_parallel_size": _AT_LEAST_1, "vllm.max_num_batched_tokens": _AT_LEAST_1,
-    "vllm.mtp_num_speculative_tokens": _AT_LEAST_0, "vllm.max_model_len": Range(2),
-    "vllm.gpu_memory_utilization": _FRACTION, "vllm.kv_cache_tokens": _AT_LEAST_0,
-    "rollout.group_size": _AT_LEAST_1, "rollout.prompts_per_step": _AT_LEAST_1,
-    "rollout.max_new_tokens": _AT_LEAST_1, "rollout.temperature": _POSITIVE, "rollout.top_p": _FRACTION,
-    "rollout.queue_depth": _AT_LEAST_0, "rollout.max_lag": _AT_LEAST_0,
-    "rollout.max_stale_requeues": _AT_LEAST_1,
-    "train.num_steps": _AT_LEAST_1, "train.seed": _AT_LEAST_0, "train.mini_batches": _AT_LEAST_1,
-    "eval.every": _AT_LEAST_0, "eval.num_prompts": _AT_LEAST_1, "eval.n": _AT_LEAST_1, "eval.k": _AT_LEAST_1,
-    "eval.pass_reward": Range(),
-    "actor.lora.rank": _AT_LEAST_0, "actor.lora.alpha": _POSITIVE,
-    "actor.lora.dropout": Range(0, 1, open_high=True),
-    "ckpt.every": _AT_LEAST_0,
-    "ray.num_cpus": _AT_LEAST_1,
-}  # fmt: skip
-
-
-def field_value(config: Config, path: str) -> Any:
-    return functools.reduce(getattr, path.split("."), config)
-
-
-def check_ranges(config: Config) -> None:
-    for path, allowed in RANGES.items():
-        value = field_value(config, path)
-        for item in value if isinstance(value, tuple) else (value,):
-            if item is not None and not allowed.holds(item):  # None: an optional field left unset
-                raise ConfigError(f"--{path} must be a number {allowed}, got {value}")
+def check_pairs(config: Config) -> None:
+    """The bounds that tie one numeric field to another (each one's own: `molt._bounds`)."""
     correction = config.algo.correction
     for flag in ("token_bounds", "seq_bounds"):
         low, high = getattr(correction, flag)
@@ -121,52 +36,6 @@ def check_ranges(config: Config) -> None:
         raise ConfigError(
             f"--rollout.max_new_tokens {config.rollout.max_new_tokens} leaves no room for a prompt in "
             f"--vllm.max_model_len {config.vllm.max_model_len}: raise the one or lower the other"
-        )
-
-
-def check_paths(config: Config) -> None:
-    """Files the run reads exist; directories it writes are not files; engine URLs are URLs."""
-    for flag, path in (("--data.path", config.data.path), ("--eval.path", config.eval.path)):
-        if path and not Path(path).is_file():
-            raise ConfigError(f"{flag} {path}: no such file (a JSONL file of rows)")
-    models = {
-        "--model.path": config.model.path,
-        "--algo.teacher.model": config.algo.teacher.model,
-        "--algo.critic.model": config.algo.critic.model,
-    }
-    for flag, path in models.items():
-        if path and not (Path(path) / "config.json").is_file():
-            raise ConfigError(f"{flag} {path} is not a Hugging Face model directory (no config.json)")
-    for flag, path in (
-        ("--logger.run_dir", config.logger.run_dir),
-        ("--ckpt.dir", config.ckpt.dir),
-        ("--train.rollout_dump_dir", config.train.rollout_dump_dir),
-    ):
-        if path and Path(path).exists() and not Path(path).is_dir():
-            raise ConfigError(f"{flag} {path} is a file; it names a directory the run writes into")
-    for url in config.vllm.urls:
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"--vllm.urls {url!r}: each is a running vLLM server's http:// address")
-    project = config.logger.wandb_project
-    if project and (len(project) > 128 or any(c in project for c in "/\\#?%:")):  # W&B's own rule
-        raise ConfigError(
-            f"--logger.wandb_project {project!r}: a W&B project name has at most 128 characters and none of "
-            "/ \\ # ? % :"
-        )
-    if config.logger.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(
-            f"--logger.wandb_project {config.logger.wandb_project} needs the wandb package, which is not "
-            "installed: run `uv sync --extra wandb` (or `pip install 'molt[wandb]'`), or drop the flag"
-        )
-    if not config.data.messages_key:
-        raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
-    address = config.ray.address
-    if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
-        raise ConfigError(f"--ray.address {address!r}: pass a Ray head's HOST:PORT, ray://HOST:PORT or auto")
-    if config.ray.address and config.ray.num_cpus is not None:
-        raise ConfigError(
-            "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
-            "drop one of the two"
         )
 
 
@@ -235,14 +104,13 @@ def check_algorithm(config: Config) -> None:
             "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
             "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
         )
-    if (
-        not algo.dynamic_filter
-        and algo.dynamic_filter_max_batches != Config().algo.dynamic_filter_max_batches
-    ):
+    if not algo.filters and algo.filter_max_batches != Config().algo.filter_max_batches:
         raise ConfigError(
-            "--algo.dynamic_filter_max_batches bounds the groups --algo.dynamic_filter drops, which is off: "
-            "pass --algo.dynamic_filter, or drop it"
+            "--algo.filter_max_batches bounds the groups --algo.filters drop, and none is on: name a filter "
+            "(--algo.filters all_equal_rewards), or drop it"
         )
+    if twice := next((name for name in algo.filters if algo.filters.count(name) > 1), None):
+        raise ConfigError(f"--algo.filters names {twice} twice: name each filter once")
     needs, estimator = estimator_needs(algo.advantage.estimator), algo.advantage.estimator
     if needs.teacher and not algo.teacher.model:
         raise ConfigError(
@@ -270,21 +138,3 @@ def check_sampling(config: Config) -> None:
             "weight would be off; sample with --rollout.top_p 1 (shape the distribution with "
             "--rollout.temperature)"
         )
-
-
-def check_agent(config: Config) -> None:
-    """The agent module exports an AgentRunner that the data settings can serve."""
-    from molt.agent import ChatAgent, load_agent
-
-    try:
-        module = load_agent(config.agent.module)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if issubclass(module.AgentRunner, ChatAgent) and not config.data.apply_chat_template:
-        raise ConfigError(
-            f"--agent.module {config.agent.module} is a ChatAgent: it sends chat messages, which tito "
-            "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
-            "text) serves only Env agents"
-        )
-    if not config.data.path and not hasattr(module, "dataset"):
-        raise ConfigError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")

@@ -1,13 +1,14 @@
-"""The algorithm's flag groups (`--algo.*`: estimator, loss, correction, KL, critic, teacher) and the base
-of every flag group. `molt.config` re-exports them; `molt --help` reads these field docstrings too.
+"""The algorithm's flag groups (`--algo.*`: estimator, loss, correction, KL, filters, critic, teacher) and
+the base of every flag group. `molt.config` re-exports them; `molt --help` reads these field docstrings too.
 
-The Literal types restate rlestimators' names instead of importing them (rlestimators imports torch, and
-`molt --help` loads this module); a test checks the two agree.
+The Literal types restate rlestimators' names and `molt._filters.FILTERS`' instead of importing them
+(rlestimators and the filters import torch, and `molt --help` loads this module); tests check they agree.
 """
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
+from msgspec import Meta
 
 OutcomeEstimator = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", "maxrl"]
 """`rlestimators.EstimatorName`: the keys of `rlestimators.ESTIMATORS`; each baselines against its group."""
@@ -38,6 +39,8 @@ def estimator_needs(name: str) -> Needs:
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLKind = Literal["k1", "k2", "k3"]
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
+FilterName = Literal["all_equal_rewards", "truncated"]
+"""The keys of `molt._filters.FILTERS`: the group filters --algo.filters composes."""
 
 
 class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -56,11 +59,11 @@ class Loss(Group):
 
     kind: PolicyLossKind = "ppo"
     """Policy loss: ppo (token ratio clip), gspo (sequence ratio), cispo (clipped IS weight), pg (no clip)."""
-    clip_low: float = 0.2
+    clip_low: Annotated[float, Meta(ge=0, lt=1)] = 0.2
     """Lower clip range: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.28
+    clip_high: Annotated[float, Meta(ge=0)] = 0.28
     """Upper clip range: the ratio is clipped at 1 + clip_high (DAPO clip-higher)."""
-    dual_clip: float | None = None
+    dual_clip: Annotated[float, Meta(gt=1)] | None = None
     """Dual-clip bound c > 1 for negative advantages; none disables it."""
     agg: LossAgg = "auto"
     """How the window's token losses become one number (verl's names), always over the whole optimizer step:
@@ -69,9 +72,13 @@ class Loss(Group):
     (each sequence's token sum over --algo.loss.agg_constant, averaged over sequences: Dr. GRPO's). auto =
     seq-mean-token-mean under --algo.loss.kind gspo, else seq-mean-token-sum-norm under
     --algo.advantage.estimator dr_grpo, else token-mean. A sequence is one training row."""
-    agg_constant: int = 0
+    agg_constant: Annotated[int, Meta(ge=0)] = 0
     """The constant of --algo.loss.agg seq-mean-token-sum-norm (Dr. GRPO's generation budget); 0 = the
     --rollout.max_new_tokens budget."""
+
+
+Ratio = Annotated[float, Meta(gt=0)]
+"""A bound on an importance ratio (pi / pi_old), which is positive."""
 
 
 class Correction(Group):
@@ -79,11 +86,11 @@ class Correction(Group):
 
     mode: CorrectionMode = "tis"
     """tis (truncated token weights), mis (masked token weights), seq-mask-tis, or none (on-policy only)."""
-    token_cap: float = 2.0
+    token_cap: Annotated[float, Meta(gt=0)] = 2.0
     """Cap on token importance weights under tis and seq-mask-tis."""
-    token_bounds: tuple[float, float] = (0.5, 2.0)
+    token_bounds: tuple[Ratio, Ratio] = (0.5, 2.0)
     """Token ratios outside (low, high) get weight 0 under mis."""
-    seq_bounds: tuple[float, float] = (0.99, 1.01)
+    seq_bounds: tuple[Ratio, Ratio] = (0.99, 1.01)
     """Sequences whose geometric-mean ratio lies outside (low, high) are masked under seq-mask-tis."""
 
 
@@ -91,7 +98,7 @@ class KL(Group):
     """KL penalty against the reference policy (the initial weights): a loss term, or a penalty in the
     reward. train/kl is the mean of the estimator's value per trained token, an estimate of KL(pi || ref)."""
 
-    coef: float = 0.0
+    coef: Annotated[float, Meta(ge=0)] = 0.0
     """KL coefficient; 0 disables the penalty and loads no reference model."""
     kind: KLKind = "k2"
     """KL estimator (Schulman 2020). As a loss term, k2's expected gradient is that of KL(pi || ref); k3's
@@ -111,9 +118,9 @@ class Teacher(Group):
 class GAE(Group):
     """Generalised Advantage Estimation (with a critic)."""
 
-    gamma: float = 1.0
+    gamma: Annotated[float, Meta(ge=0, le=1)] = 1.0
     """Discount per token."""
-    lam: float = 1.0
+    lam: Annotated[float, Meta(ge=0, le=1)] = 1.0
     """GAE lambda."""
     whiten: bool = True
     """Normalise the step's advantages to mean 0, std 1 over its trainable tokens."""
@@ -124,9 +131,9 @@ class Critic(Group):
 
     model: str = ""
     """Hugging Face directory the critic starts from; empty = the policy's initial weights."""
-    lr: float = 1e-3
+    lr: Annotated[float, Meta(gt=0)] = 1e-3
     """The critic's AdamW learning rate."""
-    value_clip: float = 0.2
+    value_clip: Annotated[float, Meta(gt=0)] = 0.2
     """Clip range of the value loss around the values before the step."""
 
 
@@ -137,13 +144,16 @@ class Algo(Group):
     loss: Loss = Loss()
     correction: Correction = Correction()
     kl: KL = KL()
-    entropy_coef: float = 0.0
+    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
     """Entropy bonus coefficient; 0 disables it."""
-    dynamic_filter: bool = False
-    """Drop prompt groups whose rewards are all equal and backfill them (DAPO dynamic sampling)."""
-    dynamic_filter_max_batches: int = 10
-    """With --algo.dynamic_filter: the run stops when more than this many x --rollout.prompts_per_step groups
-    are dropped while one step waits for its groups (verl's max_num_gen_batches), naming their prompts."""
+    filters: list[FilterName] = msgspec.field(default_factory=list)
+    """Filters every finished prompt group must pass, in the order given (comma-separated; molt._filters):
+    all_equal_rewards drops a group whose rewards are all equal (DAPO dynamic sampling), truncated one with
+    a sample cut at the token limit. A dropped group is replaced by a new one; pool/filtered/<name> counts
+    each filter's drops."""
+    filter_max_batches: Annotated[int, Meta(ge=1)] = 10
+    """With --algo.filters: the run stops when more than this many x --rollout.prompts_per_step groups are
+    dropped while one step waits for its groups (verl's max_num_gen_batches), naming filters and prompts."""
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
     critic: Critic = Critic()

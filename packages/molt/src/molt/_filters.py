@@ -1,47 +1,111 @@
-"""The groups a run's pool rejects: `DynamicFilter` (--algo.dynamic_filter), the pool's `keep`."""
+"""The group filters of `--algo.filters`: `FILTERS` maps each name to a plain function `(group) -> bool`,
+True to keep the finished group; `GroupFilters` composes those a run names into the pool's `keep`.
+
+A filter sees a whole group (its `prompt` and `samples`, the rollouts) and keeps or drops all of it: dropping
+single samples would change the baseline the others are measured against. A dropped group is replaced by
+a new one (asyncpool's backfill), and its tokens are counted as wasted (`pool/wasted_frac`). Staleness is
+judged before any filter: a stale group is run again, never filtered. The first paragraph of a filter's
+docstring is what a run stopped by too many drops says of it (`GroupFilters.most_dropped`).
+"""
 
 from __future__ import annotations
 
 import collections
+import inspect
+from collections.abc import Sequence
 
 import torch
 
 from molt.config import Config
 from rlestimators import dynamic_filter
 
-__all__ = ["DynamicFilter"]
+__all__ = ["FILTERS", "GroupFilters", "all_equal_rewards", "truncated"]
 
 
-class DynamicFilter:
-    """--algo.dynamic_filter (DAPO's dynamic sampling, Yu et al. 2025): the pool's `keep`. A group whose
-    rewards are all equal has every advantage 0, so no gradient: it is rejected and the pool backfills it.
-    Each rejection is counted by prompt (its row, shown) and the reward all its samples had, so that
-    `molt.loop.take`, which stops the run past `max_groups` rejections in one take, can name them."""
+def all_equal_rewards(group) -> bool:
+    """Drops a group whose rewards are all equal: under a group baseline every advantage is 0, so it adds no
+    gradient (DAPO's dynamic sampling, Yu et al. 2025, §3.2). Many such groups mean the reward does not
+    separate the samples: check the reward function, let samples differ (--rollout.temperature,
+    --rollout.group_size) or pick prompts of another difficulty.
 
-    def __init__(self, max_groups: int) -> None:
-        self.max_groups = max_groups
-        self.all_equal: collections.Counter[tuple[str, float]] = collections.Counter()
+    A group of one sample is all-equal. The same rule as `rlestimators.dynamic_filter`, which it calls."""
+    rewards_S = torch.tensor([sample.reward for sample in group.samples], dtype=torch.float64)
+    return bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all())
+
+
+def truncated(group) -> bool:
+    """Drops a group with a sample whose last reply was cut at the token limit (the engine's finish reason
+    `length`; rollout/truncated_frac counts them): its reward scores an answer that never ended. Many
+    mean the budget is short: raise --rollout.max_new_tokens (and --vllm.max_model_len).
+
+    DAPO's overlong filtering (Yu et al. 2025, §3.4) masks the loss of such samples alone; here the whole
+    group goes, so no truncated sample sits in a baseline either."""
+    return not any(sample.truncated for sample in group.samples)
+
+
+# --algo.filters' names (`molt._config_algo.FilterName`, a test checks the two agree) -> the filter.
+FILTERS = {"all_equal_rewards": all_equal_rewards, "truncated": truncated}
+
+
+class GroupFilters:
+    """--algo.filters as the pool's `keep`: a group is kept when every named filter keeps it, tried in the
+    order named; the first that drops it is charged with it. Counts, by filter: `num_dropped` over the run
+    (the `pool/filtered/<name>` metrics), and `dropped` by prompt (shown) and rewards over one take, so
+    that `molt.loop.take`, which stops the run past `max_groups` drops in one take, can name them."""
+
+    def __init__(self, names: Sequence[str], max_groups: int) -> None:
+        self.names, self.max_groups = list(names), max_groups
+        self.num_dropped = collections.Counter(dict.fromkeys(self.names, 0))
+        self.dropped: collections.Counter[tuple[str, str, str]] = collections.Counter()
 
     @classmethod
-    def of(cls, config: Config) -> DynamicFilter | None:
-        """--algo.dynamic_filter's filter, stopping a take past --algo.dynamic_filter_max_batches x
-        --rollout.prompts_per_step rejections; None when it is off."""
+    def of(cls, config: Config) -> GroupFilters | None:
+        """--algo.filters, stopping a take past --algo.filter_max_batches x --rollout.prompts_per_step
+        drops; None when no filter is named."""
         algo = config.algo
-        if not algo.dynamic_filter:
+        if not algo.filters:
             return None
-        return cls(algo.dynamic_filter_max_batches * config.rollout.prompts_per_step)
+        return cls(algo.filters, algo.filter_max_batches * config.rollout.prompts_per_step)
 
     def __call__(self, group) -> bool:
-        rewards_S = torch.tensor([sample.reward for sample in group.samples])
-        if bool(dynamic_filter(rewards_S, torch.zeros_like(rewards_S, dtype=torch.int64)).all()):
-            return True
-        shown = repr(group.prompt) if len(repr(group.prompt)) <= 120 else repr(group.prompt)[:117] + "..."
-        self.all_equal[shown, rewards_S[0].item()] += 1
-        return False
+        for name in self.names:
+            if not FILTERS[name](group):
+                self.num_dropped[name] += 1
+                self.dropped[name, _shown(group.prompt), _rewards(group)] += 1
+                return False
+        return True
 
-    def most_rejected(self, limit: int = 5) -> str:
-        """The prompts rejected most often, with their count and reward, e.g. `{...} (40 x, reward 0)`."""
-        shown = [f"{prompt} ({count} x, reward {reward:g})" for (prompt, reward), count in
-                 self.all_equal.most_common(limit)]  # fmt: skip
-        more = len(self.all_equal) - len(shown)
-        return "; ".join(shown) + (f"; and {more} other prompts" if more > 0 else "")
+    def metrics(self) -> dict[str, float]:
+        """`pool/filtered/<name>`: the groups each filter dropped since the run began (as `pool/filtered`)."""
+        return {f"pool/filtered/{name}": float(count) for name, count in self.num_dropped.items()}
+
+    def most_dropped(self, limit: int = 5) -> str:
+        """Each filter's drops in this take, the prompts it dropped most often with their count and rewards,
+        and what it drops, e.g. `all_equal_rewards dropped 40 groups, most often {...} (40 x, reward 0).
+        all_equal_rewards: Drops a group whose ...`."""
+        parts = []
+        for name in self.names:
+            mine = collections.Counter({key[1:]: n for key, n in self.dropped.items() if key[0] == name})
+            if not mine:
+                continue
+            shown = [
+                f"{prompt} ({count} x, {rewards})" for (prompt, rewards), count in mine.most_common(limit)
+            ]
+            more = len(mine) - len(shown)
+            doc = " ".join(inspect.getdoc(FILTERS[name]).split("\n\n")[0].split())
+            parts.append(
+                f"{name} dropped {mine.total()} groups, most often {'; '.join(shown)}"
+                f"{f'; and {more} other prompts' if more > 0 else ''}. {name}: {doc}"
+            )
+        return " ".join(parts)
+
+
+def _shown(prompt) -> str:
+    text = repr(prompt)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _rewards(group) -> str:
+    rewards = [sample.reward for sample in group.samples]
+    low, high = min(rewards), max(rewards)
+    return f"reward {low:g}" if low == high else f"rewards {low:g} to {high:g}"

@@ -2,9 +2,10 @@
 
 A field's path in `molt.config.Config` is its flag (`--algo.kl.coef 0.1` or `--algo.kl.coef=0.1`) and its
 TOML key (`[algo.kl]` table, `coef = 0.1`). Flag values are strings that msgspec converts (`strict=False`)
-to the field's type, so msgspec checks every type; before that, booleans accept true/false/1/0/yes/no (a
-bare boolean flag means true), optional fields accept `none`, and tuples are comma separated (`0.5,2.0`).
-An unknown flag or key fails naming it and the closest known flag; an ill-typed one fails naming the flag
+to the field's type, so msgspec checks every type and the bound a numeric field declares (`molt._bounds`);
+before that, booleans accept true/false/1/0/yes/no (a bare boolean flag means true), optional fields
+accept `none`, and tuples are comma separated (`0.5,2.0`). An unknown flag or key fails naming it and the
+closest known flag (a renamed one, its new name); an ill-typed or out-of-bound one fails naming the flag
 as the user wrote it. Help text is each field's docstring, read from the source of `molt/config.py`
 (and `molt/_config_algo.py`).
 
@@ -21,12 +22,13 @@ import re
 import tomllib
 import types
 from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
 from molt import _config_algo
 from molt import config as config_module
+from molt._bounds import bound_error, help_bound
 from molt._validate import validate
 from molt.config import Config, ConfigError
 
@@ -92,7 +94,10 @@ def _groups() -> frozenset[str]:
 
 
 def type_name(tp: Any) -> str:
-    """How a field's type reads in help and errors: `int`, `int|none`, `float,float`, `tis|mis|...`."""
+    """How a field's type reads in help and errors: `int`, `int|none`, `float,float`, `tis|mis|...` (its
+    bound apart: `molt._bounds.help_bound`)."""
+    if get_origin(tp) is Annotated:
+        return type_name(get_args(tp)[0])
     if tp is type(None):
         return "none"
     if get_origin(tp) is Literal:
@@ -120,15 +125,27 @@ def _flag_value(value: Any) -> str:
 
 
 def flag_help() -> list[tuple[str, str, str, str]]:
-    """`(flag, type, default, help)` for every dotted flag, in definition order."""
-    return [
-        (f"--{path}", type_name(leaf.type), _flag_value(leaf.default), leaf.doc)
-        for path, leaf in _leaves().items()
-    ]
+    """`(flag, type, default, help)` for every dotted flag, in definition order; the type with its bound,
+    if any (`float (> 0)`)."""
+    rows = []
+    for path, leaf in _leaves().items():
+        bound = help_bound(path)
+        shown = f"{type_name(leaf.type)} ({bound})" if bound else type_name(leaf.type)
+        rows.append((f"--{path}", shown, _flag_value(leaf.default), leaf.doc))
+    return rows
+
+
+# Flags that were renamed: the old name fails, saying what to pass instead.
+_RENAMED = {
+    "algo.dynamic_filter": "--algo.filters all_equal_rewards",
+    "algo.dynamic_filter_max_batches": "--algo.filter_max_batches",
+}
 
 
 def _unknown(name: str, where: str) -> ConfigError:
-    """An error for an unknown flag or key, suggesting the closest known flag."""
+    """An error for an unknown flag or key, naming its new name (`_RENAMED`) or the closest known flag."""
+    if name in _RENAMED:
+        return ConfigError(f"{where} was renamed: pass {_RENAMED[name]}")
     known = list(_leaves())
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     if not close:  # a right field name in the wrong group: compare last segments
@@ -209,12 +226,16 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _explain(error: msgspec.ValidationError, sources: dict[str, tuple[str, Any]]) -> str:
-    """msgspec's `... - at $.rollout.group_size[0]` as `--rollout.group_size: expected int, got 'eight'`."""
+    """msgspec's `... - at $.rollout.group_size[0]` as `--rollout.group_size: expected int, got 'eight'`,
+    or, for a number outside its field's bound (msgspec's `Expected `int` >= 1`), as
+    `--rollout.group_size must be a whole number >= 1, got 0`."""
     match = re.search(r"at `\$\.([\w.]+)", str(error))
     path = match.group(1) if match else ""
     if path not in sources:
         return str(error)
     where, raw = sources[path]
+    if re.match(r"Expected `(int|float)` [<>]", str(error)):
+        return bound_error(where, path, raw)
     return f"{where}: expected {type_name(_leaves()[path].type)}, got {raw!r}"
 
 

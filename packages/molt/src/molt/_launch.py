@@ -24,7 +24,7 @@ from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
 from molt._data import RowStream, check_held_out, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
-from molt._filters import DynamicFilter
+from molt._filters import GroupFilters
 from molt._group import PolicyGroup
 from molt._log import RunLog, progress, quiet_console
 from molt._metrics import sampled_tokens
@@ -119,7 +119,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
         log = run_log(config)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        dynamic = DynamicFilter.of(config)  # --algo.dynamic_filter: the pool's keep, bounded in each take
+        filters = GroupFilters.of(config)  # --algo.filters: the pool's keep, bounded in each take
         parts = dict(
             policy=policy,
             rows=rows,
@@ -128,7 +128,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
             eval_rows=evaluation,
             first_step=first_step,
             startup=clock,
-            dynamic_filter=dynamic,
+            filters=filters,
             **groups,
         )
         asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat, actors=engines))
@@ -207,7 +207,7 @@ async def _serve_and_run(
             runner = RolloutRunner(
                 tito, config, hosts, chat_url=chat_url if chat else "", api_key=api_key, restarts=restarts
             )
-            pool = prompt_pool(config, runner, parts["rows"], keep=parts["dynamic_filter"])
+            pool = prompt_pool(config, runner, parts["rows"], keep=parts["filters"])
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             async with pool:
                 await run_steps(config, Run(tito=tito, pool=pool, runner=runner, restarts=restarts, **parts))
@@ -220,9 +220,9 @@ async def _serve_and_run(
         await tito.aclose()
 
 
-def prompt_pool(config: Config, runner, rows, *, keep: DynamicFilter | None = None) -> GroupPool:
+def prompt_pool(config: Config, runner, rows, *, keep: GroupFilters | None = None) -> GroupPool:
     """The pool of prompt groups of `--rollout.*`: `runner` samples each group of `rows`; `keep`: the
-    dynamic filter (`DynamicFilter.of`)."""
+    filters of --algo.filters (`GroupFilters.of`)."""
     rollout = config.rollout
     return GroupPool(
         runner,

@@ -1,15 +1,16 @@
 """The one validation pass of a molt run: `validate(config)` refuses, before anything starts, every config
 that cannot run here or would train silently wrong, and fills the derived values.
 
-It checks, in this order: every numeric field against its range (`RANGES`: a finite number in the
-stated interval; `0` never means unbounded), the files and addresses the run reads, the combinations of
-flags (asynchrony without importance correction, DESIGN invariant 2; a group baseline over groups of
-one; a sampler the trainer does not reproduce, invariant 3), what this machine can run (CUDA-only
-features, flags that would do nothing on a CPU, more GPUs than a local Ray has), the model's shape
+It checks, in this order: every numeric field against the bound its type declares, and floats for NaN
+and infinities (`molt._bounds`), the numbers tied to one another, the files and addresses the run reads,
+the combinations of flags (asynchrony without importance correction, DESIGN invariant 2; a group baseline
+over groups of one; a sampler the trainer does not reproduce, invariant 3), what this machine can run
+(CUDA-only features, flags that would do nothing on a CPU, more GPUs than a local Ray has), the model's shape
 against the parallel sizes, a teacher's or critic's tokenizer, and the agent module against the data
-settings. Every message names the flags and what to do. The checks that read the config alone (and the
-files it names) are `molt._checks`, those that read the model `molt._checks_model`; this module holds the
-pass, what this machine can run, and the GPUs.
+settings. Every message names the flags and what to do. The checks that read the config alone are
+`molt._bounds` and `molt._checks`, those of the files, addresses and agent module it names
+`molt._checks_paths`, those that read the model `molt._checks_model`; this module holds the pass, what
+this machine can run, and the GPUs.
 `molt train` calls it once, as soon as its flags are read; `molt.train` (the Python API) calls it first
 thing, so it gets the same guards; it is idempotent. The one check that needs Ray, a joined cluster's
 GPUs, is `check_cluster_gpus`, called right after joining. `start_notes` lists what a run should say at
@@ -22,19 +23,10 @@ from __future__ import annotations
 
 import functools
 
-from molt._checks import (
-    RANGES,
-    Range,
-    check_agent,
-    check_algorithm,
-    check_paths,
-    check_ranges,
-    check_sampling,
-    field_value,
-    loss_denominator,
-    on_policy,
-)
+from molt._bounds import check_bounds, field_value
+from molt._checks import check_algorithm, check_pairs, check_sampling, loss_denominator, on_policy
 from molt._checks_model import check_companions, check_model, num_experts
+from molt._checks_paths import check_agent, check_paths
 from molt._placement import (
     compiles,
     compute_dtype_name,
@@ -45,8 +37,6 @@ from molt._placement import (
 from molt.config import Config, ConfigError
 
 __all__ = [
-    "RANGES",
-    "Range",
     "check_cluster_gpus",
     "extra_groups",
     "num_experts",
@@ -90,7 +80,8 @@ def _local_gpus() -> int:
 
 def validate(config: Config) -> Config:
     """The config with derived values filled; a refused one raises `ConfigError` naming its flags."""
-    check_ranges(config)
+    check_bounds(config)
+    check_pairs(config)
     check_paths(config)
     config = on_policy(config)
     config = loss_denominator(config)

@@ -5,16 +5,18 @@ Every field has a default and, right under it, a one-line docstring that `molt t
 is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults < `--config FILE.toml` <
 flags (`molt._flags.resolve`).
 
-What may be set to what, and which combinations run here, is checked in one place: `molt._validate`.
+A numeric field declares its bound on its type (`Annotated[float, Meta(gt=0)]`), which `--help` shows;
+what may be set to what, and which combinations run here, is checked in one place: `molt._validate`.
 This module imports nothing heavy: it is loaded by `molt --help`. The algorithm's groups (`--algo.*`)
 live in `molt._config_algo`; they are re-exported here.
 """
 
 import datetime
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
+from msgspec import Meta
 
 from molt._config_algo import (
     GAE,
@@ -77,7 +79,7 @@ class Data(_Group):
     ChatAgent: by tito, the same renderer); false: rows hold text already rendered (Env agents only)."""
     messages_key: str = "messages"
     """Key of the chat-message list in each dataset row."""
-    seed: int = 0
+    seed: Annotated[int, Meta(ge=0)] = 0
     """Seed of the prompt order."""
 
 
@@ -86,11 +88,11 @@ class Agent(_Group):
 
     module: str = "molt.recipes.copy_word"
     """File path or importable module name that exports AgentRunner."""
-    timeout: float = 60.0
+    timeout: Annotated[float, Meta(gt=0)] = 60.0
     """Seconds one rollout may take; past it the rollout is lost (counted in agent/timed_out) and retried."""
-    max_turns: int = 1
+    max_turns: Annotated[int, Meta(ge=1)] = 1
     """Most LLM turns per episode of an Env agent."""
-    num_runners: int = 1
+    num_runners: Annotated[int, Meta(ge=0)] = 1
     """Ray actors hosting the agents (each runs many episodes concurrently); 0 runs them in the trainer's
     process, without a Ray call per reset and step (for cheap agents)."""
 
@@ -103,13 +105,13 @@ class LoRA(_Group):
     """LoRA adapters on the policy (NeMo AutoModel's PEFT): only the adapters train; refits send them alone
     to engines serving them (vLLM's LoRA), and `molt export` writes them (or the merged model, --merged)."""
 
-    rank: int = 0
+    rank: Annotated[int, Meta(ge=0)] = 0
     """Rank of each adapter; 0 = LoRA off (the whole policy trains)."""
-    alpha: float = 16.0
+    alpha: Annotated[float, Meta(gt=0)] = 16.0
     """Scale numerator: the adapter's update is alpha / rank * B @ A."""
     target_modules: list[LoRATarget] = msgspec.field(default_factory=lambda: list(get_args(LoRATarget)))
     """Linear layers that get an adapter, by name (comma-separated); the attention and MLP projections."""
-    dropout: float = 0.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     """Dropout on the adapters; only 0 is accepted: in the loss's forward it would put a randomly thinned
     policy in every ratio, against logprobs that the full policy scored (old logprobs, the engines')."""
 
@@ -117,13 +119,13 @@ class LoRA(_Group):
 class Actor(_Group):
     """The FSDP2 policy actor and its optimizer."""
 
-    lr: float = 1e-3
+    lr: Annotated[float, Meta(gt=0)] = 1e-3
     """AdamW learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Meta(ge=0)] = 0.0
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: Annotated[float, Meta(gt=0)] = 1.0
     """Clip the global gradient norm to this value."""
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: Annotated[int, Meta(ge=0)] = 0
     """Tokens per forward/backward pass (a micro-batch's packed rows, or its padded slots for a model that
     cannot pack); does not change the update. At least --vllm.max_model_len; 0 = sized from the memory
     the actor has free once loaded (`molt._packing.auto_micro_batch_tokens`; 4 GiB of activations on a
@@ -148,9 +150,9 @@ class Actor(_Group):
     precision; gradients are reduced in float32)."""
     freeze_moe_router: bool = False
     """Keep MoE router weights fixed (coarser alternative to --train.routing_replay)."""
-    warmup_steps: int = 0
+    warmup_steps: Annotated[int, Meta(ge=0)] = 0
     """Linear learning-rate warm-up over this many optimizer steps."""
-    num_ranks: int = 1
+    num_ranks: Annotated[int, Meta(ge=1)] = 1
     """Data-parallel ranks of the actor: processes on CPU, GPUs on GPU."""
     lora: LoRA = LoRA()
 
@@ -158,11 +160,11 @@ class Actor(_Group):
 class FSDP(_Group):
     """Actor-side parallelism composed with FSDP2 sharding (NeMo AutoModel)."""
 
-    tp_size: int = 1
+    tp_size: Annotated[int, Meta(ge=1)] = 1
     """Tensor parallelism of the actor."""
-    ep_size: int = 1
+    ep_size: Annotated[int, Meta(ge=1)] = 1
     """Expert parallelism of the actor; 256 expresses a DeepSeek-V3-class MoE."""
-    cp_size: int = 1
+    cp_size: Annotated[int, Meta(ge=1)] = 1
     """Context parallelism of the actor; only 1 runs for now (the actor does not split sequences yet)."""
     offload: bool = False
     """Hold optimizer (Adam) states in host memory (CUDA only)."""
@@ -171,35 +173,35 @@ class FSDP(_Group):
 class VLLM(_Group):
     """The rollout engines."""
 
-    num_engines: int = 1
+    num_engines: Annotated[int, Meta(ge=1)] = 1
     """Number of vLLM engines."""
     urls: list[str] = []
     """Running vLLM servers to use instead of starting engines (flags: molt.vllm_server + refit's); the
     run first pushes its initial weights into them. The other --vllm.* engine flags are then unused."""
-    max_restarts: int = 3
+    max_restarts: Annotated[int, Meta(ge=0)] = 3
     """Times each engine molt started is restarted after it dies (then given the current weights before it
     serves); one more death (with 0: the first) stops the run with its log's first error. Engines of
     --vllm.urls are never restarted: one that dies is dropped for the rest of the run."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: Annotated[int, Meta(ge=1)] = 1
     """Tensor parallelism per engine."""
-    data_parallel_size: int = 1
+    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
     """Data parallelism per engine; raises expert parallelism past TP."""
     enable_expert_parallel: bool = False
     """Expert parallelism per engine (EP = TP x DP)."""
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: Annotated[int, Meta(ge=1)] | None = None
     """Scheduler token budget per engine step; none = vLLM's default."""
-    mtp_num_speculative_tokens: int = 0
+    mtp_num_speculative_tokens: Annotated[int, Meta(ge=0)] = 0
     """MTP speculative tokens per step (rollout only); 0 disables speculative decoding."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes."""
     cuda_graphs: bool = True
     """Capture CUDA graphs (CUDA only: the CPU engine runs eager)."""
-    max_model_len: int = 2048
+    max_model_len: Annotated[int, Meta(ge=2)] = 2048
     """Longest prompt plus response, in tokens."""
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
     """Fraction of its GPU's memory an engine may take; none = 0.8 on GPUs of its own, 0.4 on a GPU it
     shares with the actor (see --vllm.placement)."""
-    kv_cache_tokens: int = 0
+    kv_cache_tokens: Annotated[int, Meta(ge=0)] = 0
     """KV cache of each engine GPU, in tokens (CUDA engines); 0 = what the run can fill: every sequence
     in flight (--rollout.queue_depth x --rollout.group_size, plus the eval's) at --vllm.max_model_len,
     when that fits in --vllm.gpu_memory_utilization (else vLLM sizes it from that). A larger cache costs
@@ -212,26 +214,26 @@ class VLLM(_Group):
 class Rollout(_Group):
     """Sampling and the streaming prompt-group pool."""
 
-    group_size: int = 8
+    group_size: Annotated[int, Meta(ge=1)] = 8
     """Samples per prompt (one group)."""
-    prompts_per_step: int = 16
+    prompts_per_step: Annotated[int, Meta(ge=1)] = 16
     """Prompt groups per optimizer step."""
-    max_new_tokens: int = 2
+    max_new_tokens: Annotated[int, Meta(ge=1)] = 2
     """Most tokens sampled per LLM turn."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Meta(gt=0)] = 1.0
     """Sampling temperature; the trainer applies the same one to its logits."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     """Nucleus sampling threshold; only 1 is accepted (the trainer's full softmax cannot reproduce the
     engine's renormalisation over the nucleus)."""
-    queue_depth: int = 0
+    queue_depth: Annotated[int, Meta(ge=0)] = 0
     """Prompt groups in flight; 0 = 2 x --rollout.prompts_per_step."""
-    max_lag: int = 1
+    max_lag: Annotated[int, Meta(ge=0)] = 1
     """Most policy versions a group's oldest token may lag the trainer."""
     stale: Literal["drop", "keep"] = "keep"
     """A group past --rollout.max_lag (the pool admits a group only when it can be trained in time, so
     this is rare: one overtaken by faster ones): keep it and train it corrected, or drop it and rerun its
     prompt (its tokens wasted)."""
-    max_stale_requeues: int = 16
+    max_stale_requeues: Annotated[int, Meta(ge=1)] = 16
     """Reruns of one prompt after stale drops before the run stops, naming it (>= 1)."""
     partial_rollout: bool = True
     """Keep in-flight requests across weight refits (their tokens mix versions)."""
@@ -243,11 +245,11 @@ class Rollout(_Group):
 class Train(_Group):
     """The training run."""
 
-    num_steps: int = 100
+    num_steps: Annotated[int, Meta(ge=1)] = 100
     """Optimizer steps in the run."""
-    seed: int = 0
+    seed: Annotated[int, Meta(ge=0)] = 0
     """Seed of the trainer and the samplers."""
-    mini_batches: int = 2
+    mini_batches: Annotated[int, Meta(ge=1)] = 2
     """Optimizer steps per batch: the batch splits into this many windows of whole rollouts (a seeded
     permutation, from --train.seed and the step), each its own step with its own denominator; the ratio of
     every loss kind is taken against the policy before the first (its logprobs computed once), so from the
@@ -265,15 +267,15 @@ class Train(_Group):
 class Eval(_Group):
     """Evaluation on held-out rows: pass@k from n samples per prompt, logged as eval/*."""
 
-    every: int = 0
+    every: Annotated[int, Meta(ge=0)] = 0
     """Evaluate after every this many optimizer steps (and after the last); 0 = never."""
     path: str = ""
     """JSONL evaluation rows; empty = the agent module's eval_dataset(seed), else dataset(other seed)."""
-    num_prompts: int = 32
+    num_prompts: Annotated[int, Meta(ge=1)] = 32
     """Evaluation prompts per evaluation (the first ones of the set)."""
-    n: int = 4
+    n: Annotated[int, Meta(ge=1)] = 4
     """Samples per evaluation prompt."""
-    k: int = 1
+    k: Annotated[int, Meta(ge=1)] = 1
     """k of the reported pass@k (k <= n)."""
     pass_reward: float = 1.0
     """A sample passes when its reward is at least this."""
@@ -282,7 +284,7 @@ class Eval(_Group):
 class Ckpt(_Group):
     """Checkpoints."""
 
-    every: int = 0
+    every: Annotated[int, Meta(ge=0)] = 0
     """Save every this many optimizer steps; 0 = never."""
     dir: str = ""
     """Checkpoint directory; empty = <run_dir>/checkpoints."""
@@ -308,7 +310,7 @@ class Ray(_Group):
 
     address: str = ""
     """Ray cluster address to join; empty = start a local Ray."""
-    num_cpus: int | None = None
+    num_cpus: Annotated[int, Meta(ge=1)] | None = None
     """CPUs of the local Ray; none = all of them."""
 
 

@@ -32,7 +32,7 @@ from molt._critic import CriticGroup
 from molt._data import RowStream
 from molt._dumps import write_rollouts
 from molt._eval import evaluate
-from molt._filters import DynamicFilter
+from molt._filters import GroupFilters
 from molt._group import EnginesLost, PolicyGroup
 from molt._log import RunLog, progress
 from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
@@ -95,7 +95,7 @@ class Run:
     reference: PolicyGroup | None = None  # --algo.kl.coef != 0: the frozen initial policy
     critic: CriticGroup | None = None  # --algo.advantage.estimator gae: the value model
     teacher: PolicyGroup | None = None  # --algo.advantage.estimator opd: the frozen teacher
-    dynamic_filter: DynamicFilter | None = None  # --algo.dynamic_filter: the pool's keep
+    filters: GroupFilters | None = None  # --algo.filters: the pool's keep
     restarts: EngineRestarts | None = None  # the engines molt started, restarted when they die
 
 
@@ -107,7 +107,7 @@ async def run_steps(config: Config, run: Run) -> None:
     pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
-        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.dynamic_filter, run.restarts)
+        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.filters, run.restarts)
         generation_s = time.monotonic() - started
         startup = run.startup if step == run.first_step else None  # timing/startup_* with this step
         if startup is not None:
@@ -167,6 +167,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 "train/advantage_abs_mean": scored.advantages.abs().mean().item(),
                 "train/zero_advantage_frac": (scored.advantages == 0).float().mean().item(),
                 **pool_metrics(pool_now, pool_before),
+                **(run.filters.metrics() if run.filters else {}),  # pool/filtered/<name>
                 **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
                 "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
                 "engines/restarts": float(run.restarts.num_restarts if run.restarts else 0),
@@ -216,7 +217,7 @@ async def take(
     pool: GroupPool,
     num_groups: int,
     tito: Tito,
-    dynamic: DynamicFilter | None = None,
+    filters: GroupFilters | None = None,
     restarts: EngineRestarts | None = None,
 ) -> list:
     """`pool.take`, in prompt order (a step's batch, and so its windows, must not depend on which group
@@ -224,13 +225,13 @@ async def take(
     waiting forever when every engine has stopped answering
     (and none is being restarted: `restarts`, whose engines that are up again get the current weights here,
     while the actor is idle; a restart past --vllm.max_restarts stops the run),
-    when group after group fails (an agent that always raises) or, under --algo.dynamic_filter (`dynamic`),
-    when more than `dynamic.max_groups` groups come back all-equal (as verl's max_num_gen_batches), and
+    when group after group fails (an agent that always raises) or, under --algo.filters (`filters`), when
+    they drop more than `filters.max_groups` groups (as verl's max_num_gen_batches), and
     stops naming the prompt when one prompt's groups keep arriving stale (a long-episode agent past
     --rollout.max_stale_requeues)."""
     before = pool.stats
-    if dynamic is not None:
-        dynamic.all_equal.clear()  # the prompts this take drops
+    if filters is not None:
+        filters.dropped.clear()  # the prompts this take drops
     taking = asyncio.ensure_future(pool.take(num_groups))
     while not (await asyncio.wait({taking}, timeout=1.0))[0]:
         problem = None
@@ -248,15 +249,12 @@ async def take(
                 f"{failed} groups failed every attempt while waiting for {num_groups}: the agent keeps "
                 "failing (its first traceback is logged above)"
             )
-        elif dynamic is not None and (filtered := pool.stats.filtered - before.filtered) > dynamic.max_groups:
+        elif filters is not None and (filtered := pool.stats.filtered - before.filtered) > filters.max_groups:
             problem = (
-                f"{filtered} groups came back with all-equal rewards while waiting for {num_groups}, more "
-                f"than {dynamic.max_groups} (--algo.dynamic_filter_max_batches x "
-                "--rollout.prompts_per_step); "
-                f"those dropped most often: {dynamic.most_rejected()}. Their rewards do not vary within a "
-                "group: check the reward function, let samples differ (--rollout.temperature, "
-                "--rollout.group_size) or pick prompts of another difficulty, raise "
-                "--algo.dynamic_filter_max_batches, or drop --algo.dynamic_filter"
+                f"{filtered} groups were dropped by --algo.filters while waiting for {num_groups}, more than "
+                f"{filters.max_groups} (--algo.filter_max_batches x --rollout.prompts_per_step): "
+                f"{filters.most_dropped()} Fix what the filter drops, raise --algo.filter_max_batches, or "
+                "take the filter out of --algo.filters"
             )
         if problem:
             taking.cancel()
