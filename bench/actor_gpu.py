@@ -4,8 +4,11 @@ Two random-initialised models (nothing downloaded): a Qwen3-1.7B-shaped dense mo
 embeddings, vocabulary 151,936) and a small Qwen3-MoE. Each batch (`--batches`) holds at least
 `--tokens-per-step` tokens, random ids: equal rows of N tokens (the first quarter of each a prompt, loss
 mask 0), or `agentic`: episodes of 1-12 turns with lognormal prompt, reply (trained) and tool-output
-lengths, about 3.2k tokens a row, at most `--agentic-max-len` (bench/agentic_batch.py). For each model
-and batch, every case runs in its own subprocess, one after the other on the same GPU:
+lengths, about 3.2k tokens a row, at most `--agentic-max-len` (bench/agentic_batch.py), or rows that
+share prefixes, whatever `--tokens-per-step` (bench/shared_prefix_batch.py): `prompt4k`, 16 prompts of
+4096 tokens x 8 samples of 512, and `multiturn`, 8-turn agent episodes after a 2048-token system prompt,
+one row per turn, each beginning with the episode's earlier turns. For each model and batch, every case
+runs in its own subprocess, one after the other on the same GPU:
 
 - `plain`: transformers' `AutoModelForCausalLM` in float32 on the GPU, computing in bf16 under
   `torch.autocast`, activation checkpointing on, naive float32 logprobs (`logits.float().log_softmax(-1)`),
@@ -18,7 +21,9 @@ and batch, every case runs in its own subprocess, one after the other on the sam
   `molt-padded` is that with `--actor.pack false` (rows padded, grouped by length under the same budget);
   `molt-eager` with `--actor.compile off`; `molt-ac` with `--actor.activation_checkpointing` (compile then
   off); `molt-offload` with `--fsdp.offload`; `molt-logits` with the LM head giving [B, T, V] logits again
-  (the path tensor parallelism keeps) instead of `rlestimators.lm_head_logprobs`.
+  (the path tensor parallelism keeps) instead of `rlestimators.lm_head_logprobs`; `molt-shared` with
+  `--actor.shared_prefix` (rows that begin alike share the prefix's computation, FlexAttention; the
+  batch planned as the policy group plans it, a group's rows in one micro-batch, inside the timed step).
 
 A step is `train_step(batch)`: the forward gives the logprobs (old logprobs are that forward's,
 detached: one update per batch), the loss, backward, clipping and AdamW; one forward and one backward per
@@ -32,14 +37,20 @@ the LM head; for the MoE the router and its top-k experts) plus causal attention
 8192^3 matmul measured in the same run (median of 20). Beside it, what the run would log
 (`PolicyWorker.take_pass_counts` as `actor/*`): `molt MFU` (its FLOPs over the GPU's datasheet bf16 peak,
 H100/H200 only), `molt tokens/s` (over the passes' seconds, without the optimizer step) and `padding`
-(the share of token slots that held no token; the plain loop's counted here). The table names the GPU;
-`x plain` and `x padded` are a case's speed over the plain loop's and molt-padded's on the same batch.
+(the share of token slots that held no token; the plain loop's counted here), `shared`
+(`actor/shared_prefix_frac`: the share of the rows' tokens a shared prefix saved a slot for). Tokens/s
+and both MFUs count every row's tokens and FLOPs, shared or not: molt-shared's are the work it spared
+counted as done, so that its tokens/s compares with molt-packed's. The table names the GPU; `x plain`,
+`x padded` and `x packed` are a case's speed over the plain loop's, molt-padded's and molt-packed's on
+the same batch.
 
 `--profile`: each case runs one more step under torch's profiler and prints GPU time by kernel kind, the
 slowest kernels and the torch ops (with input shapes) that launched the most GPU time.
 
     python bench/actor_gpu.py --models dense --batches 16384,agentic     # the ratio table, ~12 minutes
     python bench/actor_gpu.py --models dense --batches 4096 --steps 1 --cases plain,molt-packed   # smoke
+    python bench/actor_gpu.py --models dense --batches prompt4k,multiturn --cases molt-packed,molt-shared \
+        --case-timeout 600   # shared prefixes against packed rows on one GPU, Qwen3-1.7B shape
 
 Needs CUDA, torch, transformers, NeMo AutoModel, msgspec; imports molt, rlestimators and refit from the
 workspace (PYTHONPATH=packages/*/src when the workspace is not installed).
@@ -59,6 +70,7 @@ from pathlib import Path
 
 import torch
 from agentic_batch import agentic_rows, train_batch
+from shared_prefix_batch import SHARED_BATCHES, plan_shared, shared_batch
 
 MODELS = {
     "dense": dict(
@@ -72,7 +84,8 @@ MODELS = {
         mlp_only_layers=[], tie_word_embeddings=False,
     ),
 }  # fmt: skip
-CASES = ("plain", "molt-packed", "molt-padded", "molt-eager", "molt-ac", "molt-offload", "molt-logits")
+CASES = ("plain", "molt-packed", "molt-padded", "molt-eager", "molt-ac", "molt-offload", "molt-logits",
+         "molt-shared")  # fmt: skip
 DEFAULT_CASES = "plain,molt-padded,molt-packed"
 PROMPT_FRACTION = 4  # the first 1/4 of every equal row is prompt (not trained)
 
@@ -152,7 +165,8 @@ def molt_stepper(model_dir: str, case: str, budget: int, max_len: int):
     config, replace = Config(), msgspec.structs.replace
     actor = replace(config.actor, lr=1e-6, compute_dtype="bfloat16", micro_batch_tokens=budget,
                     pack=case != "molt-padded", activation_checkpointing=case == "molt-ac",
-                    compile="off" if case == "molt-eager" else "auto")  # fmt: skip
+                    compile="off" if case == "molt-eager" else "auto",
+                    shared_prefix=case == "molt-shared")  # fmt: skip
     vllm = replace(config.vllm, max_model_len=max_len)  # the auto budget's floor
     fsdp = FSDP(offload=case == "molt-offload")
     config = replace(config, model=Model(path=model_dir, dtype="float32"), actor=actor, fsdp=fsdp, vllm=vllm)
@@ -163,9 +177,13 @@ def molt_stepper(model_dir: str, case: str, budget: int, max_len: int):
     def counts() -> dict:
         c = worker.take_pass_counts()
         mfu = c["flops"] / (c["seconds"] * c["peak_flops"]) if c["peak_flops"] else None
-        return {"padding_frac": 1 - c["tokens"] / c["slots"], "molt_tokens_per_s": c["tokens"] / c["seconds"],
+        return {"padding_frac": 1 - (c["tokens"] - c["saved"]) / c["slots"],
+                "shared_prefix_frac": c["saved"] / c["tokens"],
+                "molt_tokens_per_s": c["tokens"] / c["seconds"],
                 "molt_mfu": mfu, "budget": worker.budget, "packed": worker.packed}  # fmt: skip
 
+    if case == "molt-shared":  # a shared prefix's rows in one micro-batch, as `PolicyGroup._plan` plans them
+        return lambda batch: worker.train_step(plan_shared(batch, worker.budget)), counts
     return worker.train_step, counts
 
 
@@ -261,13 +279,17 @@ def print_profile(label: str, profile: dict) -> None:
 
 
 def run_case(args: argparse.Namespace) -> dict:
-    if args.batch == "agentic":
+    vocab = MODELS[args.model]["vocab_size"]
+    if args.batch in SHARED_BATCHES:
+        batch = shared_batch(args.batch, vocab)
+        max_len = max(batch.row_lengths)
+    elif args.batch == "agentic":
         max_len, rows = args.agentic_max_len, agentic_rows(args.tokens_per_step, args.agentic_max_len)
+        batch = train_batch(vocab, rows)
     else:  # equal rows, the first quarter of each a prompt
         n = max_len = int(args.batch)
         prompt = n // PROMPT_FRACTION
-        rows = [[(prompt, False), (n - prompt, True)]] * (args.tokens_per_step // n)
-    batch = train_batch(MODELS[args.model]["vocab_size"], rows)
+        batch = train_batch(vocab, [[(prompt, False), (n - prompt, True)]] * (args.tokens_per_step // n))
     if args.case == "plain":
         step, counts = plain_stepper(args.model_dir, args.micro_batch_tokens)
     else:
@@ -329,23 +351,27 @@ def run_in_subprocess(args: argparse.Namespace, model: str, model_dir: Path, bat
 
 
 def print_table(results: list[dict], peak_tflops: float) -> None:
-    """Every case; `x plain` and `x padded` are its speed over the plain loop's and molt-padded's on the
-    same model and batch."""
+    """Every case; `x plain`, `x padded` and `x packed` are its speed over the plain loop's, molt-padded's
+    and molt-packed's on the same model and batch."""
     print(f"\n{machine()}, bf16 matmul {peak_tflops:.0f} TFLOP/s")
     print("| model | batch | case | rows | step s | tokens/s | MFU | molt MFU | molt tokens/s | padding | "
-          "budget | peak GiB | x plain | x padded |")  # fmt: skip
-    print("| --- | --- | --- |" + " ---: |" * 11)
+          "shared | budget | peak GiB | x plain | x padded | x packed |")  # fmt: skip
+    print("| --- | --- | --- |" + " ---: |" * 13)
     done = {(r["model"], r["batch"], r["case"]): r for r in results if "step_s" in r}
     for r in results:
         if "step_s" not in r:
-            print(f"| {r['model']} | {r['batch']} | {r['case']} | failed |" + " |" * 10)
+            print(f"| {r['model']} | {r['batch']} | {r['case']} | failed |" + " |" * 12)
             continue
-        ratios = [done.get((r["model"], r["batch"], base)) for base in ("plain", "molt-padded")]
+        ratios = [
+            done.get((r["model"], r["batch"], base)) for base in ("plain", "molt-padded", "molt-packed")
+        ]
         cells = [r["rows"], f"{r['step_s']:.2f}", f"{r['tokens'] / r['step_s']:,.0f}",
                  f"{r['flops'] / r['step_s'] / (peak_tflops * 1e12):.1%}",
                  f"{r['molt_mfu']:.1%}" if r.get("molt_mfu") else "-",
                  f"{r['molt_tokens_per_s']:,.0f}" if "molt_tokens_per_s" in r else "-",
-                 f"{r['padding_frac']:.1%}", r.get("budget", "-"), f"{r['peak_gib']:.1f}",
+                 f"{r['padding_frac']:.1%}",
+                 f"{r['shared_prefix_frac']:.1%}" if "shared_prefix_frac" in r else "-",
+                 r.get("budget", "-"), f"{r['peak_gib']:.1f}",
                  *[f"{base['step_s'] / r['step_s']:.2f}" if base else "-" for base in ratios]]  # fmt: skip
         print(f"| {r['model']} | {r['batch']} | {r['case']} | " + " | ".join(map(str, cells)) + " |")
 
@@ -358,7 +384,8 @@ def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
-    parser.add_argument("--batches", default="4096,16384,agentic", help="equal rows of N tokens, or agentic")
+    parser.add_argument("--batches", default="4096,16384,agentic",
+                        help="equal rows of N tokens, agentic, prompt4k or multiturn")  # fmt: skip
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     parser.add_argument("--tokens-per-step", type=int, default=65536, help="at least this many per batch")

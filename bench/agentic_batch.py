@@ -38,7 +38,7 @@ import string
 
 from molt import ChatAgent, Context, Result
 
-__all__ = ["AgentRunner", "agentic_rows", "dataset", "episode", "train_batch"]
+__all__ = ["AgentRunner", "agentic_rows", "dataset", "episode", "tokens_batch", "train_batch"]
 
 MAX_TURNS = 12
 TEMPLATE_TOKENS = 8  # chat markup per message: `<|im_start|>ROLE\n` ... `<|im_end|>\n` is 5 with ChatML
@@ -82,21 +82,38 @@ def agentic_rows(num_tokens: int, max_len: int, seed: int = 0) -> list[list[tupl
 
 
 def train_batch(vocab: int, rows: list[list[tuple[int, bool]]]):
-    """A right-padded `molt._batch.TrainBatch` of `rows`: random token ids, the loss mask 1 on trained
-    segments, advantages +-1 per row, engine logprobs near a random model's -log(vocab)."""
+    """A right-padded `molt._batch.TrainBatch` of `rows` (segments' lengths): random token ids, the rest
+    as `tokens_batch`."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    lengths = [sum(n for n, _ in row) for row in rows]
+    ids_BT = torch.randint(0, vocab, (len(rows), max(lengths)), generator=gen)
+    segments = []
+    for b, row in enumerate(rows):
+        bounds = [0, *itertools.accumulate(n for n, _ in row)]
+        pieces = zip(itertools.pairwise(bounds), row, strict=True)
+        segments.append([(ids_BT[b, start:stop], trained) for (start, stop), (_, trained) in pieces])
+    return tokens_batch(vocab, segments, gen)
+
+
+def tokens_batch(vocab: int, rows: list, gen=None):
+    """A right-padded `molt._batch.TrainBatch` of rows given as (token ids [n], trained) segments: the loss
+    mask 1 on trained segments, advantages +-1 per row, engine logprobs near a random model's
+    -log(vocab), drawn from `gen` (seeded 1 if None)."""
     import torch
 
     from molt._batch import TrainBatch
 
-    gen = torch.Generator().manual_seed(1)
-    lengths = [sum(n for n, _ in row) for row in rows]
-    tokens_BT = torch.randint(0, vocab, (len(rows), max(lengths)), generator=gen)
+    gen = gen or torch.Generator().manual_seed(1)
+    lengths = [sum(len(ids) for ids, _ in row) for row in rows]
+    tokens_BT = torch.zeros(len(rows), max(lengths), dtype=torch.int64)
     mask_BT = torch.zeros(len(rows), max(lengths))
     for b, row in enumerate(rows):
-        bounds = [0, *itertools.accumulate(n for n, _ in row)]
-        for (start, stop), (_, trained) in zip(itertools.pairwise(bounds), row, strict=True):
-            mask_BT[b, start:stop] = float(trained)
-        tokens_BT[b, bounds[-1] :] = 0
+        tokens_BT[b, : lengths[b]] = torch.cat([ids for ids, _ in row])
+        mask_BT[b, : lengths[b]] = torch.cat(
+            [torch.full((len(ids),), float(trained)) for ids, trained in row]
+        )
     advantages_B = torch.where(torch.rand(len(rows), generator=gen) < 0.5, -1.0, 1.0)
     noise_BT = 0.1 * torch.randn(*mask_BT.shape, generator=gen)
     rollout_logp_BT = (noise_BT - torch.log(torch.tensor(float(vocab)))) * mask_BT

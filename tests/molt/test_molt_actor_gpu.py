@@ -177,3 +177,56 @@ def test_packed_varlen_rows_train_as_padded_ones_in_bfloat16_and_compile_few_sha
     assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
     assert packed_counts["slots"] < padded_counts["slots"]  # packing saved slots
     assert packed_counts["tokens"] == padded_counts["tokens"]
+
+
+def _shared_prompt_batch(seed: int):
+    """Groups of 2-4 samples of one prompt (20-300 tokens, then replies of 5-100), and a row of its own."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high, (1,), generator=gen))
+
+    rows = []
+    for _ in range(draw(1, 4)):
+        prompt = torch.randint(4, 100, (draw(20, 300),), generator=gen).tolist()
+        for _ in range(draw(2, 5)):
+            reply = torch.randint(4, 100, (draw(5, 100),), generator=gen).tolist()
+            rows.append(
+                (prompt + reply, [0] * len(prompt) + [1] * len(reply), [-4.0] * (len(prompt) + len(reply)))
+            )
+    rows.append((torch.randint(4, 100, (40,), generator=gen).tolist(), [0] * 10 + [1] * 30, [-4.0] * 40))
+    return collate([(*row, float(i % 3 - 1)) for i, row in enumerate(rows)], pad_id=0)
+
+
+def test_shared_prefix_rows_train_as_unshared_ones_on_cuda_and_compile_few_shapes(tiny_model_dir):
+    """--actor.shared_prefix on CUDA (compiled FlexAttention over the tree's block masks, in compiled
+    layers) against the packed rows: the same logprobs and step, to bfloat16's rounding; new packed
+    lengths stop compiling after the first few."""
+    from molt._actor import PolicyWorker
+    from molt.config import Model
+
+    batches = [_shared_prompt_batch(seed) for seed in range(8)]
+    results = {}
+    for shared in (False, True):
+        config = msgspec.structs.replace(
+            Config(),
+            model=Model(dtype="bfloat16"),
+            actor=Actor(lr=1e-3, micro_batch_tokens=2048, shared_prefix=shared, compile="on"),
+            rollout=Rollout(temperature=0.7),
+        )
+        worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+        runs, graphs = [], []
+        for batch in batches:
+            runs.append((worker.logprobs(batch), worker.train_step(batch)))
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        results[shared] = runs, graphs, worker.take_pass_counts()
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+    (packed, _, packed_counts), (shared, graphs, shared_counts) = results[False], results[True]
+    for batch, (packed_logp, packed_metrics), (logp, metrics) in zip(batches, packed, shared, strict=True):
+        mask_BT = batch.loss_mask_BT > 0
+        torch.testing.assert_close(logp[mask_BT], packed_logp[mask_BT], atol=3e-2, rtol=0)
+        for name in ("train/policy_loss", "train/entropy"):
+            assert metrics[name] == pytest.approx(packed_metrics[name], rel=3e-2, abs=3e-3), name
+    assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
+    assert shared_counts["saved"] > 0 and shared_counts["tokens"] == packed_counts["tokens"]

@@ -1,6 +1,7 @@
 """Shared prefixes in packed micro-batches (`molt._prefix`, `--actor.shared_prefix`): the groups found, the
-tree layout, its attention, the plan that keeps a group in one micro-batch, and the results per row equal
-to each row alone: a tiny dense and a tiny MoE model's logprobs, and one step of the real policy actor.
+tree layout, its attention (SDPA with a mask per group on a CPU; FlexAttention's, CUDA's, run eagerly here),
+the plan that keeps a group in one micro-batch, and the results per row equal to each row alone: a tiny
+dense and a tiny MoE model's logprobs, and one step of the real policy actor.
 
 Legend: B rows, T tokens, N packed tokens, H heads, D head dim, V vocabulary.
 """
@@ -15,9 +16,12 @@ import pytest
 import torch
 
 from molt._batch import StepInputs, collate
-from molt._packing import packed_attention, plan_micro_batches, use_packed_attention
+from molt._packing import attention_windows, packed_attention, plan_micro_batches, use_packed_attention
 from molt._prefix import MIN_SHARED_TOKENS, SharedPrefixRows, prefix_groups, tree_mask
 from molt.config import Config
+
+# torch.compile (`molt._flex`, imported by the FlexAttention tests) imports a deprecated torch.jit API.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 PROMPT = list(range(40, 40 + MIN_SHARED_TOKENS + 4))  # a prompt longer than the shortest shared prefix
 
@@ -143,6 +147,87 @@ def test_tree_attention_equals_each_row_alone(window):
         torch.testing.assert_close(out_BTHD[b, :n], alone[0].transpose(0, 1))
 
 
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """`molt._flex`'s functions uncompiled: on a CPU, FlexAttention runs forward only, eagerly (it
+    materialises the scores, and says so) or compiled for one shape (torch 2.11's CPU kernel fails to
+    build for dynamic shapes). The CUDA actor's compiled path is tests/molt/test_molt_actor_gpu.py's."""
+    from torch.nn.attention import flex_attention
+
+    import molt._flex
+
+    monkeypatch.setattr(molt._flex, "flex_attention", flex_attention.flex_attention)
+    monkeypatch.setattr(molt._flex, "create_block_mask", flex_attention.create_block_mask)
+
+
+def _cuda_kwargs(layout: SharedPrefixRows) -> dict:
+    """The forward's keyword arguments as a CUDA rank passes them (block masks, no per-group masks),
+    built on the CPU."""
+    kwargs = layout.model_kwargs(torch.device("cpu"))
+    del kwargs["tree_positions"], kwargs["tree_branches"]
+    return kwargs | {"tree_block_masks": layout.block_masks(torch.device("cpu"))}
+
+
+def test_the_block_mask_is_each_spans_tree_mask_and_nothing_across_spans(eager_flex):
+    """FlexAttention's mask, evaluated densely, against `tree_mask` per group span (a row that shares
+    nothing: causal) and causal within the padding span, with and without a sliding window."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    tokens_BT, lengths = _tokens(_rows())
+    layout = SharedPrefixRows.of(tokens_BT, lengths, pad_to=32, windows=(None, 3))
+    assert layout.num_padding and layout.num_packed % 32 == 0
+    kwargs = layout.model_kwargs(torch.device("cpu"))
+    bounds = kwargs["cu_seq_lens_q"].tolist()
+    assert len(bounds) == len(layout.groups) + 2  # the groups, then the padding span
+    n = layout.num_packed
+    for window, block_mask in layout.block_masks(torch.device("cpu")).items():
+        expected_NN = torch.zeros(n, n, dtype=torch.bool)
+        for start, stop in itertools.pairwise(bounds):
+            positions, branches = kwargs["tree_positions"][start:stop], kwargs["tree_branches"][start:stop]
+            expected_NN[start:stop, start:stop] = tree_mask(positions, branches, window)
+        assert torch.equal(create_mask(block_mask.mask_mod, 1, 1, n, n, "cpu")[0, 0], expected_NN), window
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [pytest.param(None, id="causal"), pytest.param(3, id="sliding-window")])
+def test_flex_attention_equals_the_sdpa_tree_and_each_row_alone(window, eager_flex):
+    """The CUDA path's attention (FlexAttention by the block masks, a padding span at the end) over the
+    packed rows of `test_tree_attention_equals_each_row_alone`: the same output as the CPU path's SDPA
+    with a mask per group, and as causal SDPA over each row alone."""
+    gen = torch.Generator().manual_seed(0)
+    tokens_BT, lengths = _tokens(_rows())
+    layout = SharedPrefixRows.of(tokens_BT, lengths, pad_to=32, windows=(None, 3))
+    embed_VHD = {h: torch.randn(100, h, 8, generator=gen) for h in (4, 2)}
+    q_BTHD, k_BTHD, v_BTHD = embed_VHD[4][tokens_BT], embed_VHD[2][tokens_BT], embed_VHD[2][tokens_BT] * 2
+    positions_BT = torch.arange(tokens_BT.shape[1]).expand(tokens_BT.shape)
+    q_BTHD = q_BTHD * (1 + positions_BT[..., None, None] / 10)
+    q_1HND, k_1HND, v_1HND = (layout.pack(t).transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHD))
+    outs_1NHD = [
+        packed_attention(
+            torch.nn.Module(), q_1HND, k_1HND, v_1HND, None, scaling=0.3, sliding_window=window, **kwargs
+        )[0]
+        for kwargs in (_cuda_kwargs(layout), layout.model_kwargs(torch.device("cpu")))
+    ]
+    flex_1NHD, sdpa_1NHD = outs_1NHD
+    torch.testing.assert_close(flex_1NHD, sdpa_1NHD)
+    out_BTHD = layout.unpack(flex_1NHD, tokens_BT.shape[1])
+    for b, n in enumerate(lengths):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        mask = (j <= i) & (j > i - (window or n))
+        q, k, v = (t[b : b + 1, :n].transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHD))
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True
+        )
+        torch.testing.assert_close(out_BTHD[b, :n], alone[0].transpose(0, 1))
+
+
+def test_a_block_mask_is_built_for_each_window_the_models_layers_pass():
+    from transformers import Qwen3Config
+
+    assert attention_windows(Qwen3Config()) == (None,)  # no sliding layer: the config's window is None
+    assert attention_windows(Qwen3Config(use_sliding_window=True, sliding_window=512)) == (None, 512)
+
+
 def test_the_plan_keeps_each_shared_prefix_group_in_one_micro_batch():
     lengths = [30, 5, 30, 5, 30, 5, 30, 5]
     together = [[0, 2, 4], [1, 3, 5]]
@@ -174,11 +259,14 @@ def _tiny_moe():
     return Qwen3MoeForCausalLM(config).eval()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_a_models_shared_prefix_logprobs_equal_each_row_alone(kind, tiny_model_dir):
+def test_a_models_shared_prefix_logprobs_equal_each_row_alone(kind, attention, tiny_model_dir, eager_flex):
     """The packed forward's next tokens are the packed tokens shifted by one, as `molt._rank` gives the
     logprob head: every row's logprob of every token equals its forward alone, the first token after the
-    shared prefix (the samples' own, or the one two samples share) included."""
+    shared prefix (the samples' own, or the one two samples share) included. "flex": the keyword
+    arguments a CUDA rank passes (transformers hands the block masks to every layer's attention)."""
     from transformers import AutoModelForCausalLM
 
     if kind == "dense":
@@ -188,11 +276,12 @@ def test_a_models_shared_prefix_logprobs_equal_each_row_alone(kind, tiny_model_d
     use_packed_attention(model)
     rows = _rows()
     tokens_BT, lengths = _tokens(rows)
-    layout = SharedPrefixRows.of(tokens_BT, lengths)
+    layout = SharedPrefixRows.of(tokens_BT, lengths, pad_to=32 if attention == "flex" else 1)
     assert layout.num_saved > 0
+    kwargs = _cuda_kwargs(layout) if attention == "flex" else layout.model_kwargs(torch.device("cpu"))
     with torch.no_grad():
         packed_1N = layout.pack(tokens_BT)
-        logits_1NV = model(packed_1N, **layout.model_kwargs(torch.device("cpu"))).logits / 0.7
+        logits_1NV = model(packed_1N, **kwargs).logits / 0.7
         logp_1N = torch.log_softmax(logits_1NV, -1).gather(-1, packed_1N.roll(-1, dims=1)[..., None])[..., 0]
         logp_BT = torch.nn.functional.pad(layout.unpack(logp_1N, tokens_BT.shape[1])[:, :-1], (1, 0))
         for b, row in enumerate(rows):
@@ -266,10 +355,10 @@ def test_the_actor_gives_the_same_logprobs_and_update_with_shared_prefixes(tiny_
     ("args", "on_gpu", "says"),
     [
         pytest.param(["--actor.pack", "false"], False, "--actor.pack false pads them", id="padded"),
-        pytest.param([], True, "runs on the CPU only for now", id="cuda"),
+        pytest.param(["--train.routing_replay"], True, "one route", id="routing-replay"),
     ],
 )
-def test_shared_prefixes_are_refused_unpacked_or_on_cuda(monkeypatch, args, on_gpu, says):
+def test_shared_prefixes_are_refused_unpacked_or_with_routing_replay(monkeypatch, args, on_gpu, says):
     import molt._validate
     from molt._flags import resolve
     from molt.config import ConfigError
@@ -278,6 +367,15 @@ def test_shared_prefixes_are_refused_unpacked_or_on_cuda(monkeypatch, args, on_g
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 8)
     with pytest.raises(ConfigError, match=says):
         resolve(["--actor.shared_prefix", *args])
+
+
+def test_shared_prefixes_run_on_cuda(monkeypatch):
+    import molt._validate
+    from molt._flags import resolve
+
+    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: True)
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 8)
+    assert resolve(["--actor.shared_prefix"]).actor.shared_prefix
 
 
 def test_shared_prefixes_are_refused_for_a_model_that_cannot_pack(tmp_path, tiny_model_dir):

@@ -14,7 +14,9 @@ planned here:
   attends within each row only: `torch.nn.attention.varlen.varlen_attn` (flash varlen) on CUDA in 16-bit,
   causal SDPA per row otherwise (a CPU, float32). No [N, N] mask is built. The per-token results come
   back as [rows, T] tensors (`unpack`), so the loss, the correction and every metric see exactly the rows
-  they saw padded.
+  they saw padded. With --actor.shared_prefix, `molt._prefix.SharedPrefixRows` lays rows that begin
+  alike out as trees, and `packed_attention` attends by their masks: FlexAttention on CUDA, SDPA with a
+  boolean mask per group on a CPU.
 - A model whose layers would mix packed rows (recurrent and linear-attention hybrids carry state from one
   token to the next across the boundary) or whose positions are not one row's 0..n-1 (a vision-language
   model's M-RoPE) is not packed (`packing_refusal`): its micro-batches are padded, grouped by length
@@ -41,6 +43,7 @@ __all__ = [
     "BF16_PEAK",
     "CUDA_PACK_MULTIPLE",
     "PackedRows",
+    "attention_windows",
     "auto_micro_batch_tokens",
     "model_flops",
     "packed_attention",
@@ -225,13 +228,15 @@ def packed_attention(
     max_length_q: int | None = None,
     tree_positions: torch.Tensor | None = None,
     tree_branches: torch.Tensor | None = None,
+    tree_block_masks: dict | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract ([B, H, N, D] in, [B, N, H, D] out) over one packed row:
-    causal attention within each row of `cu_seq_lens_q`, never across. With `tree_branches` (shared
-    prefixes, `molt._prefix`), a span that holds a tree attends by its mask, SDPA, on the CPU. Without
-    row bounds (an unpacked forward of the same model) it is transformers' SDPA, causal over right-padded
-    rows."""
+    causal attention within each row of `cu_seq_lens_q`, never across. Shared prefixes (`molt._prefix`):
+    with `tree_block_masks` (CUDA), one compiled FlexAttention call over the whole row by this layer's
+    window's block mask; with `tree_branches` (a CPU), a span that holds a tree attends by its mask, SDPA.
+    Without row bounds (an unpacked forward of the same model) it is transformers' SDPA, causal over
+    right-padded rows."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -246,8 +251,20 @@ def packed_attention(
             **kwargs,
         )
     assert query_1HND.shape[0] == 1 and dropout == 0.0, "packed attention runs one row, without dropout"
+    if tree_block_masks is not None:
+        from molt._flex import flex_attention
+
+        assert sliding_window in tree_block_masks, f"no block mask for a window of {sliding_window}"
+        out_1HND = flex_attention(
+            query_1HND,
+            key_1HND,
+            value_1HND,
+            block_mask=tree_block_masks[sliding_window],
+            scale=scaling,
+            enable_gqa=True,
+        )
+        return out_1HND.transpose(1, 2).contiguous(), None
     tree = tree_branches is not None
-    assert not (tree and query_1HND.is_cuda), "shared prefixes run on the CPU (molt._validate refuses CUDA)"
     if query_1HND.is_cuda and query_1HND.dtype in (torch.bfloat16, torch.float16):  # flash takes 16-bit only
         from torch.nn.attention.varlen import varlen_attn
 
@@ -318,6 +335,15 @@ def packing_refusal(model_config) -> str | None:
             "state its neighbour left"
         )
     return None
+
+
+def attention_windows(model_config) -> tuple[int | None, ...]:
+    """The `sliding_window`s this model's attention layers may pass `packed_attention`: None (full
+    attention), and the config's window where it sets one (transformers' configs leave it None when no
+    layer slides, as Qwen3's does without `use_sliding_window`)."""
+    text = getattr(model_config, "text_config", None) or model_config
+    window = getattr(text, "sliding_window", None)
+    return (None,) if window is None else (None, window)
 
 
 def use_packed_attention(model: torch.nn.Module) -> None:

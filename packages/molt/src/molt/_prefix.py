@@ -6,9 +6,15 @@
 continuation | ...], and each row that shares nothing end to end, as `molt._packing.PackedRows` does.
 Positions continue from the prefix in every continuation (the prefix 0..S-1, row b's continuation
 S..n_b-1: a token's position is its column in its row), and `molt._packing.packed_attention` lets a
-continuation see the prefix and its own earlier tokens, never a sibling's (`tree_branches`: -1 on the
-prefix, the row on its continuation; a boolean mask per group, SDPA). `unpack` reads row b's column j from
-the prefix for j < S and from its continuation past it, so every per-token result is the row's alone.
+continuation see the prefix and its own earlier tokens, never a sibling's (`visible`: by position and
+branch, -1 on the prefix, the row on its continuation). `unpack` reads row b's column j from the prefix
+for j < S and from its continuation past it, so every per-token result is the row's alone.
+
+The attention. On CUDA, one FlexAttention call over the whole packed row (`molt._flex`): the block masks
+(`SharedPrefixRows.block_masks`, one per sliding window the model's layers use) are built once per
+forward and travel to every layer's attention as a keyword argument, as the row bounds do; N is rounded
+up as `PackedRows` rounds it, with a padding span that attends to itself only. On a CPU, where
+FlexAttention has no backward, each group's span runs SDPA with a boolean [n, n] `tree_mask`.
 
 The next token. A logprob in column j is read at position j - 1 with the row's own token j as target,
 and the packed forward takes its targets from the packed tokens shifted by one (`tokens.roll(-1)` in
@@ -23,9 +29,9 @@ Exact: each token is computed from the same tokens at the same positions as in i
 gradient of a shared position is the sum of its rows' (computed once instead of once per row), so the
 logprobs, entropies, values and the update equal the unshared ones to float rounding.
 
-Not done: nested trees (rows that share more among a subset of a group share the group's prefix only),
-the CUDA attention (varlen takes no tree mask; `molt._validate` refuses the flag on a GPU, and with it
-routing replay, where the engine may have routed one prefix token differently in each row).
+Not done: nested trees (rows that share more among a subset of a group share the group's prefix only).
+Refused (`molt._validate`): routing replay, where the engine may have routed one prefix token differently
+in each row, and a shared token has one route.
 
 Legend: B rows, T tokens (columns), N packed tokens.
 """
@@ -39,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "prefix_groups", "tree_mask"]
+__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "prefix_groups", "tree_mask", "visible"]
 
 MIN_SHARED_TOKENS = 16
 """Rows share a prefix only when it saves at least this many tokens a row: shorter common beginnings (a
@@ -78,69 +84,115 @@ def prefix_groups(
 @dataclass(frozen=True)
 class SharedPrefixRows:
     """One micro-batch's rows as shared-prefix trees, end to end (module docstring); the interface of
-    `molt._packing.PackedRows`. No padding row: it runs on the CPU only."""
+    `molt._packing.PackedRows`."""
 
     lengths: tuple[int, ...]
     groups: tuple[tuple[tuple[int, ...], int], ...]
     """`prefix_groups`: (rows, S) per group, in packed order."""
+    num_padding: int = 0
+    """A padding span's tokens after the groups (on CUDA, to round N up as `PackedRows` does): it attends
+    to itself only, and no row reads it."""
+    windows: tuple[int | None, ...] = (None,)
+    """The `sliding_window`s the model's attention layers pass (None: full attention): on CUDA, one
+    block mask each (`block_masks`)."""
 
     @classmethod
     def of(
-        cls, tokens_BT: torch.Tensor, lengths: Sequence[int], *, min_shared: int = MIN_SHARED_TOKENS
+        cls,
+        tokens_BT: torch.Tensor,
+        lengths: Sequence[int],
+        *,
+        pad_to: int = 1,
+        windows: Sequence[int | None] = (None,),
+        min_shared: int = MIN_SHARED_TOKENS,
     ) -> SharedPrefixRows:
-        return cls(tuple(lengths), prefix_groups(tokens_BT, lengths, min_shared=min_shared))
+        """The layout of these rows, N rounded up to a multiple of `pad_to` (on CUDA,
+        `molt._packing.CUDA_PACK_MULTIPLE`)."""
+        groups = prefix_groups(tokens_BT, lengths, min_shared=min_shared)
+        num_tokens = sum(lengths) - sum((len(members) - 1) * shared for members, shared in groups)
+        return cls(tuple(lengths), groups, -num_tokens % pad_to, tuple(windows))
 
     @functools.cached_property
-    def _sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """Per packed token: its row and column (a prefix token: its group's first row's), its branch
-        (-1 on a prefix, the row on a continuation); and where each group starts, then N."""
-        rows_N, cols_N, branches_N, bounds = [], [], [], [0]
+    def _tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """Per packed token: its row (a prefix token: its group's first row; none for the padding, so
+        N - num_padding of them), its position (its column in that row; 0.. on the padding), its branch
+        (-1 on a prefix and on the padding, a prefix of its own; the row on a continuation); and where
+        each span (a group, then the padding) starts, then N."""
+        rows_N, positions_N, branches_N, bounds = [], [], [], [0]
         for members, shared in self.groups:
             rows_N += [members[0]] * shared
-            cols_N += range(shared)
+            positions_N += range(shared)
             branches_N += [-1] * shared
             for b in members:
                 rows_N += [b] * (self.lengths[b] - shared)
-                cols_N += range(shared, self.lengths[b])
+                positions_N += range(shared, self.lengths[b])
                 branches_N += [b] * (self.lengths[b] - shared)
             bounds.append(len(rows_N))
-        return torch.tensor(rows_N), torch.tensor(cols_N), torch.tensor(branches_N), bounds
+        if self.num_padding:
+            positions_N += range(self.num_padding)
+            branches_N += [-1] * self.num_padding
+            bounds.append(bounds[-1] + self.num_padding)
+        return torch.tensor(rows_N), torch.tensor(positions_N), torch.tensor(branches_N), bounds
 
     @property
     def num_packed(self) -> int:
-        """N, the packed length."""
-        return self._sources[3][-1]
+        """N, the packed length, padding included."""
+        return self._tokens[3][-1]
 
     @property
     def num_saved(self) -> int:
-        """Token slots the shared prefixes saved: the rows' tokens less N."""
-        return sum(self.lengths) - self.num_packed
+        """Token slots the shared prefixes saved: the rows' tokens less the packed ones."""
+        return sum(self.lengths) - len(self._tokens[0])
 
     def pack(self, values_BT: torch.Tensor, fill: int = 0) -> torch.Tensor:
-        """[1, N, ...]: each group's prefix (from its first row), then each row's continuation. There is no
-        padding row, so `fill` (`PackedRows.pack`'s) is unused."""
-        rows_N, cols_N, _, _ = self._sources
-        return values_BT[rows_N, cols_N][None]
+        """[1, N, ...]: each group's prefix (from its first row), then each row's continuation, then
+        `fill` on the padding."""
+        rows_N, positions_N, _, _ = self._tokens
+        padding = values_BT.new_full((self.num_padding, *values_BT.shape[2:]), fill)
+        return torch.cat([values_BT[rows_N, positions_N[: len(rows_N)]], padding])[None]
 
     def position_ids(self) -> torch.Tensor:
         """[1, N] int64: a token's column in its row (a continuation's go on from its prefix)."""
-        return self._sources[1][None]
+        return self._tokens[1][None]
 
     def model_kwargs(self, device: torch.device) -> dict:
-        """The forward's keyword arguments: positions, each group's bounds (attention never crosses one)
-        and the tree within it (`tree_positions`, `tree_branches`), which `packed_attention` reads."""
-        _, cols_N, branches_N, bounds = self._sources
+        """The forward's keyword arguments: positions, the spans' bounds (attention never crosses one)
+        and the tree within each, which `packed_attention` reads: on CUDA the block masks of
+        `block_masks` (FlexAttention), on a CPU the positions and branches (`tree_mask`, SDPA)."""
+        _, positions_N, branches_N, bounds = self._tokens
         cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
         longest = max(stop - start for start, stop in itertools.pairwise(bounds))
-        return {
-            "position_ids": cols_N[None].to(device),
+        kwargs = {
+            "position_ids": positions_N[None].to(device),
             "cu_seq_lens_q": cu_seqlens,
             "cu_seq_lens_k": cu_seqlens,
             "max_length_q": longest,
             "max_length_k": longest,
-            "tree_positions": cols_N.to(device),
-            "tree_branches": branches_N.to(device),
         }
+        if device.type == "cuda":
+            return kwargs | {"tree_block_masks": self.block_masks(device)}
+        return kwargs | {"tree_positions": positions_N.to(device), "tree_branches": branches_N.to(device)}
+
+    def block_masks(self, device: torch.device) -> dict:
+        """FlexAttention's block mask over the whole packed row for each of `windows`, by window: query q
+        sees key k of its own span that `visible` allows. Built once a forward, before the layers (each
+        layer's attention takes its window's); blocks of 128 x 128 that no query sees are skipped."""
+        from molt._flex import create_block_mask
+
+        _, positions_N, branches_N, bounds = self._tokens
+        sizes = torch.tensor(bounds).diff()
+        spans_N = torch.repeat_interleave(torch.arange(len(sizes)), sizes).to(device)
+        positions_N, branches_N = positions_N.to(device), branches_N.to(device)
+
+        def mask_mod_of(window: int | None):
+            def mask_mod(b, h, q, k):
+                seen = visible(positions_N[q], positions_N[k], branches_N[q], branches_N[k], window)
+                return seen & (spans_N[q] == spans_N[k])
+
+            return mask_mod
+
+        n = self.num_packed
+        return {w: create_block_mask(mask_mod_of(w), None, None, n, n, device=device) for w in self.windows}
 
     def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
         """[B, num_cols, ...] from [1, N, ...]: row b's column j from its prefix (j < S) or its
@@ -162,14 +214,26 @@ class SharedPrefixRows:
         return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
 
 
+def visible(
+    position_q: torch.Tensor,
+    position_k: torch.Tensor,
+    branch_q: torch.Tensor,
+    branch_k: torch.Tensor,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Whether query q sees key k of its own group: k is on the prefix or on q's own branch and not
+    after q (by position), within the sliding window if any. Elementwise; `tree_mask` and FlexAttention's
+    mask (`SharedPrefixRows.block_masks`) both ask it."""
+    seen = (position_k <= position_q) & ((branch_k < 0) | (branch_k == branch_q))
+    if sliding_window is not None:
+        seen = seen & (position_k > position_q - sliding_window)
+    return seen
+
+
 def tree_mask(
     positions_n: torch.Tensor, branches_n: torch.Tensor, sliding_window: int | None
 ) -> torch.Tensor:
-    """[n, n] bool over one group's packed tokens: query i sees key j when j is on the prefix or on i's
-    own branch and not after i (by position), within the sliding window if any."""
-    before = positions_n[None] <= positions_n[:, None]
-    related = (branches_n[None] < 0) | (branches_n[None] == branches_n[:, None])
-    mask = before & related
-    if sliding_window is not None:
-        mask &= positions_n[None] > positions_n[:, None] - sliding_window
-    return mask
+    """[n, n] bool over one group's packed tokens, query by key: `visible`."""
+    return visible(
+        positions_n[:, None], positions_n[None], branches_n[:, None], branches_n[None], sliding_window
+    )

@@ -9,10 +9,10 @@ writes and reads its part of a checkpoint. The group plans the rows' micro-batch
 the model packed end to end (`molt._packing.PackedRows`, attention within each row) and come back as
 [B, T] per-row tensors, so the loss sees the rows exactly as it would padded; a model that cannot pack
 runs them padded. With --actor.shared_prefix, rows that begin alike share those tokens' computation
-(`molt._prefix.SharedPrefixRows`, the same results per row). Every pass counts its tokens, token slots,
-the slots shared prefixes saved, model FLOPs and seconds, and the graphs torch.compile built meanwhile
-(`take_pass_counts`: `actor/padding_frac`, `actor/shared_prefix_frac`, `actor/tokens_per_s`, `actor/mfu`,
-`actor/compiles`).
+(`molt._prefix.SharedPrefixRows`, the same results per row; FlexAttention on CUDA, SDPA on a CPU). Every
+pass counts its tokens, token slots, the slots shared prefixes saved, model FLOPs and seconds, and the
+graphs torch.compile built meanwhile (`take_pass_counts`: `actor/padding_frac`, `actor/shared_prefix_frac`,
+`actor/tokens_per_s`, `actor/mfu`, `actor/compiles`).
 
 Loss normalisation (DESIGN §6, paper §3.6): a kind's loss on each micro-batch is divided by the ONE
 denominator of the whole step on all ranks; with FSDP's gradient averaging undone
@@ -41,7 +41,9 @@ from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._packing import (
     BF16_PEAK,
+    CUDA_PACK_MULTIPLE,
     PackedRows,
+    attention_windows,
     auto_micro_batch_tokens,
     model_flops,
     packing_refusal,
@@ -92,6 +94,7 @@ class ModelRank:
         if self.packed:
             use_packed_attention(self.model)
         self.shared_prefix = self.packed and config.actor.shared_prefix  # --actor.shared_prefix (`_layout`)
+        self.windows = attention_windows(self.model.config)  # a tree's block masks, one per window
         # since the last report; "saved": the token slots shared prefixes saved
         self.passes = dict.fromkeys(("slots", "tokens", "saved", "flops", "seconds"), 0.0)
         self.graphs_seen = compiled_graphs()
@@ -156,13 +159,15 @@ class ModelRank:
         Rows of one length have no padding to save: they run as a [B, T] batch, whose SDPA kernels
         (cuDNN's on Hopper) beat varlen attention on long rows (16k rows on one H200: 2.37 s a step
         padded, 2.89 s packed, BENCHMARKS.md)."""
+        cuda = self.device.type == "cuda"
         if self.shared_prefix:
-            tree = SharedPrefixRows.of(mb.tokens_BT, mb.row_lengths)
+            pad_to = CUDA_PACK_MULTIPLE if cuda else 1
+            tree = SharedPrefixRows.of(mb.tokens_BT, mb.row_lengths, pad_to=pad_to, windows=self.windows)
             if tree.num_saved:
                 return tree
         if not self.packed or len(set(mb.row_lengths)) == 1:
             return None
-        return PackedRows.of(mb.row_lengths, cuda=self.device.type == "cuda")
+        return PackedRows.of(mb.row_lengths, cuda=cuda)
 
     def _model_outputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over `mb` in its layout, back as [B, T, X] per row: from the logprob head, log p of

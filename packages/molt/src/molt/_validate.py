@@ -119,10 +119,10 @@ def _check_machine(config: Config) -> None:
             "--actor.shared_prefix shares prefixes within packed micro-batches, and --actor.pack false pads "
             "them: drop one of the two"
         )
-    if config.actor.shared_prefix and _on_gpu():
+    if config.actor.shared_prefix and config.train.routing_replay:
         raise ConfigError(
-            "--actor.shared_prefix runs on the CPU only for now: the CUDA actor's varlen attention takes no "
-            "shared-prefix tree mask; drop --actor.shared_prefix"
+            "--actor.shared_prefix with --train.routing_replay: a shared prefix token is computed once, with "
+            "one route, where the engine may have routed it differently in each row; drop one of the two"
         )
     if config.refit.delta and _on_gpu():
         raise ConfigError(

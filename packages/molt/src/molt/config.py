@@ -137,7 +137,7 @@ class Actor(_Group):
     """Within a packed micro-batch, compute once the tokens that rows begin with alike (a group's prompt, a
     multi-turn episode's earlier turns), each row's continuation attending to that prefix and not to its
     siblings (`molt._prefix`); the results are each row's alone. The group's rows are planned into one
-    micro-batch. Needs --actor.pack and a model that packs; CPU only for now."""
+    micro-batch. Needs --actor.pack and a model that packs; not with --train.routing_replay."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory (then --actor.compile auto is off)."""
     compile: Literal["auto", "on", "off"] = "auto"
