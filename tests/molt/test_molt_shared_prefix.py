@@ -230,18 +230,28 @@ def test_a_block_mask_is_built_for_each_window_the_models_layers_pass():
 
 def test_the_plan_keeps_each_shared_prefix_group_in_one_micro_batch():
     lengths = [30, 5, 30, 5, 30, 5, 30, 5]
-    together = [[0, 2, 4], [1, 3, 5]]
+    together = [([0, 2, 4], 0), ([1, 3, 5], 0)]
     plan = plan_micro_batches(lengths, num_ranks=2, budget=100, together=together)
     assert len({len(rank) for rank in plan}) == 1  # lock-step
     placed = sorted(row for rank in plan for mb in rank for row in mb)
     assert placed == list(range(8))
     micro_batches = list(itertools.chain.from_iterable(plan))
     assert all(sum(lengths[r] for r in mb) <= 100 for mb in micro_batches)
-    for rows in together:
+    for rows, _ in together:
         assert any(set(rows) <= set(mb) for mb in micro_batches), rows
     split = plan_micro_batches(lengths, num_ranks=1, budget=60, together=together)[0]  # 90 tokens: split
     assert all(sum(lengths[r] for r in mb) <= 60 for mb in split)
     assert sorted(row for mb in split for row in mb) == list(range(8))
+
+
+def test_the_budget_counts_a_shared_prefix_once():
+    """8 rows of 100 tokens sharing 80: 100 + 7 x 20 = 240 token slots laid out shared, not 800; a group
+    split over micro-batches holds its prefix once in each."""
+    lengths, group = [100] * 8, [(range(8), 80)]
+    assert plan_micro_batches(lengths, num_ranks=1, budget=256, together=group) == [[list(range(8))]]
+    split = plan_micro_batches(lengths, num_ranks=1, budget=160, together=group)[0]
+    assert sorted(row for mb in split for row in mb) == list(range(8))
+    assert [100 + (len(mb) - 1) * 20 for mb in split] == [160, 160]  # 4 rows a micro-batch
 
 
 # --- a real model's logprobs ---

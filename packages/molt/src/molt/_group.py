@@ -136,7 +136,7 @@ class PolicyGroup:
         together = ()
         if self.shared_prefix and packed:
             groups = prefix_groups(batch.tokens_BT, batch.row_lengths)
-            together = [rows for rows, shared in groups if shared]
+            together = [(rows, shared) for rows, shared in groups if shared]
         return plan_micro_batches(
             batch.row_lengths, num_ranks=self.dp_size, budget=budget, packed=packed, together=together
         )

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -65,45 +66,65 @@ def row_cost(length: int) -> float:
     return length + length * length / ATTENTION_TOKENS
 
 
-def _fits(lengths: list[int], new: list[int], budget: int, packed: bool) -> bool:
-    """Whether rows of `new` lengths join a micro-batch of rows `lengths` within `budget` token slots."""
-    if packed:
-        return sum(lengths) + sum(new) <= budget
+def _fits_padded(lengths: list[int], new: list[int], budget: int) -> bool:
+    """Whether rows of `new` lengths join a padded micro-batch of rows `lengths` within `budget` token
+    slots (rows x the longest)."""
     return (len(lengths) + len(new)) * max([*new, *lengths]) <= budget
 
 
-def _fill(units: list[list[int]], lengths: Sequence[int], num_bins: int, budget: int, packed: bool):
+class _Unit(NamedTuple):
+    """Rows a micro-batch takes whole: their token slots (a shared prefix once) and compute cost."""
+
+    rows: list[int]
+    tokens: int
+    cost: float
+
+
+def _unit(rows: list[int], lengths: Sequence[int], shared: int = 0) -> _Unit:
+    """`rows` as one unit; `shared`: the prefix tokens they all begin with, computed once (`molt._prefix`),
+    which saves every row but the first its prefix's tokens and their cost."""
+    saved = len(rows) - 1
+    tokens = sum(lengths[r] for r in rows) - saved * shared
+    return _Unit(rows, tokens, sum(row_cost(lengths[r]) for r in rows) - saved * row_cost(shared))
+
+
+def _fill(units: list[_Unit], lengths: Sequence[int], num_bins: int, budget: int, packed: bool):
     """Units of rows (longest first) into `num_bins` micro-batches: each unit into the cheapest one it
-    fits in; None if one fits nowhere."""
+    fits in; None if one fits nowhere. Returns each micro-batch's rows and cost."""
     bins: list[list[int]] = [[] for _ in range(num_bins)]
-    costs = [0.0] * num_bins
+    tokens, costs = [0] * num_bins, [0.0] * num_bins
     for unit in units:
-        new = [lengths[r] for r in unit]
-        fitting = [b for b in range(num_bins) if _fits([lengths[r] for r in bins[b]], new, budget, packed)]
+        new = [lengths[r] for r in unit.rows]
+        if packed:
+            fitting = [b for b in range(num_bins) if tokens[b] + unit.tokens <= budget]
+        else:
+            fitting = [b for b in range(num_bins) if _fits_padded([lengths[r] for r in bins[b]], new, budget)]
         if not fitting:
             return None
         best = min(fitting, key=lambda b: costs[b])
-        bins[best] += unit
-        costs[best] += sum(map(row_cost, new))
-    return bins
+        bins[best] += unit.rows
+        tokens[best] += unit.tokens
+        costs[best] += unit.cost
+    return list(zip(bins, costs, strict=True))
 
 
 def _units(
-    lengths: Sequence[int], together: Sequence[Sequence[int]], budget: int, packed: bool
-) -> list[list[int]]:
-    """The rows as units a micro-batch takes whole, longest first: each of `together`, in pieces that fit
-    the budget, and every other row alone; rows of zero length left out."""
-    grouped = {row for rows in together for row in rows}
-    units = [[row] for row, n in enumerate(lengths) if n > 0 and row not in grouped]
-    for rows in together:
+    lengths: Sequence[int], together: Sequence[tuple[Sequence[int], int]], budget: int, packed: bool
+) -> list[_Unit]:
+    """The rows as units a micro-batch takes whole, largest first: each of `together` (rows, the prefix
+    tokens they share) in pieces that fit the budget, each piece with its prefix once, and every other
+    row alone; rows of zero length left out."""
+    grouped = {row for rows, _ in together for row in rows}
+    units = [_unit([row], lengths) for row, n in enumerate(lengths) if n > 0 and row not in grouped]
+    for rows, shared in together:
         piece: list[int] = []
         for row in rows:
-            if piece and not _fits([lengths[r] for r in piece], [lengths[row]], budget, packed):
-                units.append(piece)
+            if piece and _unit([*piece, row], lengths, shared).tokens > budget:
+                units.append(_unit(piece, lengths, shared))
                 piece = []
             piece.append(row)
-        units += [piece] if piece else []
-    return sorted(units, key=lambda unit: -sum(lengths[r] for r in unit))
+        units += [_unit(piece, lengths, shared)] if piece else []
+    return sorted(units, key=lambda unit: -unit.tokens)
 
 
 def plan_micro_batches(
@@ -112,7 +133,7 @@ def plan_micro_batches(
     num_ranks: int,
     budget: int,
     packed: bool = True,
-    together: Sequence[Sequence[int]] = (),
+    together: Sequence[tuple[Sequence[int], int]] = (),
 ) -> list[list[list[int]]]:
     """Row indices per rank, per micro-batch: every rank the same number of micro-batches (some may be
     empty), each within `budget` (packed: the rows' tokens; padded: rows x the longest), as few as the
@@ -121,10 +142,10 @@ def plan_micro_batches(
     Rows are placed longest first into the cheapest micro-batch they fit in, over the fewest micro-batches
     per rank for which that places every row; the micro-batches, by cost, are then dealt to the ranks in
     snake order (0, 1, .., R-1, R-1, .., 0), so the i-th micro-batches of the ranks are neighbours by cost.
-    Each group of rows in `together` (rows that share a prefix, `molt._prefix`) is placed as one, its
-    tokens counted unshared, and split only where it passes the budget. Rows of zero length (none to
-    compute) are left out. A row longer than `budget` is refused: the run checks the budget against
-    --vllm.max_model_len before it starts.
+    Each group of rows in `together` (rows, S: rows that share a prefix of S tokens, `molt._prefix`) is
+    placed as one, its prefix's tokens counted once, and split only where it passes the budget (each
+    piece then holds the prefix once). Rows of zero length (none to compute) are left out. A row longer
+    than `budget` is refused: the run checks the budget against --vllm.max_model_len before it starts.
     """
     if num_ranks < 1 or budget < 1:
         raise ValueError(f"num_ranks and budget must be >= 1, got {num_ranks} and {budget}")
@@ -132,13 +153,13 @@ def plan_micro_batches(
     if too_long:
         raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")
     units = _units(lengths, together, budget, packed)
-    total = sum(lengths)
+    total = sum(unit.tokens for unit in units)
     per_rank = max(1, -(-total // (budget * num_ranks)))  # the fewest the tokens allow
     while (bins := _fill(units, lengths, per_rank * num_ranks, budget, packed)) is None:
         per_rank += 1
-    bins.sort(key=lambda rows: -sum(row_cost(lengths[r]) for r in rows))
+    bins.sort(key=lambda placed: -placed[1])
     plan: list[list[list[int]]] = [[] for _ in range(num_ranks)]
-    for index, rows in enumerate(bins):
+    for index, (rows, _) in enumerate(bins):
         lap, seat = divmod(index, num_ranks)
         plan[seat if lap % 2 == 0 else num_ranks - 1 - seat].append(sorted(rows))
     return plan
