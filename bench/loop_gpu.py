@@ -31,8 +31,9 @@ read back for the batch's size) and the flags after `--`. From steps 2..N it pri
   over it);
 - actor: `timing/policy_train`; tokens/s, the step's rows (prompts and tool outputs included, from the
   dump) over it; MFU, their model FLOPs (6 x parameters + causal attention per token, as
-  bench/actor_gpu.py counts them: one forward and one backward, since the step's own forward gives the
-  old logprobs under the defaults) over a bf16 8192^3 matmul measured here; and as the run logged them
+  bench/actor_gpu.py counts them: one forward and one backward; plus a forward, a third of that, where the
+  run's `--train.mini_batches` > 1 takes the old logprobs in a pass of their own, as the default 2 does)
+  over a bf16 8192^3 matmul measured here; and as the run logged them
   (metrics.jsonl): `actor/tokens_per_s`, `actor/padding_frac`, `actor/mfu` (datasheet peak);
 - peak GPU memory of the actor's and of the engine's processes (nvidia-smi, summed per kind, every 0.5 s);
 - the groups dropped as stale over the run (`pool/dropped_stale`: long episodes past `--rollout.max_lag`
@@ -62,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from pathlib import Path
 
 from async_gain import engine_sample
@@ -199,7 +201,9 @@ def summarise(run_dir: Path, at_steps: list, peak_mib: dict[str, int], peak_tflo
         if t > t_before
     ]
     tokens = [sum(rows[step["step"]]) for step in timed]
-    flops = [sum(row_flops(n) for n in rows[step["step"]]) for step in timed]
+    config = tomllib.loads((run_dir / "config.toml").read_text())  # the run's resolved flags
+    passes = 4 / 3 if config["train"]["mini_batches"] > 1 else 1.0  # an old-logprob forward besides
+    flops = [passes * sum(row_flops(n) for n in rows[step["step"]]) for step in timed]
     actor_s = [step["timing/policy_train"] for step in timed]
     peak_flops = peak_tflops * 1e12
     refit = {k.removeprefix("timing/refit_"): med(k) for k in timed[0] if k.startswith("timing/refit_")}
