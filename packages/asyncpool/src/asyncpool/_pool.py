@@ -153,9 +153,9 @@ class GroupPool[P, S: _Versioned]:
         ):
             if value < low:
                 raise ValueError(f"GroupPool needs {name} >= {low}, got {value}")
-        for name, value in (("max_lag", max_lag), ("retries", retries), ("retry_delay", retry_delay)):
-            if value < 0:
-                raise ValueError(f"GroupPool needs {name} >= 0, got {value}")
+        for name, number in (("max_lag", max_lag), ("retries", retries), ("retry_delay", retry_delay)):
+            if number < 0:
+                raise ValueError(f"GroupPool needs {name} >= 0, got {number}")
         self.group_size, self.depth, self.max_lag, self.retries = group_size, depth, max_lag, retries
         if stale not in ("drop", "keep"):
             raise ValueError(f"GroupPool needs stale='drop' or stale='keep', got {stale!r}")
