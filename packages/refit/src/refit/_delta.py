@@ -130,8 +130,8 @@ class DeltaIncoming:
         kind, _, crc = self.rows[index]
         if kind == ABORTED:
             raise RuntimeError(f"refit_gloo: the trainer aborted the transfer at bucket {index}")
-        if self.works[index] is not None:
-            self.works[index].wait()
+        if (work := self.works[index]) is not None:
+            work.wait()
         if kind == SPARSE:
             if not self.base_ok:
                 raise VerifyError(

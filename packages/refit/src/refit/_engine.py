@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from refit._buckets import ParamSpec
@@ -157,7 +158,7 @@ class Engine:
         body = {"method": method, "kwargs": kwargs}  # only our extension's read-only methods
         return self._call("POST", "/collective_rpc", json=body, read_only=True).json()["results"]
 
-    def checkpoint_specs(self, names: list[str] = ()) -> list[ParamSpec]:
+    def checkpoint_specs(self, names: Sequence[str] = ()) -> list[ParamSpec]:
         """Names and full shapes of the checkpoint the engine loaded (what a refit must send), a name
         spelt as in `names` (the trainer's) where the engine loads both spellings into one parameter.
         Asked once: a server never changes the checkpoint it loaded, so later refits skip the round trip."""
@@ -200,6 +201,7 @@ class Engine:
             self.channel, self.bucket_bytes = IpcChannel(self.update_weights), bucket_bytes
             return
         host, world_size = self.trainer_host, 1 + self.world_size()
+        opener: Callable[[], GlooChannel | NcclChannel]
         if self.backend == NCCL_BACKEND:  # vLLM's NCCL group binds the port itself: find a free one
             port = _free_port(host)
             init_info = {"master_address": host, "master_port": port, "rank_offset": 1}

@@ -24,6 +24,7 @@ Imports only torch (runs on a GPU machine without vLLM).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -86,8 +87,9 @@ def _gather(param: torch.Tensor) -> torch.Tensor:
     return gather() if callable(gather) else tensor
 
 
-def _merged(weight: torch.Tensor, lora: torch.nn.Module) -> torch.Tensor:
-    """W + scale * B @ A of one LoRA layer ([out, in] + [out, r] @ [r, in]), in W's dtype."""
+def _merged(weight: torch.Tensor, lora: Any) -> torch.Tensor:
+    """W + scale * B @ A of one LoRA layer ([out, in] + [out, r] @ [r, in]), in W's dtype. `lora` is
+    what `_is_lora` accepts (NeMo's `LinearLoRA`, untyped)."""
     a = _gather(lora.lora_A.weight).float()
     b = _gather(lora.lora_B.weight).float()
     return (weight.float() + lora.scale * (b @ a)).to(weight.dtype)

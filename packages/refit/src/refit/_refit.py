@@ -125,7 +125,7 @@ def update_weights(
     run.phase("pause", Engine.pause)
     run.phase("start", Engine.start_weight_update)
     token = uuid.uuid4().hex if delta else None  # names the bytes the engines hold after this refit
-    if delta:
+    if token is not None:  # a delta refit
         run.transfer_delta(params, specs, plan, bucket_bytes, token)
     else:
         run.transfer(params, specs, plan, bucket_bytes)

@@ -138,7 +138,7 @@ class RoutingReplay:
         experts_NLK = experts.reshape(-1, *experts.shape[-2:]).long()
         num_layers = experts_NLK.shape[1]
         if num_layers != len(self.routers):
-            if None in self.layer_ids or num_layers <= max(self.layer_ids):
+            if None in self.layer_ids or num_layers <= max(i for i in self.layer_ids if i is not None):
                 raise ValueError(
                     f"replay has {num_layers} layers, the model has {len(self.routers)} routers in decoder "
                     f"layers {self.layer_ids}: give one column per router or one per decoder layer"

@@ -21,7 +21,7 @@ from refit._buckets import ParamSpec, bucket_nbytes, packed_buckets
 from refit._delta import ABORTED, FULL, SPARSE, Shadow, bucket_unit, diff_into
 from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, Engine
 from refit._gather import FullParams
-from refit._transport import checksum, device_checksum
+from refit._transport import IpcChannel, NcclChannel, checksum, device_checksum
 
 __all__ = ["Run"]
 
@@ -106,6 +106,7 @@ class Run:
         }
         for engine in engines:
             if engine.backend != GLOO_BACKEND:  # the GPU channels need the plan (IPC's calls, NCCL's end)
+                assert isinstance(engine.channel, IpcChannel | NcclChannel)
                 engine.channel.begin(specs, plan)
         self.buckets_sent = 0
         try:

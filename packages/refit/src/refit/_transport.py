@@ -150,7 +150,8 @@ def broadcast(group: dist.ProcessGroupGloo, tensor: torch.Tensor) -> dist.Work:
     # global state, which a stateless group is not (FACTS).
     options = dist.BroadcastOptions()
     options.rootRank = 0
-    return group.broadcast([tensor], options)
+    # torch's stub omits Backend.broadcast (the binding has it).
+    return group.broadcast([tensor], options)  # type: ignore[attr-defined]
 
 
 class Incoming:
@@ -252,7 +253,7 @@ class GlooChannel:
             work.wait()
 
     def close(self) -> None:
-        self.group = None
+        del self.group  # a closed channel holds no group
 
 
 class NcclChannel:
@@ -287,7 +288,7 @@ class NcclChannel:
 
     def close(self) -> None:
         torch.cuda.current_stream().synchronize()
-        self.comm = None
+        del self.comm  # a closed channel holds no communicator
 
 
 class IpcChannel:

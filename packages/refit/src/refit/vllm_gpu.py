@@ -54,6 +54,9 @@ class ChecksummedGroup:
 class VerifiedNcclEngine(NCCLWeightTransferEngine):
     """vLLM's NCCL engine, each bucket's checksum compared with the trainer's (module docstring)."""
 
+    # A wrapper of vLLM's communicator stands in for it: vLLM's packed receiver calls only `broadcast`.
+    model_update_group: ChecksummedGroup | None  # type: ignore[assignment]
+
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.last_verify = _fresh_record()
@@ -100,12 +103,14 @@ class VerifiedIpcEngine(IPCWeightTransferEngine):
         super().start_weight_update()
         self.last_verify = _fresh_record()  # the transfer's buckets come in calls of their own
 
-    def receive_weights(self, update_info: IpcUpdateInfo) -> None:
+    def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
+        assert isinstance(update_info, IpcUpdateInfo)  # parsed as update_info_cls
         try:
             if not update_info.packed or update_info.checksum is None:
                 raise ValueError("refit_ipc takes packed buckets with their checksum (refit.update_weights)")
-            sizes = update_info.tensor_sizes
-            packed_N = _opened(update_info.ipc_handles, self.device.index)[: sum(sizes)]
+            handles, sizes = update_info.ipc_handles, update_info.tensor_sizes
+            assert isinstance(handles, dict) and sizes is not None  # packed: vLLM's __post_init__ checks
+            packed_N = _opened(handles, self.device.index)[: sum(sizes)]
             index = len(self.last_verify["checksums"])  # one bucket per call, in order
             got = int(device_checksum(packed_N))
             verify_checksums(self.last_verify, [got], [update_info.checksum], first=index)
@@ -113,7 +118,7 @@ class VerifiedIpcEngine(IPCWeightTransferEngine):
             tensors = unpack_tensor(packed_N, update_info.names, update_info.shapes, dtypes, sizes)
             # Copies, as vLLM's packed_ipc_consumer makes them: layerwise reload holds on to loaded
             # tensors past this call, and the trainer packs its next bucket into the same buffer.
-            self.model.load_weights([(name, tensor.clone()) for name, tensor in tensors])
+            self.model.load_weights([(name, tensor.clone()) for name, tensor in tensors])  # type: ignore[operator]
         except BaseException:
             roll_back_reload(self.model, self.model_config)
             raise

@@ -112,7 +112,8 @@ class _Labeller:
     """Adds `weight_versions` to each choice of a generate reply (whole, or one SSE event at a time)."""
 
     def __init__(self, request: _InFlight, send) -> None:
-        self.request, self._send = request, send
+        self.request: _InFlight | None = request
+        self._send = send
         self.start: dict | None = None
         self.stream = False
         self.body = b""
@@ -120,8 +121,8 @@ class _Labeller:
 
     async def send(self, message) -> None:
         if message["type"] == "http.response.start":
-            headers = dict(message.get("headers", ()))
-            self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+            self.stream = content_type.startswith(b"text/event-stream")
             if message["status"] != 200:
                 self.request = None  # an error reply passes as it is
             if self.stream or self.request is None:
@@ -137,6 +138,7 @@ class _Labeller:
             self.body += message.get("body", b"")
             if not message.get("more_body", False):
                 body = msgspec.json.encode(self._label(msgspec.json.decode(self.body)))
+                assert self.start is not None  # held back at http.response.start
                 headers = [(k, v) for k, v in self.start["headers"] if k != b"content-length"]
                 headers.append((b"content-length", str(len(body)).encode()))
                 await self._send({**self.start, "headers": headers})
@@ -151,6 +153,7 @@ class _Labeller:
         return b"\n\n".join(events)
 
     def _label(self, reply: dict) -> dict:
+        assert self.request is not None  # an error reply is not labelled
         for choice in reply.get("choices") or ():
             index, num_tokens = choice.get("index", 0), len(choice.get("token_ids") or ())
             start = self.offsets.get(index, 0)

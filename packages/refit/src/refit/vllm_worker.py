@@ -40,8 +40,10 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -57,6 +59,10 @@ from refit._delta import DeltaIncoming, bucket_unit
 from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND
 from refit._names import in_trainer_names
 from refit._transport import Incoming, ReceiveBuffers, VerifyError, join_gloo_group
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 __all__ = ["GlooWeightTransferEngine", "RefitWorkerExtension", "roll_back_reload"]
 
@@ -97,7 +103,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group = None
+        self.group: dist.ProcessGroupGloo | None = None
         self.last_timings: dict[str, float] = {}
         self.last_verify: dict = {"checked": 0, "failed": None, "error": ""}
         self.buffers = ReceiveBuffers()  # kept between refits
@@ -136,6 +142,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Post the receive of every bucket at once, then verify and load each as it arrives: the wire
         never waits for a load or for this thread (which holds the GIL while loading), so small buckets
         pipeline the trainer's packing, the wire and the reload."""
+        assert self.group is not None  # receive_weights checked
         specs = info.specs()
         plan = plan_buckets(specs, info.bucket_bytes)
         buffers = self.buffers.carve([bucket_nbytes(specs, b) for b in plan])
@@ -143,6 +150,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.buffers.token = self.pending_token = None  # overwritten from here on
         began = time.perf_counter()
         adapter: dict[str, torch.Tensor] = {}
+        incoming: Incoming | DeltaIncoming
         if info.delta_base is None:
             incoming = Incoming(self.group, buffers)
         else:
@@ -165,7 +173,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 loading = time.perf_counter()
                 tensors = unpack_bucket(payload_N, [specs[i] for i in bucket])
                 if info.lora is None:
-                    self.model.load_weights(tensors)
+                    self.model.load_weights(tensors)  # type: ignore[operator]  # vLLM types it nn.Module
                 else:  # copied out: the receive buffers are reused by the next refit
                     adapter.update((name, tensor.clone()) for name, tensor in tensors)
                 self.last_timings["load_s"] += time.perf_counter() - loading
@@ -229,7 +237,7 @@ def roll_back_reload(model: torch.nn.Module, model_config) -> None:
 
 def _repack_tied(model: torch.nn.Module) -> None:
     """Re-run weight processing on every layer that shares its weight with another (tied lm_head)."""
-    holders: dict[int, list[torch.nn.Module]] = {}
+    holders: dict[int, list[Any]] = {}  # vLLM layers: a weight and a quant_method
     for layer in model.modules():
         weight = layer._parameters.get("weight")
         if weight is not None and getattr(layer, "quant_method", None) is not None:
@@ -304,6 +312,11 @@ _SAFETENSORS_DTYPES = {
 
 class RefitWorkerExtension:
     """Mixed into vLLM's worker class; its methods are reachable through `/collective_rpc`."""
+
+    # The worker's own attributes, which these methods read.
+    vllm_config: VllmConfig
+    model_runner: GPUModelRunner
+    weight_transfer_engine: WeightTransferEngine | None
 
     def refit_checkpoint_specs(self, trainer_names: str = "[]") -> list[list]:
         """The checkpoint's names, dtypes and shapes, in the trainer's spelling where vLLM maps both
