@@ -56,7 +56,8 @@ class Tool(BaseModel):
     @field_validator("input_schema")
     @classmethod
     def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        return check_json_schema(schema)
+        check_json_schema(schema)
+        return schema
 
     @field_validator("type")
     @classmethod
@@ -248,7 +249,8 @@ def image_url_part(block: dict) -> dict:
     """An Anthropic image block as the OpenAI `image_url` part tito renders (its URL a data URL or a
     local file path)."""
     source = block.get("source")
-    kind = source.get("type") if isinstance(source, dict) else None
+    source = source if isinstance(source, dict) else {}
+    kind = source.get("type")
     if kind == "base64" and isinstance(source.get("data"), str):
         url = f"data:{source.get('media_type', 'image/png')};base64,{source['data']}"
     elif kind == "url" and isinstance(source.get("url"), str):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -192,7 +193,7 @@ class ChatState:
         trace: list[int],
         messages: list[dict],
         tools: list[dict] | None,
-        trace_images: list[ImageSpan] = (),
+        trace_images: Sequence[ImageSpan] = (),
         switches: dict | None = None,
     ) -> Prompt:
         """The full prompt of this turn: a trace (with its images) plus new tokens, or a fresh render
@@ -217,7 +218,7 @@ class ChatState:
         self,
         renderer: ChatRenderer,
         trace: list[int],
-        trace_images: list[ImageSpan],
+        trace_images: Sequence[ImageSpan],
         messages: list[dict],
         keys: list[tuple],
         tools: list[dict] | None,
@@ -273,7 +274,7 @@ def merge_system_messages(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(systems)}, *rest]
 
 
-def _check_no_stray_placeholder(renderer: ChatRenderer, ids: list[int], images: list[ImageSpan]) -> None:
+def _check_no_stray_placeholder(renderer: ChatRenderer, ids: list[int], images: Sequence[ImageSpan]) -> None:
     """Refuse a trace holding an image placeholder outside its images: one the model sampled itself.
     The engine, expanding placeholders as it finds them, would put the next image there."""
     if renderer.images is None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -68,7 +68,7 @@ def serve(
     from ._service import Tito
 
     name = served_model_name or engine_model_name(engine[0])
-    tito_args = {
+    tito_args: dict[str, Any] = {
         "engines": engine,
         "model": model,
         "served_model_name": name,

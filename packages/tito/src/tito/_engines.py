@@ -24,13 +24,17 @@ engine in the same process) are served through httpx instead, behind the same ca
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 import msgspec
 
 from ._wire import Http1Wire
+
+if TYPE_CHECKING:
+    from ._trajectory import ImageSpan
 
 __all__ = ["Engine", "EngineRejected", "EngineUnavailable", "ExpansionMismatch", "Generation", "Router"]
 
@@ -172,7 +176,7 @@ class Engine:
         token_ids: list[int],
         sampling: dict,
         *,
-        images: list = (),
+        images: Sequence[ImageSpan] = (),
         stream: bool = False,
         routes_from: int = 0,
     ):
@@ -215,7 +219,7 @@ class Engine:
             except _BROKEN as error:
                 raise await self._failed(error) from error
 
-    async def _image_features(self, images: list) -> dict:
+    async def _image_features(self, images: Sequence[ImageSpan]) -> dict:
         """`features` for the prompt's images (module docstring), their placeholders where tito's are."""
         if new := list({i.sha256: i for i in images if i.sha256 not in self._features}.values()):
             await self._render(new)
@@ -232,7 +236,7 @@ class Engine:
             "kwargs_data": {"image": [tensors for _, _, tensors in kept]},
         }
 
-    async def _render(self, images: list) -> None:
+    async def _render(self, images: Sequence[ImageSpan]) -> None:
         """Have the engine process `images` (alone, in one user turn) and keep what it made of each."""
         content = [{"type": "image_url", "image_url": {"url": image.data_url}} for image in images]
         body = msgspec.json.encode({"messages": [{"role": "user", "content": content}]})

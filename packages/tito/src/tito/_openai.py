@@ -137,6 +137,7 @@ class ChatRequest(BaseModel):
             constraints.append(f"tool_choice {choice!r}")
         structured = response_format_constraint(self.response_format, "response_format")
         if structured is not None:
+            assert self.response_format is not None  # a constraint comes from a format
             constraints.append(f"response_format {self.response_format.get('type')!r}")
         if forced and structured:
             raise ProtocolError(400, "tool_choice and response_format both constrain the reply: send one")
@@ -168,6 +169,7 @@ class ChatRequest(BaseModel):
 async def chat_completions(tito: Tito, session: Session, body: ChatRequest, request: Request) -> Response:
     """`POST /s/{id}/v1/chat/completions`: one turn, answered in one body or streamed as chunks."""
     messages, tools = to_messages(body)
+    assert not isinstance(body.stop, str)  # `_stop_list` made it a list
     turn = ChatTurn(
         tito,
         session,
@@ -264,7 +266,7 @@ def chat_completion(
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-def chat_chunk(request_id: str, model: str, delta: dict, finish: str | None = None, **extra) -> str:
+def chat_chunk(request_id: str, model: str, delta: dict | None, finish: str | None = None, **extra) -> str:
     """One SSE event of a streamed completion (choices empty when only usage is sent)."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
     body = {
@@ -301,8 +303,8 @@ async def stream_events(
     yield chat_chunk(request_id, model, {"role": "assistant", "content": ""})
     async for delta in turn.deltas():
         yield chat_chunk(request_id, model, {"content": delta})
-    for delta in stream_tool_deltas(turn.parsed):
-        yield chat_chunk(request_id, model, delta)
+    for tool_delta in stream_tool_deltas(turn.parsed):
+        yield chat_chunk(request_id, model, tool_delta)
     yield chat_chunk(request_id, model, {}, finish_reason(turn.generation.finish_reason, turn.parsed))
     if include_usage:
         yield chat_chunk(request_id, model, None, usage=usage(*turn.counts))

@@ -173,7 +173,8 @@ class TextStream:
 
 def response_format_constraint(response_format: dict[str, Any] | None, where: str) -> dict | None:
     """vLLM structured outputs for an OpenAI-style response format (`text`: none)."""
-    kind = (response_format or {}).get("type", "text")
+    response_format = response_format or {}
+    kind = response_format.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":

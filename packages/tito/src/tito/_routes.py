@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from ._chat import ParsedReply
 from ._engines import EngineUnavailable, ExpansionMismatch
 from ._protocol import Asked, ProtocolError
 from ._service import Session, Tito
@@ -25,7 +27,8 @@ from ._turn import ChatTurn
 
 __all__ = ["Handler", "chat_route", "sdk_retry", "session_of", "stream", "whole"]
 
-Handler = Callable[[Tito, Session, BaseModel, Request], Awaitable[Response | dict]]
+# A route's handler; its body (Any here) is the route's own request model, which has a `model` field.
+Handler = Callable[[Tito, Session, Any, Request], Awaitable[Response | dict]]
 
 
 def chat_route(tito: Tito, model: type[BaseModel], handle: Handler):
@@ -35,7 +38,7 @@ def chat_route(tito: Tito, model: type[BaseModel], handle: Handler):
         # Parsed and validated by pydantic in one pass (a FastAPI body parameter decodes the JSON with
         # `json`, then validates the objects: twice the CPU).
         try:
-            body = model.model_validate_json(await request.body())
+            body: Any = model.model_validate_json(await request.body())
         except ValidationError as error:
             raise RequestValidationError(error.errors(include_url=False)) from None
         session = session_of(tito, session_id)
@@ -66,7 +69,9 @@ def sdk_retry(request: Request) -> bool:
     return count.isdigit() and int(count) > 0
 
 
-async def whole(request: Request, session: Session, turn: ChatTurn, asked: Asked, reply_message) -> object:
+async def whole(
+    request: Request, session: Session, turn: ChatTurn, asked: Asked, reply_message
+) -> ParsedReply:
     """A turn answered in one body. It is committed only if the client is still there to receive it."""
     async with session.lock:
         await turn.start(asked, stream=False)

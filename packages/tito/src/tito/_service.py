@@ -12,7 +12,7 @@ import asyncio
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -184,6 +184,7 @@ class Tito:
 
     async def expire_idle_forever(self) -> None:
         """`expire_idle` every quarter of `idle_timeout` (at most every 30 s), until cancelled."""
+        assert self.idle_timeout is not None  # started only with one
         while True:
             await asyncio.sleep(min(self.idle_timeout / 4, 30.0))
             self.expire_idle()
@@ -216,7 +217,7 @@ class Tito:
         prompt_ids: list[int],
         sampling: dict,
         *,
-        images: list[ImageSpan] = (),
+        images: Sequence[ImageSpan] = (),
         stream: bool = True,
         routes_from: int = 0,
     ) -> AsyncIterator[Generation]:
@@ -259,7 +260,7 @@ class Tito:
         session: Session,
         prompt_ids: list[int],
         *,
-        images: list[ImageSpan] = (),
+        images: Sequence[ImageSpan] = (),
         retry: bool = False,
         **sampling,
     ) -> Generation:

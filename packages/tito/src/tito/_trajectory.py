@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -164,7 +165,7 @@ class Capture:
         return 0 if routes is None else len(routes)
 
     def routes_known_after(
-        self, prompt_ids: list[int], images: list[ImageSpan] = (), *, retry: bool = False
+        self, prompt_ids: list[int], images: Sequence[ImageSpan] = (), *, retry: bool = False
     ) -> int:
         """`routes_known` as it will be once `prompt_ids` is placed (`begin_turn`), without placing it."""
         routes = self._routes_after(*self._place(prompt_ids, images, retry))
@@ -203,7 +204,9 @@ class Capture:
                 finish_reason=sampled.finish_reason,
             )
 
-    def begin_turn(self, prompt_ids: list[int], images: list[ImageSpan] = (), *, retry: bool = False) -> None:
+    def begin_turn(
+        self, prompt_ids: list[int], images: Sequence[ImageSpan] = (), *, retry: bool = False
+    ) -> None:
         """Make the segment this prompt continues equal `prompt_ids` with `images` (all of the prompt's,
         in order), appending, rolling back or opening a segment as needed.
 
@@ -218,7 +221,7 @@ class Capture:
             raise ValueError("a turn needs at least one prompt token")
         self._begin(prompt_ids, images, *self._place(prompt_ids, images, retry))
 
-    def _place(self, prompt_ids: list[int], images: list[ImageSpan], retry: bool) -> tuple[int, int]:
+    def _place(self, prompt_ids: list[int], images: Sequence[ImageSpan], retry: bool) -> tuple[int, int]:
         """Where a turn with this prompt goes: (segment index, how many of its tokens stay), the index
         past the last segment for a new one. Checks the current segment first: the common case."""
         if retry and (prompt_ids, list(images)) == self._turn_prompt:
@@ -229,7 +232,7 @@ class Capture:
                 return index, len(self.segments[index].token_ids)
         return len(self.segments), 0
 
-    def _begin(self, prompt_ids: list[int], images: list[ImageSpan], index: int, keep: int) -> None:
+    def _begin(self, prompt_ids: list[int], images: Sequence[ImageSpan], index: int, keep: int) -> None:
         if index == len(self.segments):
             self.segments.append(Segment())
             self._routes.append(None)
@@ -249,7 +252,7 @@ class Capture:
         self._turn_prompt = (list(prompt_ids), list(images))
 
     @staticmethod
-    def _extends(segment: Segment, prompt_ids: list[int], images: list[ImageSpan]) -> bool:
+    def _extends(segment: Segment, prompt_ids: list[int], images: Sequence[ImageSpan]) -> bool:
         """Whether the prompt starts with the segment: its tokens, and the same images on them."""
         length = len(segment.token_ids)
         if length and prompt_ids[length - 1 : length] != segment.token_ids[-1:]:
@@ -307,8 +310,8 @@ class Capture:
         for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
             del field[length:]
         segment.images = [image for image in segment.images if image.offset < length]
-        if self._routes[index] is not None:
-            self._routes[index] = self._routes[index][:length]
+        if (routes := self._routes[index]) is not None:
+            self._routes[index] = routes[:length]
 
     def trajectory(self) -> Trajectory:
         """A copy of the capture, without a trailing empty segment."""

@@ -116,6 +116,7 @@ class ChatTurn:
             self.generation.extend(chunk)
             if delta := self.text.push(chunk.token_ids):
                 yield delta
+            assert self._chunks is not None  # `start` sampled the first chunk
             chunk = await anext(self._chunks, None)
         text = self.text.finish()
         self.generation.stop_reason = self.text.stop

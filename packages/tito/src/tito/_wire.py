@@ -82,7 +82,7 @@ class Http1Wire:
         the client. The connection is pooled again only if the body was read to its end."""
         host, port, path, host_line = _target(url)
         connection = await self._connection(host, port)
-        done = []
+        done: list[bool] = []
         try:
             exchange = _exchange(connection, "POST", path, host_line, body)
             status, length, chunked, keep = await asyncio.wait_for(exchange, self.timeout)
