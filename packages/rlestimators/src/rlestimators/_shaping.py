@@ -3,6 +3,8 @@
 Legend: B samples, G distinct groups in the batch.
 """
 
+from typing import overload
+
 import torch
 
 from rlestimators._advantages import group_index
@@ -25,6 +27,10 @@ def dynamic_filter(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     return (max_G > min_G)[inverse_B]
 
 
+@overload
+def pass_at_k(n: int, c: int, k: int) -> float: ...
+@overload
+def pass_at_k(n: int, c: torch.Tensor, k: int) -> torch.Tensor: ...
 def pass_at_k(n: int, c: int | torch.Tensor, k: int) -> float | torch.Tensor:
     """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, Codex, Eq. 1):
     1 - C(n - c, k) / C(n, k), in the paper's numerically stable product form
