@@ -130,6 +130,7 @@ class PolicyWorker(ModelRank):
         with self._routes(mb) as replay:
             # The entropy of the distribution each token was sampled from; a bonus trains it.
             logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if algo.entropy_coef else "detached")
+            assert entropy_BT is not None  # asked for
             loss, sums = step_loss(
                 logp_BT,
                 entropy_BT,
@@ -195,7 +196,7 @@ class PolicyWorker(ModelRank):
         try:
             # In the dtype the trainer computes in, which its engines run (molt._sharding.compute_dtype).
             # A LoRA policy sends its adapters alone: the engines serve them on the frozen base.
-            dtype, lora = compute_dtype(self.config), self.lora and adapter_config(self.lora)
+            dtype, lora = compute_dtype(self.config), adapter_config(self.lora) if self.lora else None
             params = (refit.adapter_params if lora else refit.full_params)(self.model, dtype=dtype)
             stats = refit.update_weights(
                 engines, params, version=version, delta=self.config.refit.delta, lora=lora

@@ -142,7 +142,9 @@ class TrainBatch:
             experts = self.experts_BTLK
             return TrainBatch(
                 torch.zeros(1, 1, dtype=torch.int64),
-                *(torch.zeros(1, 1) for _ in range(3)),
+                loss_mask_BT=torch.zeros(1, 1),
+                rollout_logp_BT=torch.zeros(1, 1),
+                advantages_BT=torch.zeros(1, 1),
                 num_tokens=self.num_tokens,
                 num_seqs=self.num_seqs,
                 images=(None,) if self.images else (),
@@ -209,8 +211,8 @@ class TrainBatch:
             rows = [row for r in order[start:stop] for row in range(starts[r], starts[r + 1])]
             window = self.select(rows)
             trainable_B = (window.loss_mask_BT != 0).any(dim=1)
-            counts = {"num_tokens": int((window.loss_mask_BT != 0).sum()), "num_seqs": int(trainable_B.sum())}
-            windows.append((replace(window, **counts), rows))
+            num_tokens, num_seqs = int((window.loss_mask_BT != 0).sum()), int(trainable_B.sum())
+            windows.append((replace(window, num_tokens=num_tokens, num_seqs=num_seqs), rows))
         return windows
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -288,8 +290,8 @@ def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]]
         logp_BT[row, :num] = torch.tensor(logprobs, dtype=torch.float32) * mask_BT[row, :num]
         adv_BT[row, :num] = float(advantage) * mask_BT[row, :num]
     lengths_B = torch.tensor([len(token_ids) for token_ids, *_ in sequences], dtype=torch.int64)
-    counts = {"num_tokens": int(mask_BT.sum()), "num_seqs": int((mask_BT != 0).any(dim=1).sum())}
-    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, **counts, lengths_B=lengths_B)
+    num_tokens, num_seqs = int(mask_BT.sum()), int((mask_BT != 0).any(dim=1).sum())
+    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens, num_seqs, lengths_B=lengths_B)
 
 
 def row_images(spans: list, processor) -> RowImages | None:

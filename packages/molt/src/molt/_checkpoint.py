@@ -21,6 +21,7 @@ import random
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -65,7 +66,7 @@ def load_actor(model, optimizer, scheduler, path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     if not (path / ".metadata").is_file():
         raise ValueError(f"{path} holds no checkpoint of this group (was it saved by a run without it?)")
     dcp.load(state, checkpoint_id=str(path))
@@ -190,5 +191,6 @@ def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor] | None = None) -
             and ".lora_" in name
             and (weights is None or f"{name.rsplit('.lora_', 1)[0]}.weight" in weights)
         ):
+            assert isinstance(meta, dcp.TensorStorageMetadata)  # a LoRA weight is a tensor
             adapters[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     return adapters

@@ -5,7 +5,7 @@ The Literal types restate rlestimators' names and `molt._filters.FILTERS`' inste
 (rlestimators and the filters import torch, and `molt --help` loads this module); tests check they agree.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, dataclass_transform
 
 import msgspec
 from msgspec import Meta
@@ -43,6 +43,8 @@ FilterName = Literal["all_equal_rewards", "truncated"]
 """The keys of `molt._filters.FILTERS`: the group filters --algo.filters composes."""
 
 
+# msgspec subclasses inherit `frozen`; type checkers (PEP 681) need it as the groups' default.
+@dataclass_transform(kw_only_default=True, frozen_default=True)
 class Group(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     """Base of every flag group: keyword-only, immutable, and an unknown key is an error."""
 

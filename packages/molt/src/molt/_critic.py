@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from molt._batch import StepInputs, TrainBatch
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch
 from molt._group import PolicyGroup
 from molt._rank import ModelRank
 from molt._sharding import distributed_setup, replicas
@@ -87,6 +87,7 @@ class CriticWorker(ModelRank):
 
     def _value_loss(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
+        assert inputs.old_values_BT is not None and inputs.returns_BT is not None  # train_step checked
         mask_BT = mb.loss_mask_BT.to(self.device)
         values_BT = self._values(mb)
         loss_sum, metrics = value_loss(
@@ -133,7 +134,7 @@ class CriticGroup(PolicyGroup):
         """Values of every row of `batch`, [B, T], in row order."""
         return self._rows("values", batch)
 
-    def train_step(self, batch: TrainBatch, inputs: StepInputs) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
         """One critic optimizer step over the whole batch (`inputs`: the values before it and the
         returns); returns the global metrics."""
         if inputs.old_values_BT is None or inputs.returns_BT is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from molt.config import Config
@@ -43,7 +43,7 @@ class RowStream:
     (the pool numbers rows in the order it draws them), so a checkpoint records which rows were trained
     and a resumed run skips exactly those: rows in flight at the checkpoint are drawn again."""
 
-    def __init__(self, rows: Iterator[dict], *, skip: list[int] = ()) -> None:
+    def __init__(self, rows: Iterator[dict], *, skip: Sequence[int] = ()) -> None:
         self.rows, self.skip = rows, set(skip)
         self.positions: list[int] = []  # pool prompt index -> position in the stream
         self.trained: list[int] = list(skip)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -73,7 +74,8 @@ class EngineActor:
     ) -> None:
         if adapter is not None:  # on the engine's own machine: vLLM reads the adapter's folder there
             extra_args = extra_args + lora_flags(adapter, Path(log_path).with_suffix(".adapter"))
-        self.flags = dict(model=model_dir, extra_args=extra_args, on_cpu=on_cpu, env=env)  # for `restart`
+        # The server's flags, for `restart`.
+        self.flags: dict[str, Any] = dict(model=model_dir, extra_args=extra_args, on_cpu=on_cpu, env=env)
         self.log_path, self.num_restarts = Path(log_path), 0
         self.server = VLLMServer(log_path=log_path, **self.flags).start()
 
@@ -146,7 +148,8 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
 
     on_gpu = torch.cuda.is_available()
     gpus = engine_gpus(config) if on_gpu else 0
-    remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # as the actor's
+    # No task events, as the actor's (Ray's type stub of `ray.remote` lacks the flag, which it takes).
+    remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # type: ignore[call-overload]
     args, env = engine_extra_args(config, model_dir), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
     adapter = adapter_config(config.actor.lora) if config.actor.lora.rank else None
     num_engines = 0 if config.vllm.urls else config.vllm.num_engines

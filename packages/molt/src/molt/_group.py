@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,12 +80,13 @@ class PolicyGroup:
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
         # a copy of the working directory, which has no virtual environment. CPU: one thread per rank;
         # under contention that beat two threads (FACTS).
-        env = {"py_executable": sys.executable}
+        env: dict[str, Any] = {"py_executable": sys.executable}
         if not self.on_gpu:
             env["env_vars"] = {"OMP_NUM_THREADS": "1"}
         # No task events: Ray's GCS keeps one for every call (its dashboard's task table), a few a step.
+        # (Ray's type stub of `ray.remote` lacks `enable_task_events`, which it takes.)
         gpus = gpu_share(config) if self.on_gpu else 0  # a whole GPU, or its part of a shared one
-        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(
+        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(  # type: ignore[call-overload]
             self.worker_class
         )
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -128,12 +131,10 @@ class PolicyGroup:
         import ray
 
         if self.layout is None:  # asked once the ranks are up
-            budgets, packed = zip(
-                *ray.get([w.micro_batch_tokens.remote() for w in self.workers]), strict=True
-            )
-            self.layout = min(budgets), packed[0]
+            budgets, packs = zip(*ray.get([w.micro_batch_tokens.remote() for w in self.workers]), strict=True)
+            self.layout = min(budgets), packs[0]
         budget, packed = self.layout
-        together = ()
+        together: Sequence[Sequence[int]] = ()
         if self.shared_prefix and packed:
             groups = prefix_groups(batch.tokens_BT, batch.row_lengths)
             together = [(rows, shared) for rows, shared in groups if shared]

@@ -14,6 +14,7 @@ import random
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -104,6 +105,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
             policy.load(checkpoint)
             if groups.get("critic"):
                 groups["critic"].load(checkpoint)
+            assert state is not None  # saved with its checkpoint
             restore_rng(state)
             first_step = state.step + 1
             progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
@@ -170,7 +172,7 @@ def _start_ray(config: Config, clock: StartupClock) -> Config:
 
     progress("starting Ray")
     clock.begin("ray")
-    quiet = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
+    quiet: dict[str, Any] = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
     if config.ray.address:
         ray.init(address=config.ray.address, **quiet)
         config = check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have

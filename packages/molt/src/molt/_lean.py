@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def _lean_class(lean: type, original: type) -> type:
 
 def _swap(module: torch.nn.Module, lean: type) -> None:
     if not isinstance(module, lean):
-        module.__class__ = _lean_class(lean, type(module))
+        module.__class__ = _lean_class(lean, type(module))  # type: ignore[arg-type]  # a class is hashable
 
 
 class LeanRMSNorm(torch.nn.Module):
@@ -156,7 +157,8 @@ def use_logprob_head(model: torch.nn.Module, config: Config) -> LogprobHead | No
     """Swap `LogprobHead` into the policy's LM head at the sampling temperature; returns it. None (not
     swapped) under tensor parallelism, whose plans shard the head over the vocabulary, or for a head that
     is not a bias-free linear layer."""
-    head = model.get_output_embeddings()
+    causal_lm: Any = model  # transformers' or AutoModel's: each has `get_output_embeddings`
+    head = causal_lm.get_output_embeddings()
     if config.fsdp.tp_size > 1 or type(head) is not torch.nn.Linear or head.bias is not None:
         return None
     _swap(head, LogprobHead)

@@ -84,7 +84,7 @@ def start_wandb(run_dir: Path, project: str, config: dict):
         dir=str(run_dir),
         config=config,
         name=run_dir.name,
-        mode=os.environ.get("WANDB_MODE", "offline"),
+        mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]  # wandb checks the value
         settings=settings,
     )
 

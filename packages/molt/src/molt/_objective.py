@@ -106,6 +106,7 @@ def score(batch: TrainBatch, rewards_R: torch.Tensor, rows_R: torch.Tensor, grou
     ref_logp_BT = groups.reference.logprobs(batch) if groups.reference is not None else None
     metrics = {}
     if in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
+        assert old_logp_BT is not None and ref_logp_BT is not None  # a separate pass; a reference group
         kl_BT = kl(old_logp_BT, ref_logp_BT, kind=algo.kl.kind) * mask_BT
         metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
         rewards_R = rewards_R - algo.kl.coef * rollout_sums(kl_BT, rows_R)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ from molt._packing import (
 )
 from molt._prefix import SharedPrefixRows
 from molt._sharding import compute_dtype, freeze_moe_routers, params_by_mesh, sum_gradients_over_ranks
-from molt.config import Config
+from molt.config import Config, LoRA
 
 __all__ = ["ModelRank"]
 
@@ -61,7 +62,8 @@ class ModelRank:
     `trainable=False`: a frozen copy that only runs forwards (no optimizer)."""
 
     checkpoint_dir = ""  # the kind's directory in a checkpoint
-    lora = None  # the LoRA config of a kind that trains adapters only: its checkpoint holds them alone
+    # The LoRA config of a kind that trains adapters only: its checkpoint holds them alone.
+    lora: LoRA | None = None
 
     def __init__(
         self,
@@ -122,8 +124,8 @@ class ModelRank:
             self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
         )
 
-    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
-        """This rank's shard of the model (each kind loads its own)."""
+    def _load(self, model_dir: str, world_size: int) -> Any:
+        """This rank's shard of the model (each kind loads its own): a transformers or AutoModel model."""
         raise NotImplementedError
 
     def _learning_rate(self) -> float:

@@ -23,6 +23,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from molt._restarts import EngineRestarts
 from molt.agent import Context, Result
@@ -80,7 +81,7 @@ class RolloutRunner:
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
         self.renderer = tito.renderer
-        self.sampling = {
+        self.sampling: dict[str, Any] = {
             "max_tokens": config.rollout.max_new_tokens,
             "temperature": config.rollout.temperature,
             "top_p": config.rollout.top_p,

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import ray
 
 from molt._log import redirect_output
-from molt.agent import Context, Result, load_agent
+from molt.agent import Context, Env, Result, load_agent
 
 __all__ = ["AgentHost", "RemoteHost", "launch_hosts"]
 
@@ -34,7 +34,7 @@ class AgentHost:
         if log_path:  # a Ray actor's third-party output goes there
             redirect_output(log_path)
         self.runner_class = load_agent(agent_module).AgentRunner
-        self.episodes: dict[str, object] = {}
+        self.episodes: dict[str, Env] = {}
         # asyncio's default pool has cpu_count + 4 threads: too few for blocking SDK agents.
         self.threads = ThreadPoolExecutor(MAX_AGENT_THREADS, thread_name_prefix="agent")
 
@@ -98,8 +98,9 @@ def launch_hosts(
     if num_hosts == 0:
         return [AgentHost(agent_module)], []
     # No task events: a host runs several calls per rollout, and Ray would keep each one in its GCS
-    # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe.
-    remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)
+    # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe. (Ray's type
+    # stub of `ray.remote` lacks `enable_task_events`, which it takes.)
+    remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)  # type: ignore[call-overload]
     logs = [f"{log_prefix}-{index}.log" if log_prefix else "" for index in range(num_hosts)]
     actors = [remote.remote(agent_module, log) for log in logs]
     return [RemoteHost(actor) for actor in actors], [actor.__ray_ready__.remote() for actor in actors]

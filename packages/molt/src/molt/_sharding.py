@@ -4,6 +4,8 @@ critic (`molt._actor`, `molt._critic`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from molt._lean import use_lean_modules
@@ -151,7 +153,8 @@ def load_model(
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers (a vision-language model's language model's): a ModuleList, or a ModuleDict in
     AutoModel's MoE models."""
-    layers = getattr(model.model, "language_model", model.model).layers
+    causal_lm: Any = model  # transformers' or AutoModel's: its base model at `.model`
+    layers = getattr(causal_lm.model, "language_model", causal_lm.model).layers
     return list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ class Env:
 class ChatAgent:
     """Subclass and implement `run` (see the module docstring)."""
 
-    def run(self, ctx: Context, sample: dict[str, Any]) -> Result:
+    def run(self, ctx: Context, sample: dict[str, Any]) -> Result | Awaitable[Result]:
         raise NotImplementedError(f"{type(self).__name__} must implement run(ctx, sample) -> Result")
 
 
@@ -110,6 +111,7 @@ def _import_agent(module: str):
         if str(path.resolve().parent) not in sys.path:  # its sibling modules import, as for a script
             sys.path.insert(0, str(path.resolve().parent))
         spec = importlib.util.spec_from_file_location(f"molt_agent_{path.stem}", path)
+        assert spec is not None and spec.loader is not None  # a file's spec, with its source loader
         loaded = sys.modules.get(spec.name)
         if loaded is None or getattr(loaded, "__file__", None) != spec.origin:  # once per file and process
             loaded = importlib.util.module_from_spec(spec)

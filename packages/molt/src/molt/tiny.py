@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Any
 
 __all__ = ["TASK_WORDS", "CHAT_TEMPLATE", "build_tiny_model"]
 
@@ -102,7 +103,7 @@ def _build_tokenizer(
 
 
 # The tiny model's attention shape, which the config checks read before the model is built.
-TINY_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+TINY_SHAPE: dict[str, Any] = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
 
 
 def build_tiny_model(
@@ -139,7 +140,7 @@ def build_tiny_model(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    model = Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' wrapped `to`
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

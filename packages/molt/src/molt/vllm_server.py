@@ -155,6 +155,7 @@ class VLLMServer:
         return self
 
     def _wait_healthy(self) -> None:
+        assert self.process is not None  # `start` started it
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -14,6 +14,7 @@ import sys
 import uuid
 
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.harnesses.null import NullHarness
 from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
@@ -30,7 +31,7 @@ class MoltHarness(NullHarness):
         system, prompt = self.resolve_prompt(data)
         if mcp_urls:
             return await self._chat_program(ctx, runtime, endpoint, secret, mcp_urls, system, prompt, trace)
-        messages = [{"role": "system", "content": system}] if system else []
+        messages: list[ChatCompletionMessageParam] = [{"role": "system", "content": system}] if system else []
         if isinstance(prompt, str):
             messages.append({"role": "user", "content": prompt})
         else:

@@ -74,7 +74,7 @@ class ReasoningGymEnv(Env):
 
     def step(self, action: str) -> Result:
         info = {}
-        answer = action.strip()
+        answer: str | None = action.strip()
         if self.answer == "tag":
             answer = _library().utils.extract_answer(action)
             info["answered"] = float(answer is not None)

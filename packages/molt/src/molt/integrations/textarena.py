@@ -53,6 +53,7 @@ def _needs_network(entry_point) -> str | None:
     package = importlib.util.find_spec(module.rsplit(".", 1)[0])  # imports textarena.envs, not the game
     if package is None:
         return f"its module {module} is missing from the textarena package"
+    assert package.submodule_search_locations is not None  # the game's module is in a package
     folder = Path(package.submodule_search_locations[0])
     source = "".join(path.read_text() for path in folder.rglob("*.py"))
     return next((reason for marker, reason in NETWORK_MARKERS.items() if marker in source), None)
@@ -80,6 +81,7 @@ class TextArenaEnv(Env):
 
     game: str
     settings: tuple
+    state: tuple | None  # `random`'s state inside the game (`_own_random`), set by `reset`
 
     @contextlib.contextmanager
     def _own_random(self):

@@ -60,6 +60,7 @@ def _taskset_id(env: str) -> str:
             filter(None, [str(path.parent), os.environ.get("PYTHONPATH")])
         )
         spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None  # a file's spec, with its source loader
         module = importlib.util.module_from_spec(spec)
         sys.modules[path.stem] = module
         spec.loader.exec_module(module)
