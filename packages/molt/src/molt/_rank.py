@@ -235,6 +235,7 @@ class ModelRank:
             values_BT = compute(mb).float().cpu()
             if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
                 num_cols = values_BT.shape[1]
+                assert mb.lengths_B is not None  # `TrainBatch.select` sets it
                 inside_BT = torch.arange(num_cols) < mb.lengths_B[:, None]
                 out_BT[rows, :num_cols] = values_BT * inside_BT
         self._count_pass(batch, started, backward=False)
@@ -293,6 +294,7 @@ class ModelRank:
         """Clip the global gradient norm, step; returns (norm before clipping, learning rate used)."""
         from torch.distributed.tensor import DTensor
 
+        assert self.optimizer is not None and self.scheduler is not None  # a trainable rank's
         norms = []  # one per parameter group = device mesh (expert parallelism puts experts on their own)
         for group in self.optimizer.param_groups:
             grads = [p.grad for p in group["params"] if p.grad is not None]
