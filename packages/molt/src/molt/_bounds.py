@@ -40,7 +40,9 @@ def field_types() -> dict[str, inspect.Type]:
             else:
                 types[prefix + field.name] = field.type
 
-    walk(inspect.type_info(Config), "")
+    config = inspect.type_info(Config)
+    assert isinstance(config, inspect.StructType)
+    walk(config, "")
     return types
 
 
@@ -54,8 +56,9 @@ def _number(tp: inspect.Type) -> tuple[Number | None, str]:
         if len(numbers) == 1 and any(isinstance(member, inspect.NoneType) for member in tp.types):
             return numbers[0], "optional"
     if isinstance(tp, inspect.TupleType) and all(isinstance(item, Number) for item in tp.item_types):
-        assert all(item == tp.item_types[0] for item in tp.item_types), "a tuple's items share one bound"
-        return tp.item_types[0], "each"
+        first = tp.item_types[0]
+        assert isinstance(first, Number) and all(item == first for item in tp.item_types), "one bound each"
+        return first, "each"
     return None, ""
 
 

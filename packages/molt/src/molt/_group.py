@@ -134,7 +134,7 @@ class PolicyGroup:
             budgets, packs = zip(*ray.get([w.micro_batch_tokens.remote() for w in self.workers]), strict=True)
             self.layout = min(budgets), packs[0]
         budget, packed = self.layout
-        together: Sequence[Sequence[int]] = ()
+        together: Sequence[tuple[Sequence[int], int]] = ()
         if self.shared_prefix and packed:
             groups = prefix_groups(batch.tokens_BT, batch.row_lengths)
             together = [(rows, shared) for rows, shared in groups if shared]

@@ -118,6 +118,7 @@ class SharedPrefixRows:
         N - num_padding of them), its position (its column in that row; 0.. on the padding), its branch
         (-1 on a prefix and on the padding, a prefix of its own; the row on a continuation); and where
         each span (a group, then the padding) starts, then N."""
+        positions_N: list[int]
         rows_N, positions_N, branches_N, bounds = [], [], [], [0]
         for members, shared in self.groups:
             rows_N += [members[0]] * shared
