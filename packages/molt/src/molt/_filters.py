@@ -92,7 +92,7 @@ class GroupFilters:
                 f"{prompt} ({count} x, {rewards})" for (prompt, rewards), count in mine.most_common(limit)
             ]
             more = len(mine) - len(shown)
-            doc = " ".join(inspect.getdoc(FILTERS[name]).split("\n\n")[0].split())
+            doc = " ".join((inspect.getdoc(FILTERS[name]) or "").split("\n\n")[0].split())
             parts.append(
                 f"{name} dropped {mine.total()} groups, most often {'; '.join(shown)}"
                 f"{f'; and {more} other prompts' if more > 0 else ''}. {name}: {doc}"

@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -284,14 +284,15 @@ def packed_attention(
             scale=scaling,
             enable_gqa=True,
         )
+        assert isinstance(out_1HND, torch.Tensor)  # no auxiliary outputs asked for
         return out_1HND.transpose(1, 2).contiguous(), None
-    tree = tree_branches is not None
     if query_1HND.is_cuda and query_1HND.dtype in (torch.bfloat16, torch.float16):  # flash takes 16-bit only
         from torch.nn.attention.varlen import varlen_attn
 
         q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query_1HND, key_1HND, value_1HND))
         window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
         cu_seqlens = cu_seq_lens_q.to(torch.int32)
+        assert max_length_q is not None  # the packed rows' kwargs carry it with the row bounds
         out_NHD = varlen_attn(
             q_NHD,
             k_NHD,
@@ -303,12 +304,14 @@ def packed_attention(
             scale=scaling,
             window_size=window,
         )
+        assert isinstance(out_NHD, torch.Tensor)  # no logsumexp asked for
         return out_NHD[None], None
     outs = []
     for start, stop in itertools.pairwise(cu_seq_lens_q.tolist()):
         q, k, v = (t[:, :, start:stop] for t in (query_1HND, key_1HND, value_1HND))
         mask = None
-        if tree and bool((tree_branches[start:stop] < 0).any()):  # a prefix and its continuations
+        if tree_branches is not None and bool((tree_branches[start:stop] < 0).any()):  # a prefix, its rows
+            assert tree_positions is not None  # `SharedPrefixRows.model_kwargs` gives both
             mask = tree_mask(tree_positions[start:stop], tree_branches[start:stop], sliding_window)
         elif sliding_window is not None:  # causal in the window: query i sees key j when i - w < j <= i
             i, j = torch.arange(stop - start)[:, None], torch.arange(stop - start)[None]
@@ -373,7 +376,8 @@ def use_packed_attention(model: torch.nn.Module) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTENTION, packed_attention)
-    model.config._attn_implementation = ATTENTION  # the attention layers read it at each call
+    config: Any = model.config  # a transformers config
+    config._attn_implementation = ATTENTION  # the attention layers read it at each call
 
 
 def auto_micro_batch_tokens(
