@@ -137,14 +137,7 @@ def test_tree_attention_equals_each_row_alone(window):
         torch.nn.Module(), q_1HND, k_1HND, v_1HND, None, scaling=0.3, sliding_window=window, **kwargs
     )
     out_BTHD = layout.unpack(out_1NHD, tokens_BT.shape[1])
-    for b, n in enumerate(lengths):
-        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-        mask = (j <= i) & (j > i - (window or n))
-        q, k, v = (t[b : b + 1, :n].transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHD))
-        alone = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True
-        )
-        torch.testing.assert_close(out_BTHD[b, :n], alone[0].transpose(0, 1))
+    _assert_each_row_alone(out_BTHD, lengths, window, q_BTHD, k_BTHD, v_BTHD)
 
 
 @pytest.fixture
@@ -211,14 +204,7 @@ def test_flex_attention_equals_the_sdpa_tree_and_each_row_alone(window, eager_fl
     flex_1NHD, sdpa_1NHD = outs_1NHD
     torch.testing.assert_close(flex_1NHD, sdpa_1NHD)
     out_BTHD = layout.unpack(flex_1NHD, tokens_BT.shape[1])
-    for b, n in enumerate(lengths):
-        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
-        mask = (j <= i) & (j > i - (window or n))
-        q, k, v = (t[b : b + 1, :n].transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHD))
-        alone = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True
-        )
-        torch.testing.assert_close(out_BTHD[b, :n], alone[0].transpose(0, 1))
+    _assert_each_row_alone(out_BTHD, lengths, window, q_BTHD, k_BTHD, v_BTHD)
 
 
 def test_a_block_mask_is_built_for_each_window_the_models_layers_pass():
@@ -401,3 +387,15 @@ def test_shared_prefixes_are_refused_for_a_model_that_cannot_pack(tmp_path, tiny
     with pytest.raises(ConfigError, match=r"--actor.shared_prefix .* cannot pack \(qwen3_next"):
         check_model(config, tmp_path)
     check_model(config, tiny_model_dir)  # a dense model packs
+
+
+def _assert_each_row_alone(out_BTHD, lengths, window, q_BTHD, k_BTHD, v_BTHD) -> None:
+    """Each row's attention output is what SDPA gives the row laid out alone (causal, in the window)."""
+    for b, n in enumerate(lengths):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        mask = (j <= i) & (j > i - (window or n))
+        q, k, v = (t[b : b + 1, :n].transpose(1, 2) for t in (q_BTHD, k_BTHD, v_BTHD))
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True
+        )
+        torch.testing.assert_close(out_BTHD[b, :n], alone[0].transpose(0, 1))
