@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from molt._prefix import tree_mask
+from molt._prefix import gather_rows, tree_mask
 
 __all__ = [
     "ATTENTION",
@@ -94,10 +94,10 @@ def _fill(units: list[_Unit], lengths: Sequence[int], num_bins: int, budget: int
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     tokens, costs = [0] * num_bins, [0.0] * num_bins
     for unit in units:
-        new = [lengths[r] for r in unit.rows]
         if packed:
             fitting = [b for b in range(num_bins) if tokens[b] + unit.tokens <= budget]
         else:
+            new = [lengths[r] for r in unit.rows]
             fitting = [b for b in range(num_bins) if _fits_padded([lengths[r] for r in bins[b]], new, budget)]
         if not fitting:
             return None
@@ -108,9 +108,7 @@ def _fill(units: list[_Unit], lengths: Sequence[int], num_bins: int, budget: int
     return list(zip(bins, costs, strict=True))
 
 
-def _units(
-    lengths: Sequence[int], together: Sequence[tuple[Sequence[int], int]], budget: int, packed: bool
-) -> list[_Unit]:
+def _units(lengths: Sequence[int], together: Sequence[tuple[Sequence[int], int]], budget: int) -> list[_Unit]:
     """The rows as units a micro-batch takes whole, largest first: each of `together` (rows, the prefix
     tokens they share) in pieces that fit the budget, each piece with its prefix once, and every other
     row alone; rows of zero length left out."""
@@ -152,7 +150,7 @@ def plan_micro_batches(
     too_long = [length for length in lengths if length > budget]
     if too_long:
         raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")
-    units = _units(lengths, together, budget, packed)
+    units = _units(lengths, together, budget)
     total = sum(unit.tokens for unit in units)
     per_rank = max(1, -(-total // (budget * num_ranks)))  # the fewest the tokens allow
     while (bins := _fill(units, lengths, per_rank * num_ranks, budget, packed)) is None:
@@ -229,10 +227,7 @@ class PackedRows:
             index_BT[b, :n] = torch.arange(start, start + n)
             valid_BT[b, :n] = True
             start += n
-        index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
-        gathered = values_1N[0][index_BT]
-        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
-        return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+        return gather_rows(values_1N, index_BT, valid_BT)
 
 
 def packed_attention(

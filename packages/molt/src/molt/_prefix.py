@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "prefix_groups", "tree_mask", "visible"]
+__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "gather_rows", "prefix_groups", "tree_mask", "visible"]
 
 MIN_SHARED_TOKENS = 16
 """Rows share a prefix only when it saves at least this many tokens a row: shorter common beginnings (a
@@ -209,10 +209,16 @@ class SharedPrefixRows:
                 index_BT[b, : self.lengths[b]] = torch.cat([prefix, torch.arange(start, start + own)])
                 valid_BT[b, : self.lengths[b]] = True
                 start += own
-        index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
-        gathered = values_1N[0][index_BT]
-        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
-        return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+        return gather_rows(values_1N, index_BT, valid_BT)
+
+
+def gather_rows(values_1N: torch.Tensor, index_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
+    """[B, T, ...] from a packed [1, N, ...]: row b's column j is packed token `index_BT[b, j]` where
+    `valid_BT` holds, 0 elsewhere (both layouts' `unpack`)."""
+    index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
+    gathered = values_1N[0][index_BT]
+    valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
+    return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
 
 
 def visible(
