@@ -148,8 +148,8 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
 
     on_gpu = torch.cuda.is_available()
     gpus = engine_gpus(config) if on_gpu else 0
-    # No task events, as the actor's (Ray's type stub of `ray.remote` lacks the flag, which it takes).
-    remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)  # type: ignore[call-overload]
+    # No task events, as the actor's.
+    remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)
     args, env = engine_extra_args(config, model_dir), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
     adapter = adapter_config(config.actor.lora) if config.actor.lora.rank else None
     num_engines = 0 if config.vllm.urls else config.vllm.num_engines

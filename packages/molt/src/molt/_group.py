@@ -84,9 +84,8 @@ class PolicyGroup:
         if not self.on_gpu:
             env["env_vars"] = {"OMP_NUM_THREADS": "1"}
         # No task events: Ray's GCS keeps one for every call (its dashboard's task table), a few a step.
-        # (Ray's type stub of `ray.remote` lacks `enable_task_events`, which it takes.)
         gpus = gpu_share(config) if self.on_gpu else 0  # a whole GPU, or its part of a shared one
-        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(  # type: ignore[call-overload]
+        remote = ray.remote(num_cpus=0, num_gpus=gpus, runtime_env=env, enable_task_events=False)(
             self.worker_class
         )
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)

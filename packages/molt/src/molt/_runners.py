@@ -100,7 +100,7 @@ def launch_hosts(
     # No task events: a host runs several calls per rollout, and Ray would keep each one in its GCS
     # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe. (Ray's type
     # stub of `ray.remote` lacks `enable_task_events`, which it takes.)
-    remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)  # type: ignore[call-overload]
+    remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)
     logs = [f"{log_prefix}-{index}.log" if log_prefix else "" for index in range(num_hosts)]
     actors = [remote.remote(agent_module, log) for log in logs]
     return [RemoteHost(actor) for actor in actors], [actor.__ray_ready__.remote() for actor in actors]

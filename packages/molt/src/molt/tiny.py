@@ -140,7 +140,7 @@ def build_tiny_model(
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # transformers' wrapped `to`
+    model = Qwen3ForCausalLM(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -90,7 +90,7 @@ def build_tiny_vl_model(out_dir: str | Path, *, seed: int = 0, hidden_size: int 
         dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)  # type: ignore[arg-type]  # wrapped `to`
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
     model.generation_config = GenerationConfig(
         eos_token_id=text["eos_token_id"], pad_token_id=text["pad_token_id"]
     )

@@ -55,7 +55,7 @@ class VerifiedNcclEngine(NCCLWeightTransferEngine):
     """vLLM's NCCL engine, each bucket's checksum compared with the trainer's (module docstring)."""
 
     # A wrapper of vLLM's communicator stands in for it: vLLM's packed receiver calls only `broadcast`.
-    model_update_group: ChecksummedGroup | None  # type: ignore[assignment]
+    model_update_group: ChecksummedGroup | None
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -118,7 +118,7 @@ class VerifiedIpcEngine(IPCWeightTransferEngine):
             tensors = unpack_tensor(packed_N, update_info.names, update_info.shapes, dtypes, sizes)
             # Copies, as vLLM's packed_ipc_consumer makes them: layerwise reload holds on to loaded
             # tensors past this call, and the trainer packs its next bucket into the same buffer.
-            self.model.load_weights([(name, tensor.clone()) for name, tensor in tensors])  # type: ignore[operator]
+            self.model.load_weights([(name, tensor.clone()) for name, tensor in tensors])
         except BaseException:
             roll_back_reload(self.model, self.model_config)
             raise

@@ -173,7 +173,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 loading = time.perf_counter()
                 tensors = unpack_bucket(payload_N, [specs[i] for i in bucket])
                 if info.lora is None:
-                    self.model.load_weights(tensors)  # type: ignore[operator]  # vLLM types it nn.Module
+                    self.model.load_weights(tensors)
                 else:  # copied out: the receive buffers are reused by the next refit
                     adapter.update((name, tensor.clone()) for name, tensor in tensors)
                 self.last_timings["load_s"] += time.perf_counter() - loading

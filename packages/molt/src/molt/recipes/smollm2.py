@@ -88,7 +88,7 @@ def convert(out_dir: str | Path) -> Path:
     model.tie_weights()
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     tokenizer.eos_token, tokenizer.pad_token = "<|im_end|>", "<|im_end|>"
-    tokenizer.add_bos_token = False  # type: ignore[misc]  # transformers' setter stands apart from its getter
+    tokenizer.add_bos_token = False
     model.config.eos_token_id = model.config.pad_token_id = end
     model.generation_config.eos_token_id = model.generation_config.pad_token_id = end
     out_dir = Path(out_dir)
