@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -127,17 +128,21 @@ def dataset(seed):
 """
 
 
-def test_an_exception_mid_run_stops_everything(tmp_path):
-    """The dataset fails after a few steps: the run exits non-zero, names the cause, and leaves nothing."""
+def test_an_exception_mid_run_stops_the_run_and_leaves_an_attached_engine_serving(
+    tmp_path, tiny_model_dir, molt_engine, ray_cluster
+):
+    """The dataset fails after a few steps: the run exits non-zero and names the cause, and the engine it
+    attached to is left serving, not paused. (A run's own engine and Ray going with it: the Ctrl-C test;
+    an exception unwinds through the same teardown as Ctrl-C's KeyboardInterrupt.)"""
     agent = tmp_path / "broken_data.py"
     agent.write_text(BROKEN_DATA_AGENT)
     run_dir = tmp_path / "run"
-    ray_before = set(ray_processes())
     args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--agent.module", str(agent),
+            "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
+            "--ray.address", ray_cluster.address, "--logger.tensorboard", "false",
             "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]  # fmt: skip
-    result = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env=ray_cluster.env)
     assert result.returncode != 0
     assert "the dataset's disk went away" in result.stderr
     assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1  # it trained before the failure
-    assert engine_processes(str(run_dir / "model")) == []
-    assert set(ray_processes()) <= ray_before
+    assert httpx.get(f"{molt_engine.url}/is_paused", timeout=10).json() == {"is_paused": False}
