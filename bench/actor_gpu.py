@@ -166,7 +166,7 @@ def molt_stepper(model_dir: str, case: str, budget: int, max_len: int):
     actor = replace(config.actor, lr=1e-6, compute_dtype="bfloat16", micro_batch_tokens=budget,
                     pack=case != "molt-padded", activation_checkpointing=case == "molt-ac",
                     compile="off" if case == "molt-eager" else "auto",
-                    shared_prefix=case == "molt-shared")  # fmt: skip
+                    shared_prefix="on" if case == "molt-shared" else "off")  # fmt: skip
     vllm = replace(config.vllm, max_model_len=max_len)  # the auto budget's floor
     fsdp = FSDP(offload=case == "molt-offload")
     config = replace(config, model=Model(path=model_dir, dtype="float32"), actor=actor, fsdp=fsdp, vllm=vllm)

@@ -77,7 +77,9 @@ def plan_shared(batch, budget: int):
     from molt._packing import plan_micro_batches
     from molt._prefix import prefix_groups
 
-    together = [(rows, shared) for rows, shared in prefix_groups(batch.tokens_BT, batch.row_lengths) if shared]
+    together = [
+        (rows, shared) for rows, shared in prefix_groups(batch.tokens_BT, batch.row_lengths) if shared
+    ]
     (micro_batches,) = plan_micro_batches(batch.row_lengths, num_ranks=1, budget=budget, together=together)
     rows = [row for mb in micro_batches for row in mb]
     local = iter(range(len(rows)))

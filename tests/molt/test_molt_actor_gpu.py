@@ -211,7 +211,9 @@ def test_shared_prefix_rows_train_as_unshared_ones_on_cuda_and_compile_few_shape
         config = msgspec.structs.replace(
             Config(),
             model=Model(dtype="bfloat16"),
-            actor=Actor(lr=1e-3, micro_batch_tokens=2048, shared_prefix=shared, compile="on"),
+            actor=Actor(
+                lr=1e-3, micro_batch_tokens=2048, shared_prefix="on" if shared else "off", compile="on"
+            ),
             rollout=Rollout(temperature=0.7),
         )
         worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)

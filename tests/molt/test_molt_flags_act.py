@@ -98,7 +98,7 @@ PROBES: dict[str, Probe] = {
     "actor.grad_clip": P(probes.policy_step, "1e-9", *MODEL, part="weights"),  # below Adam's epsilon
     "actor.micro_batch_tokens": P(probes.policy_step, "4096", *MODEL, part="budget"),
     "actor.pack": P(probes.policy_step, "", *MODEL, part="budget"),
-    "actor.shared_prefix": P(probes.prefix_pass, "", *MODEL),
+    "actor.shared_prefix": P(probes.prefix_pass, "on", *MODEL),
     "actor.activation_checkpointing": P(probes.parallelism),
     "actor.compile": P(probes.compiled, "off", cuda=True),
     "actor.compute_dtype": P(probes.policy_step, "bfloat16", *MODEL, part="steps"),

@@ -292,7 +292,9 @@ def test_a_models_shared_prefix_logprobs_equal_each_row_alone(kind, attention, t
 
 def _config(shared: bool) -> Config:
     config = Config()
-    actor = msgspec.structs.replace(config.actor, lr=1e-3, micro_batch_tokens=4096, shared_prefix=shared)
+    actor = msgspec.structs.replace(
+        config.actor, lr=1e-3, micro_batch_tokens=4096, shared_prefix="on" if shared else "off"
+    )
     rollout = msgspec.structs.replace(config.rollout, temperature=0.7)
     return msgspec.structs.replace(config, actor=actor, rollout=rollout)
 
@@ -362,16 +364,31 @@ def test_shared_prefixes_are_refused_unpacked_or_with_routing_replay(monkeypatch
     monkeypatch.setattr(molt._validate, "_on_gpu", lambda: on_gpu)
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 8)
     with pytest.raises(ConfigError, match=says):
-        resolve(["--actor.shared_prefix", *args])
+        resolve(["--actor.shared_prefix", "on", *args])
 
 
-def test_shared_prefixes_run_on_cuda(monkeypatch):
-    import molt._validate
-    from molt._flags import resolve
+@pytest.mark.parametrize(
+    ("actor", "train", "on_gpu", "shares"),
+    [
+        pytest.param({}, {}, True, True, id="cuda"),
+        pytest.param({}, {}, False, False, id="cpu"),
+        pytest.param({"shared_prefix": "on"}, {}, False, True, id="on-cpu"),
+        pytest.param({"shared_prefix": "off"}, {}, True, False, id="off-cuda"),
+        pytest.param({"pack": False}, {}, True, False, id="auto-padded"),
+        pytest.param({}, {"routing_replay": True}, True, False, id="auto-routing-replay"),
+    ],
+)
+def test_shared_prefixes_are_on_by_default_on_cuda_where_they_apply(actor, train, on_gpu, shares):
+    from molt._placement import shares_prefixes
+    from molt.config import Config
 
-    monkeypatch.setattr(molt._validate, "_on_gpu", lambda: True)
-    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 8)
-    assert resolve(["--actor.shared_prefix"]).actor.shared_prefix
+    config = Config()
+    config = msgspec.structs.replace(
+        config,
+        actor=msgspec.structs.replace(config.actor, **actor),
+        train=msgspec.structs.replace(config.train, **train),
+    )
+    assert shares_prefixes(config, on_gpu=on_gpu) is shares
 
 
 def test_shared_prefixes_are_refused_for_a_model_that_cannot_pack(tmp_path, tiny_model_dir):

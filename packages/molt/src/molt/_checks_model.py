@@ -37,15 +37,15 @@ def _check_shared_prefix(model_dir: str | Path) -> None:
     refusal = packing_refusal(AutoConfig.from_pretrained(model_dir))
     if refusal:
         raise ConfigError(
-            "--actor.shared_prefix shares prefixes within packed micro-batches, and --model.path "
-            f"{model_dir} cannot pack ({refusal}): drop --actor.shared_prefix"
+            "--actor.shared_prefix on shares prefixes within packed micro-batches, and --model.path "
+            f"{model_dir} cannot pack ({refusal}): use --actor.shared_prefix auto or off"
         )
 
 
 def check_model(config: Config, model_dir: str | Path) -> None:
     """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
     vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
-    if config.actor.shared_prefix and model_dir:  # the tiny model packs
+    if config.actor.shared_prefix == "on" and model_dir:  # the tiny model packs
         _check_shared_prefix(model_dir)
     if model_dir:
         model_config = json.loads((Path(model_dir) / "config.json").read_text())

@@ -23,7 +23,7 @@ import torch
 from molt._actor import PolicyWorker
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch
 from molt._packing import plan_micro_batches
-from molt._placement import gpu_share, refit_backend
+from molt._placement import gpu_share, refit_backend, shares_prefixes
 from molt._prefix import prefix_groups
 from molt._sharding import replicas
 from molt.config import Config
@@ -74,7 +74,7 @@ class PolicyGroup:
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
         self.dp_size = num_ranks // self.replicas
         self.layout: tuple[int, bool] | None = None  # the ranks' micro-batch budget and packing (`_plan`)
-        self.shared_prefix = config.actor.shared_prefix
+        self.shared_prefix = shares_prefixes(config, on_gpu=self.on_gpu)
         self.master_addr = ray.util.get_node_ip_address()
         port = free_port(self.master_addr)
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in

@@ -40,6 +40,7 @@ __all__ = [
     "plain_kv_layout",
     "refit_backend",
     "resolve_placement",
+    "shares_prefixes",
 ]
 
 _MEMORY = {"separate": 0.8, "shared": 0.4}  # --vllm.gpu_memory_utilization when unset
@@ -188,6 +189,15 @@ def compiles(config: Config, *, on_gpu: bool) -> bool:
     if actor.compile != "auto":
         return actor.compile == "on"
     return on_gpu and not actor.activation_checkpointing and not config.train.routing_replay
+
+
+def shares_prefixes(config: Config, *, on_gpu: bool) -> bool:
+    """Whether the actor shares prefixes (a model that cannot pack aside): --actor.shared_prefix on, or
+    auto on CUDA with packed micro-batches and without routing replay (one route per shared token)."""
+    actor = config.actor
+    if actor.shared_prefix != "auto":
+        return actor.shared_prefix == "on"
+    return on_gpu and actor.pack and not config.train.routing_replay
 
 
 def refit_backend(config: Config, *, on_gpu: bool) -> str:

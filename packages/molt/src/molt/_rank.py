@@ -50,6 +50,7 @@ from molt._packing import (
     packing_refusal,
     use_packed_attention,
 )
+from molt._placement import shares_prefixes
 from molt._prefix import SharedPrefixRows
 from molt._sharding import compute_dtype, freeze_moe_routers, params_by_mesh, sum_gradients_over_ranks
 from molt.config import Config, LoRA
@@ -95,7 +96,8 @@ class ModelRank:
         self.packed = config.actor.pack and packing_refusal(self.model.config) is None
         if self.packed:
             use_packed_attention(self.model)
-        self.shared_prefix = self.packed and config.actor.shared_prefix  # --actor.shared_prefix (`_layout`)
+        # --actor.shared_prefix (`_layout`)
+        self.shared_prefix = self.packed and shares_prefixes(config, on_gpu=self.device.type == "cuda")
         self.windows = attention_windows(self.model.config)  # a tree's block masks, one per window
         # since the last report; "saved": the token slots shared prefixes saved
         self.passes = dict.fromkeys(("slots", "tokens", "saved", "flops", "seconds"), 0.0)

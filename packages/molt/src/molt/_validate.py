@@ -114,15 +114,15 @@ def _check_machine(config: Config) -> None:
     if changed and not _on_gpu():
         path = changed[0]
         raise ConfigError(f"--{path} needs CUDA, and this machine has none: {_CUDA_ONLY[path]}; drop it")
-    if config.actor.shared_prefix and not config.actor.pack:
+    if config.actor.shared_prefix == "on" and not config.actor.pack:
         raise ConfigError(
-            "--actor.shared_prefix shares prefixes within packed micro-batches, and --actor.pack false pads "
-            "them: drop one of the two"
+            "--actor.shared_prefix on shares prefixes within packed micro-batches, and --actor.pack false "
+            "pads them: drop one of the two"
         )
-    if config.actor.shared_prefix and config.train.routing_replay:
+    if config.actor.shared_prefix == "on" and config.train.routing_replay:
         raise ConfigError(
-            "--actor.shared_prefix with --train.routing_replay: a shared prefix token is computed once, with "
-            "one route, where the engine may have routed it differently in each row; drop one of the two"
+            "--actor.shared_prefix on with --train.routing_replay: a shared prefix token is computed once, "
+            "with one route, where the engine may have routed it differently in each row; drop one of the two"
         )
     if config.refit.delta and _on_gpu():
         raise ConfigError(
@@ -203,6 +203,11 @@ def start_notes(config: Config) -> list[str]:
             "--actor.activation_checkpointing" if config.actor.activation_checkpointing else "routing replay"
         )
         notes.append(f"the actor's layers run eager (--actor.compile auto): {why} does not combine with it")
+    if config.actor.shared_prefix == "auto" and _on_gpu() and config.train.routing_replay:
+        notes.append(
+            "the actor shares no prefixes (--actor.shared_prefix auto): routing replay replays each "
+            "row's own routes"
+        )
     actor_dtype = compute_dtype_name(config)
     if actor_dtype != "float32" and not config.vllm.urls and not _on_gpu():
         notes.append(
