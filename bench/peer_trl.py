@@ -139,29 +139,25 @@ def recipe_reward(recipe):
     return reward
 
 
-def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
-    """TRL's GRPOTrainer on the same model, rows, sizes and learning rate; one generation per step."""
-    began = time.monotonic()  # the whole run counts TRL's imports, as molt's counts its own
+def trl_dataset(tokenizer, recipe, seed: int, num_rows: int):
+    """TRL's dataset: the rows molt's pool starts, in the same order: the agent's dataset(seed) stream,
+    rendered once with the chat template as molt renders an Env's first turn; each whole row goes along as
+    JSON for the reward."""
     from datasets import Dataset
-    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    recipe = load_agent(RECIPES[args.recipe]["module"])
-    # The rows molt's pool starts, in the same order: the agent's dataset(seed) stream, rendered once with
-    # the chat template as molt renders an Env's first turn; each whole row goes along as JSON for the reward.
-    rows = list(islice(recipe.dataset(args.seed), args.steps * args.prompts_per_step))
-    dataset = Dataset.from_dict({
+    rows = list(islice(recipe.dataset(seed), num_rows))
+    return Dataset.from_dict({
         "prompt": [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
                    for r in rows],
         "row": [json.dumps(r) for r in rows],
     })  # fmt: skip
-    config = GRPOConfig(
-        output_dir=str(out_dir),
-        max_steps=args.steps,
+
+
+def matched_config(args: argparse.Namespace) -> dict:
+    """GRPOConfig's fields set as close to molt's defaults as TRL allows, on any machine (sizes from `args`:
+    max_new_tokens, group_size, lr, seed)."""
+    return dict(
         num_generations=args.group_size,
-        per_device_train_batch_size=args.prompts_per_step * args.group_size,  # one step = one generation
-        gradient_accumulation_steps=1,
         max_completion_length=args.max_new_tokens,
         learning_rate=args.lr,
         lr_scheduler_type="constant",  # molt: constant after --actor.warmup_steps (0)
@@ -177,14 +173,32 @@ def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
         scale_rewards="batch",  # group-centred, one batch std: the nearest to molt's reinforce_pp
         num_iterations=1,
         shuffle_dataset=False,
-        bf16=False,  # molt's --model.dtype float32
         gradient_checkpointing=False,  # molt's --actor.activation_checkpointing false
-        use_cpu=True,
         seed=args.seed,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
+    )
+
+
+def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
+    """TRL's GRPOTrainer on the same model, rows, sizes and learning rate; one generation per step."""
+    began = time.monotonic()  # the whole run counts TRL's imports, as molt's counts its own
+    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    recipe = load_agent(RECIPES[args.recipe]["module"])
+    dataset = trl_dataset(tokenizer, recipe, args.seed, args.steps * args.prompts_per_step)
+    config = GRPOConfig(
+        output_dir=str(out_dir),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts_per_step * args.group_size,  # one step = one generation
+        gradient_accumulation_steps=1,
+        bf16=False,  # molt's --model.dtype float32
+        use_cpu=True,
+        **matched_config(args),
     )
     step_s: list[float] = []
     reward: list[float] = []

@@ -1,0 +1,206 @@
+"""The tables and the plot of bench/peer_trl_gpu.py: both trainers' settings side by side, the asymmetries
+left between them, the cost estimate, and the figures over runs read back from its JSON file."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+WINDOW = 5  # steps: the threshold is met when the mean reward of the last WINDOW steps reaches it
+LAST = 5  # steps: the final reward is the mean over the last LAST steps
+# Guesses on one H200, in seconds, of (start-up to step 1's end, a later step), until the JSON holds a run.
+ESTIMATES = {
+    ("tiny", "molt"): (60, 1.2), ("tiny", "trl"): (40, 0.3),
+    ("smollm2", "molt"): (90, 1.5), ("smollm2", "trl"): (60, 0.6),
+    ("qwen3-1.7b", "molt"): (120, 8.0), ("qwen3-1.7b", "trl"): (90, 14.0),
+}  # fmt: skip
+ASYMMETRIES = [
+    "engine: molt's vLLM runs in processes of its own (API server, engine core) behind tito's HTTP; TRL's is "
+    "an in-process `LLM` (external launcher) with TRL's fixed max_num_batched_tokens 4096 and max_num_seqs = "
+    "the generation batch; molt's takes vLLM's defaults and a KV cache sized to what the run can fill",
+    "weight sync, once a step in both: molt refits its engine over CUDA IPC (pause, load, resume); TRL loads "
+    "each parameter into its LLM before the step's generation (`load_weights`, one tensor at a time)",
+    "synchrony: molt keeps 2 x prompts per step groups in flight (max lag 1, partial rollout), so generation "
+    "overlaps training and samples are up to one version old; TRL generates, then trains, on policy",
+    "importance correction: both weight tokens by the trainer-over-engine ratio truncated at 2; molt's ratio "
+    "also covers staleness",
+    "advantages: molt's reinforce_pp divides group-centred rewards by their batch std (+1e-6); TRL's "
+    "scale_rewards='batch' by the batch std of the raw rewards (+1e-4)",
+    "optimizer steps: both split a step's samples into 2 optimizer steps; molt's windows are a seeded "
+    "permutation of whole rollouts, each divided by its own trainable tokens; TRL shuffles rows and divides "
+    "each by half the generation's tokens",
+    "actor: molt packs rows end to end (no padding), computes a group's shared prompt once and compiles each "
+    "decoder layer (CUDA), micro-batches sized from free memory; TRL pads each micro-batch of rows to its "
+    "longest and runs eager, accumulating gradients over micro-batches (`micro-batch` above)",
+    "precision 'mixed': molt's FSDP2 mixed precision (float32 master weights, bf16 compute, float32 gradient "
+    "reduction); TRL's torch autocast over float32 weights. 'bf16' and 'fp32': the same weights in both",
+    "optimizer kernel: torch AdamW in both, TRL's fused, molt's foreach",
+    "processes: molt's driver, Ray, the engine's two processes, the actor and an agent host; TRL one process",
+    "rows: TRL's step k trains exactly the stream's next prompts; molt's takes the first of its groups in "
+    "flight to finish. Sampling: TRL seeds its LLM with 0 every run; molt's requests are unseeded",
+    "logging: molt writes metrics.jsonl (TensorBoard off); TRL logs to memory. Neither checkpoints",
+    "start-up: molt's clock holds Ray, the engine (CUDA graphs) and the actor; TRL's its imports, the model "
+    "and its LLM (CUDA graphs); both compile or capture more in their first steps",
+    "on a CPU (row 0): TRL samples with transformers' generate in its process and corrects nothing; molt "
+    "runs the vLLM CPU engine",
+]
+
+
+def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
+    """Both trainers' settings of a row, side by side: molt's resolved from its flags, TRL's GRPOConfig
+    arguments (`t`)."""
+    from molt._flags import parse
+
+    m = parse(molt_flags)
+    loss, spg, accumulation = m.algo.loss, t["steps_per_generation"], t["gradient_accumulation_steps"]
+    engine_memory = m.vllm.gpu_memory_utilization or "molt's default (0.4 shared)"
+    rows = [
+        ("model", f"{m.model.path} ({m.model.dtype}, compute {m.actor.compute_dtype})",
+         f"the same (loaded {t['model_init_kwargs']['dtype']}, bf16 autocast {t['bf16']})"),
+        ("samples a step", f"{m.rollout.prompts_per_step} prompts x {m.rollout.group_size}",
+         f"{t['per_device_train_batch_size'] * spg // t['num_generations']} prompts x "
+         f"{t['num_generations']}"),
+        ("reply budget, context", f"{m.rollout.max_new_tokens}, {m.vllm.max_model_len}",
+         f"{t['max_completion_length']}, {t.get('vllm_max_model_length', '-')}"),
+        ("optimizer steps a step", f"{m.train.mini_batches} (--train.mini_batches)",
+         f"{spg // accumulation} (steps_per_generation {spg} / accumulation {accumulation})"),
+        ("micro-batch", f"{m.actor.micro_batch_tokens or 'auto'} tokens, packed {m.actor.pack}",
+         f"{t['per_device_train_batch_size']} rows, padded"),
+        ("AdamW lr, warm-up, decay, clip",
+         f"{m.actor.lr}, {m.actor.warmup_steps}, {m.actor.weight_decay}, {m.actor.grad_clip}",
+         f"{t['learning_rate']} {t['lr_scheduler_type']}, {t['warmup_steps']}, {t['weight_decay']}, "
+         f"{t['max_grad_norm']}"),
+        ("temperature, top_p", f"{m.rollout.temperature}, {m.rollout.top_p}",
+         f"{t['temperature']}, {t['top_p']}"),
+        ("loss, aggregation", f"{loss.kind}, {loss.agg} (token-mean)",
+         f"{t['loss_type']} (token sum / tokens)"),
+        ("ratio clip", f"[{1 - loss.clip_low:g}, {1 + loss.clip_high:g}]",
+         f"[{1 - t['epsilon']:g}, {1 + t['epsilon_high']:g}]"),
+        ("KL", f"coef {m.algo.kl.coef}", f"beta {t['beta']}"),
+        ("advantages", m.algo.advantage.estimator, f"scale_rewards={t['scale_rewards']}"),
+        ("importance correction", f"{m.algo.correction.mode}, cap {m.algo.correction.token_cap}",
+         f"{t.get('vllm_importance_sampling_mode', 'none')}, "
+         f"cap {t.get('vllm_importance_sampling_clip_max', '-')}"),
+        ("engine", f"vLLM, placement {m.vllm.placement}, memory {engine_memory}",
+         f"vLLM colocate, memory {t['vllm_gpu_memory_utilization']}" if t.get("use_vllm") else "generate"),
+        ("in flight", f"{m.rollout.queue_depth or 2 * m.rollout.prompts_per_step} groups, max lag "
+         f"{m.rollout.max_lag}", "one generation, on policy"),
+        ("seed", f"{m.train.seed} (train, data)", f"{t['seed']}"),
+    ]  # fmt: skip
+    lines = [f"row {row['row']} ({row['name']}): {row['steps']} steps, precision {row['precision']}",
+             "| setting | molt | trl |", "| --- | --- | --- |"]  # fmt: skip
+    return lines + [f"| {name} | {a} | {b} |" for name, a, b in rows]
+
+
+def mean_sd(values: list[float], spec: str) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return format(values[0], spec)
+    return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
+
+
+def figures(record: dict) -> dict | None:
+    """One run's figures (module docstring of peer_trl_gpu); None for a run of fewer than 2 steps."""
+    steps = record["steps"]
+    if len(steps) < 2:
+        return None
+    t, reward = [s["t"] for s in steps], [s["reward"] for s in steps]
+    threshold, reached = record["settings"]["threshold"], None
+    for k in range(WINDOW - 1, len(steps)) if threshold is not None else ():
+        if statistics.mean(reward[k + 1 - WINDOW : k + 1]) >= threshold:
+            reached = (t[k], steps[k]["step"])
+            break
+    return dict(
+        startup_s=t[0],
+        step_s=(t[-1] - t[0]) / (len(t) - 1),  # the mean of steps 2..N
+        tokens_per_s=sum(s["reply_tokens"] for s in steps[1:]) / (t[-1] - t[0]),
+        reached=reached,
+        final_reward=statistics.mean(reward[-LAST:]),
+    )
+
+
+def estimate(records: list[dict], row: dict, trainer: str) -> tuple[float, str]:
+    """Seconds a run of `row` by `trainer` should take: measured if the JSON has such a run, else guessed."""
+    done = [f for r in records if r["settings"]["name"] == row["name"] and r["trainer"] == trainer
+            if (f := figures(r))]  # fmt: skip
+    if done:
+        start, step = (
+            statistics.mean(f["startup_s"] for f in done),
+            statistics.mean(f["step_s"] for f in done),
+        )
+    else:
+        start, step = ESTIMATES[row["name"], trainer]
+    return start + (row["steps"] - 1) * step, "measured" if done else "guessed"
+
+
+def report(records: list[dict]) -> None:
+    """The table of every row in `records` (complete runs only; the failed and stopped are counted), and
+    molt over TRL."""
+    for number in sorted({r["row"] for r in records}):
+        mine = [r for r in records if r["row"] == number]
+        s, threshold = mine[-1]["settings"], mine[-1]["settings"]["threshold"]  # None: throughput alone
+        print(f"\nrow {number} ({s['name']}): {s['steps']} steps of {s['prompts_per_step']} prompts x "
+              f"{s['group_size']}, replies up to {s['max_new_tokens']} tokens, precision {s['precision']}, "
+              f"threshold {threshold} (mean of {WINDOW} steps); {mine[-1]['machine']}")  # fmt: skip
+        print(f"| trainer | runs (failed) | start-up s | s/step (2..N) | reply tokens/s | "
+              f"time to {threshold} s | steps to it | reached | final reward (last {LAST}) |")  # fmt: skip
+        print("| --- |" + " ---: |" * 8)
+        means = {}
+        for trainer in sorted({r["trainer"] for r in mine}):
+            runs = [r for r in mine if r["trainer"] == trainer]
+            done = [f for r in runs if r["returncode"] == 0 and not r["timed_out"] and (f := figures(r))]
+            hits = [f["reached"] for f in done if f["reached"]]
+            cells = [
+                f"{len(done)} ({len(runs) - len(done)})",
+                mean_sd([f["startup_s"] for f in done], ".0f"),
+                mean_sd([f["step_s"] for f in done], ".2f"),
+                mean_sd([f["tokens_per_s"] for f in done], ",.0f"),
+                mean_sd([t for t, _ in hits], ".0f"),
+                mean_sd([step for _, step in hits], ".1f"),
+                f"{len(hits)}/{len(done)}" if threshold is not None else "-",
+                mean_sd([f["final_reward"] for f in done], ".3f"),
+            ]
+            print(f"| {trainer} | " + " | ".join(cells) + " |")
+            if done:
+                means[trainer] = {k: statistics.mean(f[k] for f in done) for k in ("step_s", "tokens_per_s")}
+            if trainer == "molt":  # its actor/compiles: graphs compiled in the step (TRL compiles none)
+                compiling = [sum(s["log"].get("actor/compiles", 0) > 0 for s in r["steps"][1:]) for r in runs]
+                print(f"(molt: steps 2..N in which the actor still compiled, per run: {compiling})")
+        if "molt" in means and "trl" in means:
+            molt, trl = means["molt"], means["trl"]
+            ratio = molt["step_s"] / trl["step_s"]
+            print(f"molt / trl s/step: {ratio:.2f} (molt {1 / ratio:.2f}x as fast); reply tokens/s, "
+                  f"molt / trl: {molt['tokens_per_s'] / trl['tokens_per_s']:.2f}")  # fmt: skip
+
+
+def plot(records: list[dict], path: str | Path) -> None:
+    """Reward against seconds since launch (left) and against step (right), a row a line of panels, every
+    run of both trainers."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    numbers = sorted({r["row"] for r in records})
+    fig, axes = plt.subplots(len(numbers), 2, figsize=(11, 3.6 * len(numbers)), squeeze=False)
+    colours = {"molt": "tab:blue", "trl": "tab:orange"}
+    for (by_time, by_step), number in zip(axes, numbers, strict=True):
+        labelled = set()
+        for r in (r for r in records if r["row"] == number and r["steps"]):
+            label = None if r["trainer"] in labelled else r["trainer"]
+            labelled.add(r["trainer"])
+            reward = [s["reward"] for s in r["steps"]]
+            style = dict(color=colours[r["trainer"]], alpha=0.7, marker=".", label=label)
+            by_time.plot([s["t"] for s in r["steps"]], reward, **style)
+            by_step.plot([s["step"] for s in r["steps"]], reward, **style)
+        settings = next(r["settings"] for r in records if r["row"] == number)
+        for ax, x in ((by_time, "seconds since launch"), (by_step, "step")):
+            if settings["threshold"] is not None:
+                ax.axhline(settings["threshold"], color="grey", linestyle=":", linewidth=1)
+            ax.set(xlabel=x, ylabel="mean reward of the step", title=f"row {number}: {settings['name']}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
