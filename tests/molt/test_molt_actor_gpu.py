@@ -122,6 +122,44 @@ def test_compiled_layers_train_as_the_eager_ones(tiny_model_dir):
             assert metrics[name] == pytest.approx(value, rel=1e-3, abs=1e-5), name
 
 
+BF16_ACTOR = {"lr": 1e-3, "micro_batch_tokens": 2048, "compile": "on"}  # the layout tests' actor
+
+
+def _run_batches(tiny_model_dir, actor: Actor, batches: list) -> tuple[list, list[int], dict]:
+    """A one-rank bfloat16 policy worker with `actor` over `batches`: each batch's logprobs and then its
+    train step's metrics, the graphs torch.compile had built after each (counted from the worker's start),
+    and the worker's pass counts, whose `compiles` must be those graphs (`actor/compiles`)."""
+    from molt._actor import PolicyWorker
+    from molt.config import Model
+
+    config = msgspec.structs.replace(
+        Config(), model=Model(dtype="bfloat16"), actor=actor, rollout=Rollout(temperature=0.7)
+    )
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+    assert worker.packed == actor.pack
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    runs, graphs = [], []
+    for batch in batches:
+        runs.append((worker.logprobs(batch), worker.train_step(batch)))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+    counts = worker.take_pass_counts()
+    assert counts["compiles"] == graphs[-1] > 0
+    torch.distributed.destroy_process_group()
+    torch._dynamo.reset()
+    return runs, graphs, counts
+
+
+def _assert_same_logprobs_and_steps(batches: list, runs: list, expected: list) -> None:
+    """Each batch's trained logprobs, policy loss and entropy as `expected`'s, to bfloat16's rounding."""
+    for batch, (logp, metrics), (expected_logp, expected_metrics) in zip(
+        batches, runs, expected, strict=True
+    ):
+        mask_BT = batch.loss_mask_BT > 0
+        torch.testing.assert_close(logp[mask_BT], expected_logp[mask_BT], atol=3e-2, rtol=0)
+        for name in ("train/policy_loss", "train/entropy"):
+            assert metrics[name] == pytest.approx(expected_metrics[name], rel=3e-2, abs=3e-3), name
+
+
 def _random_batch(seed: int, lengths: list[int]):
     gen = torch.Generator().manual_seed(seed)
     rows = []
@@ -136,9 +174,6 @@ def test_packed_varlen_rows_train_as_padded_ones_in_bfloat16_and_compile_few_sha
     """The packed layout's flash varlen attention (16-bit on CUDA) against padded rows: the same logprobs
     and step, to bfloat16's rounding; compiled layers see few shapes (packed lengths rounded to 256, the
     longest row to a power of two), so new batches stop compiling after the first few."""
-    from molt._actor import PolicyWorker
-    from molt.config import Model
-
     gen = torch.Generator().manual_seed(0)
     batches = [
         _random_batch(
@@ -147,33 +182,11 @@ def test_packed_varlen_rows_train_as_padded_ones_in_bfloat16_and_compile_few_sha
         )
         for seed in range(8)
     ]
-    results = {}
-    for pack in (False, True):
-        config = msgspec.structs.replace(
-            Config(),
-            model=Model(dtype="bfloat16"),
-            actor=Actor(lr=1e-3, micro_batch_tokens=2048, pack=pack, compile="on"),
-            rollout=Rollout(temperature=0.7),
-        )
-        worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
-        assert worker.packed == pack
-        graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        graphs = []
-        runs = []
-        for batch in batches:
-            runs.append((worker.logprobs(batch), worker.train_step(batch)))
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        counts = worker.take_pass_counts()
-        assert counts["compiles"] == graphs[-1] - graphs_before > 0  # `actor/compiles`
-        results[pack] = runs, graphs, counts
-        torch.distributed.destroy_process_group()
-        torch._dynamo.reset()
-    (padded, _, padded_counts), (packed, graphs, packed_counts) = results[False], results[True]
-    for batch, (padded_logp, padded_metrics), (logp, metrics) in zip(batches, padded, packed, strict=True):
-        mask_BT = batch.loss_mask_BT > 0
-        torch.testing.assert_close(logp[mask_BT], padded_logp[mask_BT], atol=3e-2, rtol=0)
-        for name in ("train/policy_loss", "train/entropy"):
-            assert metrics[name] == pytest.approx(padded_metrics[name], rel=3e-2, abs=3e-3), name
+    padded, _, padded_counts = _run_batches(tiny_model_dir, Actor(pack=False, **BF16_ACTOR), batches)
+    packed, graphs, packed_counts = _run_batches(
+        tiny_model_dir, Actor(pack=True, shared_prefix="off", **BF16_ACTOR), batches
+    )
+    _assert_same_logprobs_and_steps(batches, packed, padded)
     assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
     assert packed_counts["slots"] < padded_counts["slots"]  # packing saved slots
     assert packed_counts["tokens"] == padded_counts["tokens"]
@@ -202,33 +215,11 @@ def test_shared_prefix_rows_train_as_unshared_ones_on_cuda_and_compile_few_shape
     """--actor.shared_prefix on CUDA (compiled FlexAttention over the tree's block masks, in compiled
     layers) against the packed rows: the same logprobs and step, to bfloat16's rounding; new packed
     lengths stop compiling after the first few."""
-    from molt._actor import PolicyWorker
-    from molt.config import Model
-
     batches = [_shared_prompt_batch(seed) for seed in range(8)]
-    results = {}
-    for shared in (False, True):
-        config = msgspec.structs.replace(
-            Config(),
-            model=Model(dtype="bfloat16"),
-            actor=Actor(
-                lr=1e-3, micro_batch_tokens=2048, shared_prefix="on" if shared else "off", compile="on"
-            ),
-            rollout=Rollout(temperature=0.7),
-        )
-        worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
-        runs, graphs = [], []
-        for batch in batches:
-            runs.append((worker.logprobs(batch), worker.train_step(batch)))
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        results[shared] = runs, graphs, worker.take_pass_counts()
-        torch.distributed.destroy_process_group()
-        torch._dynamo.reset()
-    (packed, _, packed_counts), (shared, graphs, shared_counts) = results[False], results[True]
-    for batch, (packed_logp, packed_metrics), (logp, metrics) in zip(batches, packed, shared, strict=True):
-        mask_BT = batch.loss_mask_BT > 0
-        torch.testing.assert_close(logp[mask_BT], packed_logp[mask_BT], atol=3e-2, rtol=0)
-        for name in ("train/policy_loss", "train/entropy"):
-            assert metrics[name] == pytest.approx(packed_metrics[name], rel=3e-2, abs=3e-3), name
+    packed, _, packed_counts = _run_batches(tiny_model_dir, Actor(shared_prefix="off", **BF16_ACTOR), batches)
+    shared, graphs, shared_counts = _run_batches(
+        tiny_model_dir, Actor(shared_prefix="on", **BF16_ACTOR), batches
+    )
+    _assert_same_logprobs_and_steps(batches, shared, packed)
     assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
     assert shared_counts["saved"] > 0 and shared_counts["tokens"] == packed_counts["tokens"]
