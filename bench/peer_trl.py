@@ -143,14 +143,18 @@ def trl_dataset(tokenizer, recipe, seed: int, num_rows: int):
     """TRL's dataset: the rows molt's pool starts, in the same order: the agent's dataset(seed) stream,
     rendered once with the chat template as molt renders an Env's first turn; each whole row goes along as
     JSON for the reward."""
+    import pyarrow
     from datasets import Dataset
 
     rows = list(islice(recipe.dataset(seed), num_rows))
-    return Dataset.from_dict({
+    table = pyarrow.table({
         "prompt": [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
                    for r in rows],
         "row": [json.dumps(r) for r in rows],
     })  # fmt: skip
+    # A fingerprint of our own: datasets would otherwise hash the table with dill, which fails on some
+    # pyarrow builds (pyarrow 26's MonthDayNano type could not be pickled on the GPU machine).
+    return Dataset(table, fingerprint=f"peer-trl-{seed}-{num_rows}")
 
 
 def matched_config(args: argparse.Namespace) -> dict:
