@@ -65,8 +65,8 @@ ENGINE_SHARE = 0.4  # molt's --vllm.gpu_memory_utilization on a GPU that engine 
 STEP_LINE = re.compile(r"^step \d+/\d+ \|")
 ROWS = {
     0: dict(name="tiny", recipe="copy_word", steps=4, precision="fp32", trl_micro_batch=64, threshold=0.2),
-    1: dict(name="smollm2", recipe="smollm2", steps=30, precision="mixed", trl_micro_batch=16, threshold=0.4),
-    2: dict(name="qwen3-1.7b", recipe="copy_word", steps=6, precision="bf16", trl_micro_batch=16,
+    1: dict(name="smollm2", recipe="smollm2", steps=40, precision="mixed", trl_micro_batch=16, threshold=0.4),
+    2: dict(name="qwen3-1.7b", recipe="copy_word", steps=8, precision="bf16", trl_micro_batch=16,
             threshold=None, prompts_per_step=16, group_size=8, max_new_tokens=512, lr=1e-6,
             max_model_len=1024),
 }  # fmt: skip
