@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,13 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def pytest_collection_modifyitems(config, items):
+    # `pytest -n 2 --dist loadgroup` (the default options): two workers, one running tests/e2e (the `molt
+    # train` runs, their session engine and Ray head), the other everything else, each in file order. The
+    # runs leave a core mostly idle; the two streams share the two cores and start each session fixture
+    # once, in the one worker that needs it (the vision-language engine in both).
+    for item in items:
+        stream = "e2e" if item.path.is_relative_to(Path(__file__).parent / "e2e") else "units"
+        item.add_marker(pytest.mark.xdist_group(stream))
     import torch
 
     if torch.cuda.is_available():

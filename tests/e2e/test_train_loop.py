@@ -76,10 +76,11 @@ def test_a_typo_fails_before_anything_starts(tmp_path):
 def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
     """Ctrl-C reaches the whole foreground process group, as a terminal sends it."""
     run_dir = tmp_path / "run"
-    ray_before = set(ray_processes())
+    mark = f"MOLT_TEST_RUN={tmp_path.name}"  # in the environment of every process the run starts
     args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--train.num_steps", "1000"]
     process = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "MOLT_TEST_RUN": tmp_path.name},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # even if this runner ignores Ctrl-C
     )  # fmt: skip
     try:
@@ -90,6 +91,7 @@ def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
                 break
         assert process.poll() is None, "".join(output[-50:])
         assert engine_processes(str(run_dir / "model")), "the engine should be running mid-run"
+        assert ray_processes(mark), "the run should have started its own Ray"
         os.killpg(process.pid, signal.SIGINT)
         rest, _ = process.communicate(timeout=180)
     finally:
@@ -98,22 +100,23 @@ def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
             process.communicate()
     assert process.returncode != 0
     assert engine_processes(str(run_dir / "model")) == [], "".join(output[-20:]) + rest[-3000:]
-    assert set(ray_processes()) <= ray_before, "Ray's raylet or GCS outlived the run"
+    assert ray_processes(mark) == [], "Ray's raylet or GCS outlived the run"
 
 
-def ray_processes() -> list[int]:
-    return [
-        int(p.name)
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit() and _comm(p) in ("raylet", "gcs_server")
-    ]
-
-
-def _comm(entry: Path) -> str:
-    try:
-        return (entry / "comm").read_text().strip()
-    except OSError:
-        return ""
+def ray_processes(mark: str) -> list[int]:
+    """The raylet and GCS processes with `mark` in their environment: the run's own, not another test's
+    (the other test worker starts Rays of its own meanwhile)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ray = (entry / "comm").read_text().strip() in ("raylet", "gcs_server")
+            if ray and mark.encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
 
 
 BROKEN_DATA_AGENT = """
