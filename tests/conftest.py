@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -20,14 +19,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without the plugin, nothing calls it
+def pytest_xdist_make_scheduler(config, log):
+    """`-n 2` (the default options): two workers, one running tests/e2e (the `molt train` runs, their
+    session engine and Ray head), the other everything else, each in file order. A run leaves one of the
+    two cores mostly idle; this way both are used, and each session fixture starts once, in the worker
+    that needs it (the vision-language engine in both)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TwoStreams(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "e2e" if nodeid.startswith("tests/e2e/") else "units"
+
+    return TwoStreams(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    # `pytest -n 2 --dist loadgroup` (the default options): two workers, one running tests/e2e (the `molt
-    # train` runs, their session engine and Ray head), the other everything else, each in file order. The
-    # runs leave a core mostly idle; the two streams share the two cores and start each session fixture
-    # once, in the one worker that needs it (the vision-language engine in both).
-    for item in items:
-        stream = "e2e" if item.path.is_relative_to(Path(__file__).parent / "e2e") else "units"
-        item.add_marker(pytest.mark.xdist_group(stream))
     import torch
 
     if torch.cuda.is_available():
