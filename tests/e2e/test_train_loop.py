@@ -76,11 +76,11 @@ def test_a_typo_fails_before_anything_starts(tmp_path):
 def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
     """Ctrl-C reaches the whole foreground process group, as a terminal sends it."""
     run_dir = tmp_path / "run"
-    mark = f"MOLT_TEST_RUN={tmp_path.name}"  # in the environment of every process the run starts
+    mark = f"MOLT_TEST_RUN={tmp_path}"  # in the environment of every process the run starts
     args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--train.num_steps", "1000"]
     process = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "MOLT_TEST_RUN": tmp_path.name},
+        env={**os.environ, "MOLT_TEST_RUN": str(tmp_path)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # even if this runner ignores Ctrl-C
     )  # fmt: skip
     try:

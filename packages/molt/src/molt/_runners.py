@@ -98,8 +98,7 @@ def launch_hosts(
     if num_hosts == 0:
         return [AgentHost(agent_module)], []
     # No task events: a host runs several calls per rollout, and Ray would keep each one in its GCS
-    # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe. (Ray's type
-    # stub of `ray.remote` lacks `enable_task_events`, which it takes.)
+    # (the dashboard's task table), which grew by about 1.3 MiB a step on the default recipe.
     remote = ray.remote(num_cpus=0, enable_task_events=False)(AgentHost)
     logs = [f"{log_prefix}-{index}.log" if log_prefix else "" for index in range(num_hosts)]
     actors = [remote.remote(agent_module, log) for log in logs]

@@ -78,7 +78,6 @@ class ToolCalls:
 
         raw = self._decode_keeping_markers(token_ids) if self._kept else text
         request = ChatCompletionRequest(model="tito", messages=[{"role": "user", "content": ""}], tools=tools)
-        # vLLM's ToolParser takes a list of a wider union than the request's tools (a list is invariant).
         parser = self._parser_class(self.tokenizer, request.tools)
         found = parser.extract_tool_calls(raw, request)
         if not found.tools_called or not found.tool_calls:  # vLLM's Mistral parser may claim calls, give none
