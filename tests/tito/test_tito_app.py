@@ -98,6 +98,16 @@ async def test_openai_tool_call_round_trip_stays_one_segment(client, fake_engine
     assert set(segment.versions[start : start + len(sampled)]) == {0}
 
 
+async def test_tool_calls_are_not_parsed_when_tool_choice_is_none(client, fake_engine, tokenizer):
+    sdk = openai_client(client, await new_session(client))
+    fake_engine.script = [encode(tokenizer, CALL) + [tokenizer.eos_token_id]]
+    messages = [{"role": "user", "content": "2+3?"}]
+    reply = await sdk.chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, tool_choice="none"
+    )
+    assert (reply.choices[0].message.content, reply.choices[0].message.tool_calls) == (CALL, None)
+
+
 async def test_openai_streaming_tool_call_and_usage(client, fake_engine, tokenizer):
     session = await new_session(client)
     sdk = openai_client(client, session)

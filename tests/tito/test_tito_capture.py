@@ -233,11 +233,6 @@ def test_parse_reply(text, content, calls):
     assert all(c["id"].startswith("call_") for c in parsed.tool_calls)
 
 
-def test_tool_calls_are_not_parsed_when_tools_are_off():
-    text = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
-    assert parse_reply(text, parse_tools=False).content == text
-
-
 def test_text_stream_never_sends_a_stop_string_or_a_tool_call(tokenizer):
     ids = tokenizer('ab STOP cd<tool_call>{"name": "f"}</tool_call>', add_special_tokens=False)["input_ids"]
     stream = TextStream(tokenizer, stops=["STOP"], hold_tool_calls=True)

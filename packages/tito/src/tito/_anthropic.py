@@ -17,22 +17,15 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, message_text
 from ._fields import extra_fields
-from ._protocol import (
-    Asked,
-    ProtocolError,
-    check_json_schema,
-    check_tool_name,
-    forced_tool_call,
-    response_format_constraint,
-)
+from ._protocol import Asked, ChatBody, ToolName, check_json_schema, structured_outputs
 from ._routes import sdk_retry, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
@@ -43,21 +36,10 @@ STOP = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
 class Tool(BaseModel):
-    name: str
+    name: ToolName
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: Annotated[dict[str, Any], AfterValidator(check_json_schema)]
     type: str | None = None  # "custom" or absent; a server tool ("web_search_...") is refused
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, name: str) -> str:
-        return check_tool_name(name)
-
-    @field_validator("input_schema")
-    @classmethod
-    def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
-        check_json_schema(schema)
-        return schema
 
     @field_validator("type")
     @classmethod
@@ -71,13 +53,14 @@ class Message(BaseModel):
     role: Literal["user", "assistant", "system"]  # "system": Claude Code puts one among the turns
     content: str | list[dict[str, Any]]
 
-    @field_validator("content")
-    @classmethod
-    def _known_blocks(cls, content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-        for block in content if isinstance(content, list) else []:
+    @model_validator(mode="after")
+    def _known_blocks(self) -> Message:
+        for block in self.content if isinstance(self.content, list) else []:
             kind = block.get("type")
             if kind == "image":
                 image_url_part(block)  # raises, naming the expected shape
+                if self.role == "assistant":
+                    raise ValueError("an assistant turn cannot carry images")
             elif kind == "tool_result" and any(
                 isinstance(inner, dict) and inner.get("type") == "image"
                 for inner in block.get("content") or ()
@@ -87,21 +70,10 @@ class Message(BaseModel):
                 )
             elif kind not in ("text", "tool_use", "tool_result"):
                 raise ValueError(f"unsupported content block type {kind!r}")
-        return content
-
-    @model_validator(mode="after")
-    def _images_from_the_user(self) -> Message:
-        blocks = self.content if isinstance(self.content, list) else []
-        if self.role == "assistant" and any(block.get("type") == "image" for block in blocks):
-            raise ValueError("an assistant turn cannot carry images")
         return self
 
 
-class MessagesRequest(BaseModel):
-    # Fields beyond these are kept (`model_extra`): `_fields.extra_fields` refuses or records them.
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+class MessagesRequest(ChatBody):
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -113,7 +85,6 @@ class MessagesRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
-    stream: bool = False
 
     @model_validator(mode="after")
     def _alternating(self) -> MessagesRequest:
@@ -128,23 +99,18 @@ class MessagesRequest(BaseModel):
     def asked(self, tools: list[dict] | None, vocab_size: int) -> Asked:
         """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
         fields, notes = extra_fields("messages", self.model_extra)
-        choice, constraints = self.tool_choice or {}, []
-        forced = None
-        if tools and choice.get("type") in ("any", "tool"):
-            forced = forced_tool_call(tools, choice.get("name") if choice["type"] == "tool" else None)
-            constraints.append(f"tool_choice {choice['type']!r}")
+        choice = self.tool_choice or {}
+        kind = choice.get("type")
         if "disable_parallel_tool_use" in choice:
             fields["tool_choice.disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
         config = dict(self.output_config or {})
-        structured = None
-        if "format" in config:
-            structured = response_format_constraint(config.pop("format"), "output_config.format")
-            if structured is not None:
-                constraints.append("output_config.format")
-        if forced and structured:
-            raise ProtocolError(
-                400, "tool_choice and output_config.format both constrain the reply: send one"
-            )
+        structured, constraints = structured_outputs(
+            tools,
+            kind if kind in ("any", "tool") else None,
+            choice.get("name") if kind == "tool" else None,
+            config.pop("format", None),
+            "output_config.format",
+        )
         if config:  # effort and other hints: the model has no such control here
             fields["output_config"] = config
             notes.append(f"output_config {sorted(config)}: no equivalent in this model; not applied")
@@ -159,7 +125,7 @@ class MessagesRequest(BaseModel):
             "top_k": self.top_k,
             "max_tokens": self.max_tokens,
             "stop": self.stop_sequences,
-            "structured_outputs": forced or structured,
+            "structured_outputs": structured,
         }
         return Asked(sampling, constraints, fields, notes, thinking, f"thinking {self.thinking!r}")
 
@@ -186,7 +152,7 @@ async def messages(tito: Tito, session: Session, body: MessagesRequest, request:
         asked.fields["query"] = dict(request.query_params)
     if body.stream:
         return await stream(session, turn, asked, stream_events(turn, tito.model_name), error_event)
-    parsed = await whole(request, session, turn, asked, reply_message)
+    parsed = await whole(request, session, turn, asked, ParsedReply.message)
     reason = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
     return message_reply(tito.model_name, parsed, reason, turn.counts)
 
@@ -197,44 +163,31 @@ def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None
     if request.system:
         messages.append({"role": "system", "content": message_text(request.system)})
     for message in request.messages:
+        content = message.content
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if message.role == "system":  # rendered where it stands, or merged first (`ChatRenderer`)
-            messages.append({"role": "system", "content": message_text(message.content)})
-            continue
-        blocks = (
-            [{"type": "text", "text": message.content}]
-            if isinstance(message.content, str)
-            else message.content
-        )
-        if message.role == "assistant":
+            messages.append({"role": "system", "content": message_text(blocks)})
+        elif message.role == "assistant":  # in the form tito remembers its own replies in
             calls = [
-                {
-                    "type": "function",
-                    "id": b.get("id"),
-                    "function": {"name": b["name"], "arguments": b["input"]},
-                }
+                {"id": b.get("id"), "name": b["name"], "arguments": b["input"]}
                 for b in blocks
                 if b["type"] == "tool_use"
             ]
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": message_text(blocks),
-                    **({"tool_calls": calls} if calls else {}),
-                }
-            )
-            continue
-        for block in blocks:
-            if block["type"] == "tool_result":
-                content = block.get("content")
-                messages.append(
-                    {"role": "tool", "content": message_text(content), "tool_call_id": block["tool_use_id"]}
-                )
-        parts = [
-            image_url_part(b) if b["type"] == "image" else b for b in blocks if b["type"] in ("text", "image")
-        ]
-        if parts or not any(b["type"] == "tool_result" for b in blocks):
-            has_images = any(part["type"] == "image_url" for part in parts)
-            messages.append({"role": "user", "content": parts if has_images else message_text(parts)})
+            messages.append(ParsedReply(message_text(blocks), calls).message())
+        else:
+            results = [b for b in blocks if b["type"] == "tool_result"]
+            messages += [
+                {"role": "tool", "content": message_text(b.get("content")), "tool_call_id": b["tool_use_id"]}
+                for b in results
+            ]
+            parts = [
+                image_url_part(b) if b["type"] == "image" else b
+                for b in blocks
+                if b["type"] in ("text", "image")
+            ]
+            if parts or not results:
+                has_images = any(part["type"] == "image_url" for part in parts)
+                messages.append({"role": "user", "content": parts if has_images else message_text(parts)})
     tools = [
         {
             "type": "function",
@@ -282,15 +235,6 @@ def content_blocks(parsed: ParsedReply) -> list[dict]:
     return blocks
 
 
-def reply_message(parsed: ParsedReply) -> dict:
-    """The assistant turn as tito remembers it, in the internal form."""
-    calls = [
-        {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-        for c in parsed.tool_calls
-    ]
-    return {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
-
-
 def message_reply(
     model: str, parsed: ParsedReply, reason: tuple[str, str | None], counts: tuple[int, int]
 ) -> dict:
@@ -334,7 +278,7 @@ async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
     stop = {"stop_reason": reason, "stop_sequence": sequence}
     yield sse("message_delta", {"delta": stop, "usage": {"output_tokens": turn.counts[1]}})
     yield sse("message_stop", {})
-    turn.commit(reply_message(turn.parsed))
+    turn.commit(turn.parsed.message())
 
 
 def error_event(message: str) -> str:

@@ -87,9 +87,14 @@ class ChatRenderer:
         self.backend = tokenizer.backend_tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         self.thinking_switch = thinking_switch(template)
-        self.system_in_place = True
-        self.system_in_place = self._renders_late_system()
-        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+        self.system_in_place = True  # while probing whether the template renders a late system message
+        user = {"role": "user", "content": "x"}
+        try:
+            late = [user, {"role": "system", "content": _PROBE}, user]
+            self.system_in_place = _PROBE in self.render(late, None, add_generation_prompt=True)
+        except Exception:  # a template that raises on it (jinja's raise_exception) cannot render it
+            self.system_in_place = False
+        probe = [user, {"role": "assistant", "content": _PROBE}]
         rendered = self.render(probe, None, add_generation_prompt=False)
         # The text the template writes after an assistant message's content (ChatML: "<|im_end|>\n").
         self.turn_end = rendered[rendered.index(_PROBE) + len(_PROBE) :]
@@ -115,15 +120,6 @@ class ChatRenderer:
             add_generation_prompt=add_generation_prompt,
             **(switches or {}),
         )
-
-    def _renders_late_system(self) -> bool:
-        probe = [{"role": "user", "content": "x"}, {"role": "system", "content": _PROBE}]
-        try:
-            return _PROBE in self.render(
-                [*probe, {"role": "user", "content": "y"}], None, add_generation_prompt=True
-            )
-        except Exception:  # a template that raises on it (jinja's raise_exception) cannot render it
-            return False
 
     def encode(self, text: str) -> list[int]:
         # The tokenizers backend itself: the transformers call around it costs more than the encoding.
@@ -237,7 +233,14 @@ class ChatState:
         if not new.startswith(old):
             return None
         head = trace + self.closing
-        _check_no_stray_placeholder(renderer, head, trace_images)
+        # A placeholder in the trace outside its images is one the model sampled itself: the engine,
+        # expanding placeholders as it finds them, would put the next image there.
+        images = renderer.images
+        if images is not None and head.count(images.image_token_id) != sum(i.length for i in trace_images):
+            raise ValueError(
+                "an earlier reply of this conversation holds an image placeholder token the model sampled; "
+                "the engine would read it as an image, so the conversation cannot continue: start a new one"
+            )
         tail = renderer.encode_with_images(new[len(old) :], new_messages, offset=len(head))
         return Prompt(head + tail.token_ids, [*trace_images, *tail.images])
 
@@ -274,19 +277,6 @@ def merge_system_messages(messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": "\n\n".join(systems)}, *rest]
 
 
-def _check_no_stray_placeholder(renderer: ChatRenderer, ids: list[int], images: Sequence[ImageSpan]) -> None:
-    """Refuse a trace holding an image placeholder outside its images: one the model sampled itself.
-    The engine, expanding placeholders as it finds them, would put the next image there."""
-    if renderer.images is None:
-        return
-    token = renderer.images.image_token_id
-    if ids.count(token) != sum(image.length for image in images):
-        raise ValueError(
-            "an earlier reply of this conversation holds an image placeholder token the model sampled; "
-            "the engine would read it as an image, so the conversation cannot continue: start a new one"
-        )
-
-
 def _tools_key(tools: list[dict] | None, switches: dict | None = None) -> str:
     """What else the rendering depends on: the tools and the template switches."""
     if not (tools or switches):
@@ -302,16 +292,22 @@ class ParsedReply:
     tool_calls: list[dict]
     failures: int = 0  # tool calls the model began that did not parse (left in `content`)
 
+    def message(self) -> dict:
+        """The assistant message in the internal form (tool-call arguments as objects)."""
+        calls = [
+            {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in self.tool_calls
+        ]
+        return {"role": "assistant", "content": self.content, **({"tool_calls": calls} if calls else {})}
 
-def parse_reply(text: str, *, parse_tools: bool = True, id_prefix: str = "call_") -> ParsedReply:
+
+def parse_reply(text: str, *, id_prefix: str = "call_") -> ParsedReply:
     """Split Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of `text`.
 
     A block whose JSON does not parse, or lacks a string name or object arguments, stays in the content
     as text: a malformed tool call is the model's output, not a server error. Each such block, and a
     block opened but never closed, counts in `failures` (recorded with the turn in the trajectory).
     """
-    if not parse_tools:
-        return ParsedReply(text, [])
     calls: list[dict] = []
     kept: list[str] = []
     position = 0
@@ -337,12 +333,7 @@ def _parse_call(body: str) -> dict | None:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
-    arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+    arguments = parse_arguments(call.get("arguments", {}))
     if not isinstance(arguments, dict):
         return None
     return {"name": call["name"], "arguments": arguments}

@@ -196,12 +196,7 @@ class Engine:
 
     async def _whole(self, body: dict) -> Generation:
         with self._serving():
-            try:
-                status, data = await self.wire.request("POST", self.generate_url, msgspec.json.encode(body))
-            except _BROKEN as error:
-                raise await self._failed(error) from error
-            self._check(status, data)
-            generation = _generation(_decode_reply(data))
+            generation = _generation(_decode_reply(await self._request(self.generate_url, body)))
             assert generation is not None, "the engine's reply has no choices"
             return generation
 
@@ -239,13 +234,8 @@ class Engine:
     async def _render(self, images: Sequence[ImageSpan]) -> None:
         """Have the engine process `images` (alone, in one user turn) and keep what it made of each."""
         content = [{"type": "image_url", "image_url": {"url": image.data_url}} for image in images]
-        body = msgspec.json.encode({"messages": [{"role": "user", "content": content}]})
-        try:
-            status, data = await self.wire.request("POST", f"{self.url}/v1/chat/completions/render", body)
-        except _BROKEN as error:
-            raise await self._failed(error) from error
-        self._check(status, data)
-        made = _decode_rendered(data).features
+        body = {"messages": [{"role": "user", "content": content}]}
+        made = _decode_rendered(await self._request(f"{self.url}/v1/chat/completions/render", body)).features
         lengths = [place.length for place in made.mm_placeholders["image"]]
         kept = zip(made.mm_hashes["image"], lengths, made.kwargs_data["image"], strict=True)
         for image, features in zip(images, kept, strict=True):
@@ -268,6 +258,16 @@ class Engine:
         state = "dropped the request" if self.alive else "is not answering"
         return EngineUnavailable(f"engine {self.url} {state} ({type(error).__name__})")
 
+    async def _request(self, url: str, body: dict | None = None) -> bytes:
+        """The body of the engine's reply to a GET, or with `body` a POST; a failure raises."""
+        encoded = None if body is None else msgspec.json.encode(body)
+        try:
+            status, data = await self.wire.request("GET" if encoded is None else "POST", url, encoded)
+        except _BROKEN as error:
+            raise await self._failed(error) from error
+        self._check(status, data)
+        return data
+
     def _check(self, status: int, body: bytes) -> None:
         detail = body[:500].decode(errors="replace")
         if 400 <= status < 500:
@@ -285,11 +285,7 @@ class Engine:
     async def max_model_len(self) -> int:
         """The engine's context length (asked once)."""
         if self._max_model_len is None:
-            try:
-                status, data = await self.wire.request("GET", f"{self.url}/v1/models")
-            except _BROKEN as error:
-                raise await self._failed(error) from error
-            self._check(status, data)
+            data = await self._request(f"{self.url}/v1/models")
             self._max_model_len = int(msgspec.json.decode(data)["data"][0]["max_model_len"])
         return self._max_model_len
 

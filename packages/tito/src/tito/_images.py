@@ -77,10 +77,6 @@ def load_image(url: str) -> LoadedImage:
             f"image URL {url[:40]!r}...: tito reads data: URLs and local file paths only, never the "
             "network; download the image and send it as a data URL"
         )
-    return _decoded(data)
-
-
-def _decoded(data: bytes) -> LoadedImage:
     from PIL import Image, UnidentifiedImageError
 
     try:

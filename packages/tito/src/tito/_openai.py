@@ -20,20 +20,12 @@ from typing import Any, Literal
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ._chat import ParsedReply, parse_arguments
 from ._fields import extra_fields
 from ._images import part_url
-from ._protocol import (
-    Asked,
-    ProtocolError,
-    ToolFunction,
-    check_role_order,
-    forced_tool_call,
-    logit_bias,
-    response_format_constraint,
-)
+from ._protocol import Asked, ChatBody, ToolFunction, check_role_order, logit_bias, structured_outputs
 from ._routes import sdk_retry, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
@@ -83,11 +75,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    # Fields beyond these are kept (`model_extra`): `_fields.extra_fields` refuses or records them.
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+class ChatRequest(ChatBody):
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -106,7 +94,6 @@ class ChatRequest(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     n: int = 1
-    stream: bool = False
     stream_options: StreamOptions | None = None
 
     @field_validator("n")
@@ -129,18 +116,12 @@ class ChatRequest(BaseModel):
     def asked(self, tools: list[dict] | None, vocab_size: int) -> Asked:
         """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
         fields, notes = extra_fields("chat.completions", self.model_extra)
-        choice, constraints = self.tool_choice, []
-        forced = None
-        if tools and (choice == "required" or isinstance(choice, dict)):
-            name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-            forced = forced_tool_call(tools, name)
-            constraints.append(f"tool_choice {choice!r}")
-        structured = response_format_constraint(self.response_format, "response_format")
-        if structured is not None:
-            assert self.response_format is not None  # a constraint comes from a format
-            constraints.append(f"response_format {self.response_format.get('type')!r}")
-        if forced and structured:
-            raise ProtocolError(400, "tool_choice and response_format both constrain the reply: send one")
+        choice = self.tool_choice
+        forced_by = choice if choice == "required" or isinstance(choice, dict) else None
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        structured, constraints = structured_outputs(
+            tools, forced_by, name, self.response_format, "response_format"
+        )
         bias = logit_bias(self.logit_bias, vocab_size)
         if bias:
             constraints.append("logit_bias")
@@ -156,7 +137,7 @@ class ChatRequest(BaseModel):
             "max_tokens": self.max_completion_tokens or self.max_tokens,
             "stop": self.stop,
             "seed": self.seed,
-            "structured_outputs": forced or structured,
+            "structured_outputs": structured,
         }
         effort = self.reasoning_effort
         thinking = None if effort is None else effort not in ("none", "minimal")
@@ -199,11 +180,11 @@ def to_messages(request: ChatRequest) -> tuple[list[dict], list[dict] | None]:
             "role": "system" if message.role == "developer" else message.role,
             "content": message.content,
         }
-        if message.tool_calls:
-            entry["tool_calls"] = [
-                {"type": "function", "id": call.id, "function": _function(call.function)}
-                for call in message.tool_calls
-            ]
+        for call in message.tool_calls or ():
+            function = {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)}
+            entry.setdefault("tool_calls", []).append(
+                {"type": "function", "id": call.id, "function": function}
+            )
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
@@ -211,22 +192,12 @@ def to_messages(request: ChatRequest) -> tuple[list[dict], list[dict] | None]:
     return messages, tools
 
 
-def _function(call: FunctionCall) -> dict:
-    return {"name": call.name, "arguments": parse_arguments(call.arguments)}
-
-
 def reply_message(parsed: ParsedReply) -> dict:
-    """The assistant message as the client receives it (and as tito remembers it)."""
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
-    if parsed.tool_calls:
-        message["tool_calls"] = [
-            {
-                "id": call["id"],
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-            }
-            for call in parsed.tool_calls
-        ]
+    """The assistant message as the client receives it (and as tito remembers it): no content as None,
+    tool-call arguments as JSON text."""
+    message = {**parsed.message(), "content": parsed.content or None}
+    for call in message.get("tool_calls", ()):
+        call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
     return message
 
 
@@ -280,22 +251,6 @@ def chat_chunk(request_id: str, model: str, delta: dict | None, finish: str | No
     return f"data: {msgspec.json.encode(body).decode()}\n\n"
 
 
-def stream_tool_deltas(parsed: ParsedReply) -> list[dict]:
-    return [
-        {
-            "tool_calls": [
-                {
-                    "index": index,
-                    "id": call["id"],
-                    "type": "function",
-                    "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-                }
-            ]
-        }
-        for index, call in enumerate(parsed.tool_calls)
-    ]
-
-
 async def stream_events(
     turn: ChatTurn, request_id: str, model: str, include_usage: bool
 ) -> AsyncIterator[str]:
@@ -303,8 +258,8 @@ async def stream_events(
     yield chat_chunk(request_id, model, {"role": "assistant", "content": ""})
     async for delta in turn.deltas():
         yield chat_chunk(request_id, model, {"content": delta})
-    for tool_delta in stream_tool_deltas(turn.parsed):
-        yield chat_chunk(request_id, model, tool_delta)
+    for index, call in enumerate(reply_message(turn.parsed).get("tool_calls", ())):
+        yield chat_chunk(request_id, model, {"tool_calls": [{"index": index, **call}]})
     yield chat_chunk(request_id, model, {}, finish_reason(turn.generation.finish_reason, turn.parsed))
     if include_usage:
         yield chat_chunk(request_id, model, None, usage=usage(*turn.counts))

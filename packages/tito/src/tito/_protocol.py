@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 __all__ = [
     "Asked",
+    "ChatBody",
     "ProtocolError",
     "TextStream",
     "ToolFunction",
+    "ToolName",
     "check_json_schema",
     "check_role_order",
     "forced_tool_call",
+    "structured_outputs",
 ]
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -37,6 +40,16 @@ class Asked:
     notes: list[str] = field(default_factory=list)  # what was done with fields tito mapped or ignored
     thinking: bool | None = None  # the client asked the model to think (True), not to (False), or neither
     thinking_field: str = ""  # the field that asked, as it was sent
+
+
+class ChatBody(BaseModel):
+    """What every chat route's request body has. Fields beyond a route's own are kept (`model_extra`):
+    `_fields.extra_fields` refuses or records them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    stream: bool = False
 
 
 class ProtocolError(Exception):
@@ -64,20 +77,13 @@ def check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     return schema
 
 
+ToolName = Annotated[str, AfterValidator(check_tool_name)]
+
+
 class ToolFunction(BaseModel):  # fields beyond these are ignored (pydantic's default)
-    name: str
+    name: ToolName
     description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _valid_name(cls, name: str) -> str:
-        return check_tool_name(name)
-
-    @field_validator("parameters")
-    @classmethod
-    def _valid_schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_json_schema(schema)
+    parameters: Annotated[dict[str, Any] | None, AfterValidator(check_json_schema)] = None
 
 
 def check_role_order(roles: list[str], has_tool_calls: list[bool]) -> None:
@@ -171,23 +177,36 @@ class TextStream:
         return len(self.text)
 
 
-def response_format_constraint(response_format: dict[str, Any] | None, where: str) -> dict | None:
-    """vLLM structured outputs for an OpenAI-style response format (`text`: none)."""
+def structured_outputs(
+    tools: list[dict] | None, forced_by: Any, name: str | None, response_format: dict | None, where: str
+) -> tuple[dict | None, list[str]]:
+    """vLLM structured outputs for a request, and the fields that constrain it (as sent): a tool call
+    that `forced_by` (the request's tool choice; None: not forced) forces, of tool `name` (None: any
+    offered), or an OpenAI-style response format at `where` in the request (`text`: none)."""
+    constraints, forced = [], None
+    structured: dict | None = None
+    if tools and forced_by is not None:
+        forced = forced_tool_call(tools, name)
+        constraints.append(f"tool_choice {forced_by!r}")
     response_format = response_format or {}
     kind = response_format.get("type", "text")
-    if kind == "text":
-        return None
     if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
+        structured = {"json_object": True}
+    elif kind == "json_schema":
         spec = response_format.get("json_schema", response_format)  # chat nests it; responses does not
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ProtocolError(400, f"{where}: a json_schema format needs a `schema` object", param=where)
-        return {"json": schema}
-    raise ProtocolError(
-        400, f"{where}: type {kind!r} is not supported (text, json_object, json_schema)", param=where
-    )
+        structured = {"json": schema}
+    elif kind != "text":
+        raise ProtocolError(
+            400, f"{where}: type {kind!r} is not supported (text, json_object, json_schema)", param=where
+        )
+    if structured is not None:
+        constraints.append(f"{where} {kind!r}")
+    if forced and structured:
+        raise ProtocolError(400, f"tool_choice and {where} both constrain the reply: send one")
+    return forced or structured, constraints
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

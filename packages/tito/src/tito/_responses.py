@@ -12,6 +12,7 @@ types, and the fields `_fields.REFUSED` names. A turn is rendered and captured l
 
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -21,18 +22,11 @@ from typing import Any
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from ._chat import ParsedReply, message_text, parse_arguments
 from ._fields import extra_fields
-from ._protocol import (
-    Asked,
-    ProtocolError,
-    check_json_schema,
-    check_tool_name,
-    forced_tool_call,
-    response_format_constraint,
-)
+from ._protocol import Asked, ChatBody, ProtocolError, check_json_schema, check_tool_name, structured_outputs
 from ._routes import sdk_retry, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
@@ -40,11 +34,7 @@ from ._turn import ChatTurn
 __all__ = ["ResponsesRequest", "create_response", "response_body", "stream_events", "to_messages"]
 
 
-class ResponsesRequest(BaseModel):
-    # Fields beyond these are kept (`model_extra`): `_fields.extra_fields` refuses or records them.
-    model_config = ConfigDict(extra="allow")
-
-    model: str
+class ResponsesRequest(ChatBody):
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -55,7 +45,6 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
-    stream: bool = False
 
     @field_validator("tools")
     @classmethod
@@ -86,18 +75,15 @@ class ResponsesRequest(BaseModel):
     def asked(self, tools: list[dict] | None) -> Asked:
         """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
         fields, notes = extra_fields("responses", self.model_extra)
-        choice, constraints, forced = self.tool_choice, [], None
-        if tools and (choice == "required" or isinstance(choice, dict)):
-            if isinstance(choice, dict) and choice.get("type") != "function":
-                raise ProtocolError(400, f"tool_choice {choice!r}: only function tools", param="tool_choice")
-            forced = forced_tool_call(tools, choice.get("name") if isinstance(choice, dict) else None)
-            constraints.append(f"tool_choice {choice!r}")
+        choice = self.tool_choice
+        forced_by = choice if choice == "required" or isinstance(choice, dict) else None
+        if tools and isinstance(choice, dict) and choice.get("type") != "function":
+            raise ProtocolError(400, f"tool_choice {choice!r}: only function tools", param="tool_choice")
         text = dict(self.text or {})
-        structured = response_format_constraint(text.pop("format", None), "text.format")
-        if structured is not None:
-            constraints.append("text.format")
-        if forced and structured:
-            raise ProtocolError(400, "tool_choice and text.format both constrain the reply: send one")
+        name = choice.get("name") if isinstance(choice, dict) else None
+        structured, constraints = structured_outputs(
+            tools, forced_by, name, text.pop("format", None), "text.format"
+        )
         if text:
             fields["text"] = text
         effort = (self.reasoning or {}).get("effort")
@@ -108,7 +94,7 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "max_tokens": self.max_output_tokens,
-            "structured_outputs": forced or structured,
+            "structured_outputs": structured,
         }
         return Asked(sampling, constraints, fields, notes, thinking, f"reasoning.effort {effort!r}")
 
@@ -136,12 +122,12 @@ async def create_response(tito: Tito, session: Session, body: ResponsesRequest, 
     response_id = "resp_" + secrets.token_hex(12)
 
     def remember(parsed: ParsedReply) -> None:  # what previous_response_id will continue from
-        session.responses.add(response_id, [*conversation, reply_message(parsed)])
+        session.responses.add(response_id, [*conversation, parsed.message()])
 
     if body.stream:
         events = stream_events(turn, body, response_id, tito.model_name, remember)
         return await stream(session, turn, asked, events, error_event)
-    parsed = await whole(request, session, turn, asked, reply_message)
+    parsed = await whole(request, session, turn, asked, ParsedReply.message)
     if turn.committed:
         remember(parsed)
     items = output_items(parsed, "msg_" + secrets.token_hex(12))
@@ -227,15 +213,6 @@ def _check_order(conversation: list[dict]) -> None:
         )
 
 
-def reply_message(parsed: ParsedReply) -> dict:
-    """The assistant turn as tito remembers it, in the internal form."""
-    calls = [
-        {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-        for c in parsed.tool_calls
-    ]
-    return {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
-
-
 def output_items(parsed: ParsedReply, message_id: str) -> list[dict]:
     items = []
     if parsed.content:
@@ -310,24 +287,17 @@ def encode(body: dict) -> Response:
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-class _Events:
-    """SSE events of one streamed response, numbered in order."""
-
-    def __init__(self) -> None:
-        self.number = 0
-
-    def __call__(self, kind: str, **data) -> str:
-        body = {"type": kind, "sequence_number": self.number, **data}
-        self.number += 1
-        return f"event: {kind}\ndata: {msgspec.json.encode(body).decode()}\n\n"
-
-
 async def stream_events(
     turn: ChatTurn, request: ResponsesRequest, response_id: str, model: str, remember
 ) -> AsyncIterator[str]:
     """The Responses event sequence for one turn; after the last event was sent the turn is committed
     and `remember(parsed)` runs."""
-    event = _Events()
+    numbers = itertools.count()
+
+    def event(kind: str, **data) -> str:  # an SSE event, numbered in order
+        body = {"type": kind, "sequence_number": next(numbers), **data}
+        return f"event: {kind}\ndata: {msgspec.json.encode(body).decode()}\n\n"
+
     yield event("response.created", response=response_body(request, response_id, model, [], None, None))
     yield event("response.in_progress", response=response_body(request, response_id, model, [], None, None))
     message_id, text, index = "msg_" + secrets.token_hex(12), "", 0
@@ -374,7 +344,7 @@ async def stream_events(
     yield event(
         "response.completed" if body["status"] == "completed" else "response.incomplete", response=body
     )
-    turn.commit(reply_message(turn.parsed))
+    turn.commit(turn.parsed.message())
     remember(turn.parsed)
 
 

@@ -17,28 +17,28 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from ._chat import ParsedReply
 from ._engines import EngineUnavailable, ExpansionMismatch
-from ._protocol import Asked, ProtocolError
+from ._protocol import Asked, ChatBody, ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
 __all__ = ["Handler", "chat_route", "sdk_retry", "session_of", "stream", "whole"]
 
-# A route's handler; its body (Any here) is the route's own request model, which has a `model` field.
+# A route's handler; its body (Any here) is the route's own request model, a `ChatBody`.
 Handler = Callable[[Tito, Session, Any, Request], Awaitable[Response | dict]]
 
 
-def chat_route(tito: Tito, model: type[BaseModel], handle: Handler):
+def chat_route(tito: Tito, model: type[ChatBody], handle: Handler):
     """The endpoint serving `handle` for `tito`'s sessions, its body parsed as `model`."""
 
     async def route(session_id: str, request: Request):
         # Parsed and validated by pydantic in one pass (a FastAPI body parameter decodes the JSON with
         # `json`, then validates the objects: twice the CPU).
         try:
-            body: Any = model.model_validate_json(await request.body())
+            body = model.model_validate_json(await request.body())
         except ValidationError as error:
             raise RequestValidationError(error.errors(include_url=False)) from None
         session = session_of(tito, session_id)
@@ -75,10 +75,11 @@ async def whole(
     """A turn answered in one body. It is committed only if the client is still there to receive it."""
     async with session.lock:
         await turn.start(asked, stream=False)
-        parsed = await turn.run()
+        async for _ in turn.deltas():  # `parsed` holds the whole reply once this ends
+            pass
         if not _disconnected(request.receive):
-            turn.commit(reply_message(parsed))
-    return parsed
+            turn.commit(reply_message(turn.parsed))
+    return turn.parsed
 
 
 def _disconnected(receive) -> bool:

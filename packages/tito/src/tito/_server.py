@@ -16,7 +16,6 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import _anthropic as anthropic
@@ -24,7 +23,7 @@ from . import _openai as openai
 from . import _responses as responses
 from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
 from ._guard import MAX_BODY_BYTES, Guard, error_response
-from ._protocol import ProtocolError
+from ._protocol import ChatBody, ProtocolError
 from ._routes import Handler, chat_route, session_of
 from ._service import Tito, TooManySessions
 from ._workers import Forward, Workers
@@ -32,7 +31,7 @@ from ._workers import Forward, Workers
 __all__ = ["create_app"]
 
 # The chat routes under `/s/{session_id}/v1/`: each protocol's body schema and handler (`_routes`).
-CHAT_ROUTES: dict[str, tuple[type[BaseModel], Handler]] = {
+CHAT_ROUTES: dict[str, tuple[type[ChatBody], Handler]] = {
     "chat/completions": (openai.ChatRequest, openai.chat_completions),
     "messages": (anthropic.MessagesRequest, anthropic.messages),
     "responses": (responses.ResponsesRequest, responses.create_response),

@@ -3,7 +3,9 @@
 `Tito` owns the engines, the tokenizer and the sessions. A turn is: put the prompt into the session's
 capture, sample on the session's engine, append what the engine sampled. The Env form calls
 `Tito.generate(session, prompt_ids, ...)` directly with token ids; the HTTP routes first turn messages
-into prompt ids and then call the same `sample` and `commit`. Requests of one session run one at a time.
+into prompt ids, then sample on the same engine and commit the same way (`Capture.commit_turn`). Nothing
+is captured until a turn completes, so a turn that fails, times out or is abandoned leaves the
+trajectory as it was. Requests of one session run one at a time.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,10 +70,14 @@ class Session:
     capture: Capture
     chat: ChatState = field(default_factory=ChatState)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    finish_reason: str | None = None  # of the last completed turn ("length": cut at max_tokens)
     responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
     last_used: float = field(default_factory=time.monotonic)  # when a request last named it
     committed: bool = False  # whether its last chat request committed its turn (`ChatTurn`'s `retry`)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """That of the last completed turn ("length": cut at max_tokens)."""
+        return self.capture.turns[-1].finish_reason if self.capture.turns else None
 
 
 class TooManySessions(RuntimeError):
@@ -211,50 +217,6 @@ class Tito:
         max_tokens = min(limit for limit in (asked, self.max_tokens_cap, room) if limit)
         return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 
-    async def sample(
-        self,
-        session: Session,
-        prompt_ids: list[int],
-        sampling: dict,
-        *,
-        images: Sequence[ImageSpan] = (),
-        stream: bool = True,
-        routes_from: int = 0,
-    ) -> AsyncIterator[Generation]:
-        """Sample one turn on the session's engine, chunk by chunk (one chunk without `stream`). Nothing
-        is captured here: the caller commits the whole turn once it completes (`commit`), so a turn that
-        fails, times out or is abandoned leaves the trajectory as it was. `routes_from`: the leading
-        tokens whose MoE routes the capture holds (`Capture.routes_known_after`)."""
-        if not prompt_ids:
-            raise ValueError("a turn needs at least one prompt token")
-        engine = session.engine
-        if stream:
-            async for chunk in await engine.generate(
-                prompt_ids, sampling, images=images, stream=True, routes_from=routes_from
-            ):
-                yield chunk
-        else:
-            yield await engine.generate(prompt_ids, sampling, images=images, routes_from=routes_from)
-
-    def commit(
-        self,
-        session: Session,
-        prompt_ids: list[int],
-        images: list[ImageSpan],
-        whole: Generation,
-        routes_from: int,
-        *,
-        turn: Turn | None = None,
-        retry: bool = False,
-    ) -> None:
-        """Put a completed turn into the session's capture (`turn`: how it was asked for; `retry`: it
-        replaces the last turn if it asks the same, `Capture.begin_turn`). The caller holds the session's
-        lock and does not await between this and recording the turn's messages (`ChatState.record`)."""
-        session.capture.commit_turn(
-            prompt_ids, images, whole, routes_from=routes_from, turn=turn, retry=retry
-        )
-        session.finish_reason = whole.finish_reason
-
     async def generate(
         self,
         session: Session,
@@ -268,17 +230,17 @@ class Tito:
         sampled token ids (with logprobs and versions) out. A turn that fails is not captured. The last
         turn's prompt again is a second sample, kept beside the first; with `retry` it replaces the
         last turn's reply instead (`Capture.begin_turn`)."""
+        if not prompt_ids:
+            raise ValueError("a turn needs at least one prompt token")
         prompt_ids, images = list(prompt_ids), list(images)
         async with session.lock:
             params = await self.sampling(session, len(prompt_ids), **sampling)
             routes_from = session.capture.routes_known_after(prompt_ids, images, retry=retry)
-            result = Generation()
-            async for chunk in self.sample(
-                session, prompt_ids, params, images=images, stream=False, routes_from=routes_from
-            ):
-                result = chunk
+            result = await session.engine.generate(prompt_ids, params, images=images, routes_from=routes_from)
             turn = Turn(0, 0, 0, sampling=params)
-            self.commit(session, prompt_ids, images, result, routes_from, turn=turn, retry=retry)
+            session.capture.commit_turn(
+                prompt_ids, images, result, routes_from=routes_from, turn=turn, retry=retry
+            )
             return result
 
     async def aclose(self) -> None:

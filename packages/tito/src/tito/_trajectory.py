@@ -20,9 +20,9 @@ detokenizes.
 
 MoE routes (engines started with `--enable-return-routed-experts`): each reply carries the experts
 every token of its request was routed to, from the first token whose route the capture does not hold
-yet (`routes_known`, sent to the engine as `routed_experts_prompt_start`). A segment keeps the routes of
-its first tokens as the engine first reported them, which is what its KV cache was computed with; the
-last sampled token was never forwarded and has none.
+yet (`routes_known_after`, sent to the engine as `routed_experts_prompt_start`). A segment keeps the
+routes of its first tokens as the engine first reported them, which is what its KV cache was computed
+with; the last sampled token was never forwarded and has none.
 """
 
 from __future__ import annotations
@@ -84,9 +84,14 @@ def _check_sampled(token_ids: list[int], logprobs: list[float], versions: list[i
         )
 
 
-def _check_routes(routes: np.ndarray, start: int, length: int, old: np.ndarray | None) -> None:
-    """Routes from token `start` must lie within the segment (of `length` tokens with the reply), in the
-    shape of the routes it holds (`old`)."""
+def _checked_routes(
+    encoded: str | None, start: int, length: int, old: np.ndarray | None
+) -> np.ndarray | None:
+    """A reply's MoE routes, decoded (None without): from token `start` they must lie within the segment
+    (of `length` tokens with the reply), in the shape of the routes it holds (`old`)."""
+    if not encoded:
+        return None
+    routes = _decode_routes(encoded)
     if start + len(routes) > length:
         raise ValueError(
             f"the engine returned routes for tokens {start}..{start + len(routes) - 1} of a segment "
@@ -94,6 +99,7 @@ def _check_routes(routes: np.ndarray, start: int, length: int, old: np.ndarray |
         )
     if old is not None and old.shape[1:] != routes.shape[1:]:
         raise ValueError(f"routes of shape {routes.shape[1:]} follow routes of shape {old.shape[1:]}")
+    return routes
 
 
 def _encode_routes(routes: np.ndarray | None) -> str:
@@ -158,16 +164,11 @@ class Capture:
         """The current segment's images."""
         return self.segments[self._current].images
 
-    @property
-    def routes_known(self) -> int:
-        """How many leading tokens of the current segment have their MoE routes captured."""
-        routes = self._routes[self._current]
-        return 0 if routes is None else len(routes)
-
     def routes_known_after(
         self, prompt_ids: list[int], images: Sequence[ImageSpan] = (), *, retry: bool = False
     ) -> int:
-        """`routes_known` as it will be once `prompt_ids` is placed (`begin_turn`), without placing it."""
+        """How many leading tokens of the current segment will have their MoE routes captured once
+        `prompt_ids` is placed (`begin_turn`), without placing it."""
         routes = self._routes_after(*self._place(prompt_ids, images, retry))
         return 0 if routes is None else len(routes)
 
@@ -189,20 +190,11 @@ class Capture:
             raise ValueError("a turn needs at least one prompt token")
         _check_sampled(sampled.token_ids, sampled.logprobs, sampled.versions)
         index, keep = self._place(prompt_ids, images, retry)
-        routes = _decode_routes(sampled.routed_experts) if sampled.routed_experts else None
-        if routes is not None:
-            length = len(prompt_ids) + len(sampled.token_ids)
-            _check_routes(routes, routes_from, length, self._routes_after(index, keep))
+        length = len(prompt_ids) + len(sampled.token_ids)
+        routes = _checked_routes(sampled.routed_experts, routes_from, length, self._routes_after(index, keep))
         self._begin(prompt_ids, images, index, keep)
-        self._append(sampled.token_ids, sampled.logprobs, sampled.versions, routes, routes_from)
-        if turn is not None:
-            self.turns[-1] = msgspec.structs.replace(
-                turn,
-                segment=self.turns[-1].segment,
-                start=self.turns[-1].start,
-                num_sampled=len(sampled.token_ids),
-                finish_reason=sampled.finish_reason,
-            )
+        turn = msgspec.structs.replace(turn or Turn(0, 0, 0), finish_reason=sampled.finish_reason)
+        self._append(sampled.token_ids, sampled.logprobs, sampled.versions, routes, routes_from, turn)
 
     def begin_turn(
         self, prompt_ids: list[int], images: Sequence[ImageSpan] = (), *, retry: bool = False
@@ -273,11 +265,9 @@ class Capture:
         `routed_experts`: the routes the engine returned for this turn, starting at token `routes_from`
         of the segment (module docstring); only those of tokens without a route yet are kept."""
         _check_sampled(token_ids, logprobs, versions)
-        routes = _decode_routes(routed_experts) if routed_experts else None
-        if routes is not None:
-            length = len(self.tokens) + len(token_ids)
-            _check_routes(routes, routes_from, length, self._routes[self._current])
-        self._append(token_ids, logprobs, versions, routes, routes_from)
+        length = len(self.tokens) + len(token_ids)
+        routes = _checked_routes(routed_experts, routes_from, length, self._routes[self._current])
+        self._append(token_ids, logprobs, versions, routes, routes_from, Turn(0, 0, 0))
 
     def _append(
         self,
@@ -286,18 +276,24 @@ class Capture:
         versions: list[int],
         routes: np.ndarray | None,
         routes_from: int,
+        turn: Turn,
     ) -> None:
+        """Append a reply (`turn`: how it was asked for) to the current segment."""
         segment = self.segments[self._current]
         self.replies.append(list(token_ids))
-        self.turns.append(Turn(self._current, len(segment.token_ids), len(token_ids)))
+        start, num_sampled = len(segment.token_ids), len(token_ids)
+        self.turns.append(
+            msgspec.structs.replace(turn, segment=self._current, start=start, num_sampled=num_sampled)
+        )
         segment.token_ids += token_ids
         segment.loss_mask += [1] * len(token_ids)
         segment.logprobs += logprobs
         segment.versions += versions
-        known = self.routes_known
+        old = self._routes[self._current]
+        known = 0 if old is None else len(old)
         if routes is None or routes_from > known:  # a gap: routes must cover the segment from its start
             return
-        old, new = self._routes[self._current], routes[known - routes_from :]
+        new = routes[known - routes_from :]
         self._routes[self._current] = new if old is None else np.concatenate([old, new])
 
     def _routes_after(self, index: int, keep: int) -> np.ndarray | None:

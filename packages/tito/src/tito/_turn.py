@@ -71,10 +71,10 @@ class ChatTurn:
         switches, notes = self._switches(asked)
         try:
             capture = self.session.capture
-            self.prompt = self.session.chat.prompt(
+            prompt = self.prompt = self.session.chat.prompt(
                 self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images, switches
             )
-            params = await self.tito.sampling(self.session, len(self.prompt.token_ids), **asked.sampling)
+            params = await self.tito.sampling(self.session, len(prompt.token_ids), **asked.sampling)
         except ValueError as error:
             raise ProtocolError(400, str(error)) from error
         self._switches_used = switches
@@ -82,18 +82,12 @@ class ChatTurn:
         self.record = Turn(
             0, 0, 0, self.route, params, differs, fields=asked.fields, notes=[*asked.notes, *notes]
         )
-        self._routes_from = capture.routes_known_after(
-            self.prompt.token_ids, self.prompt.images, retry=self.retry
+        self._routes_from = capture.routes_known_after(prompt.token_ids, prompt.images, retry=self.retry)
+        sampled = await self.session.engine.generate(
+            prompt.token_ids, params, images=prompt.images, stream=stream, routes_from=self._routes_from
         )
-        self._chunks = self.tito.sample(
-            self.session,
-            self.prompt.token_ids,
-            params,
-            images=self.prompt.images,
-            stream=stream,
-            routes_from=self._routes_from,
-        )
-        self._first = await anext(self._chunks, None)
+        self._chunks = sampled if stream else None
+        self._first = await anext(sampled, None) if stream else sampled
 
     def _switches(self, asked: Asked) -> tuple[dict, list[str]]:
         """The chat template's switches for this request, and notes on what was mapped how."""
@@ -116,8 +110,7 @@ class ChatTurn:
             self.generation.extend(chunk)
             if delta := self.text.push(chunk.token_ids):
                 yield delta
-            assert self._chunks is not None  # `start` sampled the first chunk
-            chunk = await anext(self._chunks, None)
+            chunk = None if self._chunks is None else await anext(self._chunks, None)
         text = self.text.finish()
         self.generation.stop_reason = self.text.stop
         if self.parse_tools:
@@ -130,22 +123,18 @@ class ChatTurn:
         if rest := self.parsed.content[self.text.sent :]:
             yield rest
 
-    async def run(self) -> ParsedReply:
-        async for _ in self.deltas():
-            pass
-        return self.parsed
-
     def commit(self, reply_message: dict) -> None:
         """The turn completed and the client has its reply: capture it, and record the assistant message
-        the client received so that its next request can continue. One step, no await inside: a turn
-        that does not get here (engine error, timeout, client gone, cancelled) leaves no trace."""
+        the client received so that its next request can continue. One step, no await inside (the
+        session's lock is held): a turn that does not get here (engine error, timeout, client gone,
+        cancelled) leaves no trace."""
         record = msgspec.structs.replace(self.record, tool_parse_failures=self.parsed.failures)
-        self.tito.commit(
-            self.session,
-            self.prompt.token_ids,
-            self.prompt.images,
+        prompt = self.prompt
+        self.session.capture.commit_turn(
+            prompt.token_ids,
+            prompt.images,
             self.generation,
-            self._routes_from,
+            routes_from=self._routes_from,
             turn=record,
             retry=self.retry,
         )
