@@ -90,7 +90,7 @@ def test_nccl_init_and_update_payloads_are_what_refits_nccl_engine_takes(monkeyp
     monkeypatch.setattr(
         refit._engine, "_rendezvous", lambda _opener, init: sent.update(init.keywords["json"])
     )
-    engine.connect(bucket_bytes=1 << 20)
+    engine.connect()
     init = VerifiedNcclEngine.init_info_cls(**sent["init_info"])
     assert (init.rank_offset, init.world_size) == (1, 3)
 
@@ -109,7 +109,7 @@ def test_an_engine_started_with_another_backend_is_refused_before_anything_is_op
     engine = refit.Engine("http://127.0.0.1:1", backend=refit.NCCL_BACKEND)
     monkeypatch.setattr(engine, "transfer_backend", lambda: ["nccl"])  # vLLM's own: bare buckets
     with pytest.raises(ValueError, match=r"backend \['nccl'\], refit sends 'refit_nccl'.*engine_flags"):
-        engine.connect(bucket_bytes=1 << 20)
+        engine.connect()
     assert engine.channel is None
     engine.close()
 

@@ -20,6 +20,7 @@ for one trainer calling `take`.
 import asyncio
 import contextlib
 import logging
+import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, fields, replace
@@ -358,11 +359,8 @@ class GroupPool[P, S: _Versioned]:
     def _log_failure(self, what: str, err: BaseException, level: int, repeat_level: int) -> None:
         """The first error of each kind (type and raising line) is logged with its traceback at `level`;
         later ones of that kind in one line at `repeat_level`: `stats` counts them all."""
-        frame = err.__traceback__
-        while frame is not None and frame.tb_next is not None:
-            frame = frame.tb_next
-        where = (frame.tb_frame.f_code.co_filename, frame.tb_lineno) if frame is not None else None
-        kind = (type(err).__qualname__, where)
+        raised_at = traceback.extract_tb(err.__traceback__, limit=-1)  # the innermost frame
+        kind = (type(err).__qualname__, *((frame.filename, frame.lineno) for frame in raised_at))
         if kind in self._logged_errors:
             logger.log(repeat_level, "%s: %r", what, err)
             return

@@ -36,9 +36,6 @@ class ParamSpec(NamedTuple):
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def to_json(self) -> list:
-        return [self.name, str(self.dtype).removeprefix("torch."), list(self.shape)]
-
     @classmethod
     def from_json(cls, item: Sequence) -> ParamSpec:
         name, dtype_name, shape = item

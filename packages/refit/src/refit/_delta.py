@@ -1,8 +1,8 @@
 """Delta refit on the gloo path: per bucket, only the elements whose bytes changed since the engine's.
 
-Both ends keep the last refit's bytes of every bucket: the trainer in `Shadow` (one copy of the
-weights in the wire dtype, on rank 0's host), the engine in its kept receive buffers
-(`refit._transport.ReceiveBuffers`). A token names the refit whose bytes both hold; the trainer sends
+Both ends keep the last refit's bytes of every bucket in `refit._transport.ReceiveBuffers`: the trainer
+in its shadow (`refit._run._SHADOW`: one copy of the weights in the wire dtype, on rank 0's host), the
+engine in its kept receive buffers. A token names the refit whose bytes both hold; the trainer sends
 a delta stream only to an engine whose last refit ended with that token, and a full stream otherwise.
 
 Elements are compared as raw bits in the wire dtype (`bucket_unit`: 2 bytes for a bf16 bucket), so an
@@ -15,22 +15,19 @@ bucket), then each bucket's payload (FULL: the bucket; SPARSE: its patch, unless
 nothing). The
 payload sizes vary, so the engine posts its receives once the table has arrived (`DeltaIncoming`),
 all at once as the full stream does. The CRC is that of the bucket the engine will load, patch
-applied: a stale base, a lost patch or a flipped byte all fail `refit._transport.check_bucket`.
+applied: a stale base, a lost patch or a flipped byte all fail its check (`refit._transport.Incoming`).
 """
 
 from __future__ import annotations
-
-import contextlib
-import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from refit._buckets import ParamSpec
-from refit._transport import ReceiveBuffers, VerifyError, broadcast, check_bucket
+from refit._transport import Incoming, VerifyError, broadcast
 
-__all__ = ["FULL", "SPARSE", "ABORTED", "Shadow", "DeltaIncoming", "bucket_unit", "diff_into", "apply_patch"]
+__all__ = ["FULL", "SPARSE", "ABORTED", "DeltaIncoming", "bucket_unit", "diff_into", "apply_patch"]
 
 FULL, SPARSE, ABORTED = 0, 1, -1
 _INDEX_BYTES = 4  # int32 element indices: a bucket holds fewer than 2**31 elements
@@ -75,30 +72,7 @@ def apply_patch(index: int, buffer_N: torch.Tensor, patch_N: torch.Tensor, unit:
     buffer_N.numpy().view(_UNSIGNED[unit])[where] = patch[num_changed * _INDEX_BYTES :].view(_UNSIGNED[unit])
 
 
-class Shadow:
-    """The trainer's copy of the bytes its engines hold, bucket by bucket (`carve`), and the `token` of
-    the refit that wrote them whole (None while being rewritten, or before the first delta refit)."""
-
-    def __init__(self) -> None:
-        self.store = ReceiveBuffers()  # the same 64-byte-aligned carving of one kept block
-        self.layout: tuple | None = None
-
-    @property
-    def token(self) -> str | None:
-        return self.store.token
-
-    @token.setter
-    def token(self, value: str | None) -> None:
-        self.store.token = value
-
-    def carve(self, layout: tuple, sizes: list[int]) -> list[torch.Tensor]:
-        """The buckets of `layout` (specs and bucket size); a new layout holds no engine's bytes."""
-        if layout != self.layout:
-            self.layout, self.store.sizes = layout, []
-        return self.store.carve(sizes)
-
-
-class DeltaIncoming:
+class DeltaIncoming(Incoming):
     """The engine end of a delta stream, with `Incoming`'s interface: `wait(index)` gives bucket `index`
     whole (patched into its kept bytes) once its CRC matches; `drain` takes whatever is left.
 
@@ -106,7 +80,7 @@ class DeltaIncoming:
     raises `VerifyError` (its patch needs a base this engine does not hold).
     """
 
-    def __init__(
+    def __init__(  # posts its own receives, once the table has sized them: no `Incoming.__init__`
         self, group: dist.ProcessGroupGloo, buffers: list[torch.Tensor], units: list[int], base_ok: bool
     ) -> None:
         self.buffers, self.units, self.base_ok = buffers, units, base_ok
@@ -115,22 +89,22 @@ class DeltaIncoming:
         broadcast(group, self.table_N3).wait()  # arrives once the trainer has diffed every bucket
         self.rows = self.table_N3.tolist()
         self.patches: dict[int, torch.Tensor] = {}
-        self.works: list[dist.Work | None] = []
+        self.works = []
         for index, (kind, num_bytes, _) in enumerate(self.rows):
             if kind == FULL and num_bytes == buffers[index].numel():
-                self.works.append(broadcast(group, buffers[index]))
+                self.works.append((broadcast(group, buffers[index]),))
             elif kind == SPARSE:  # an empty patch (nothing changed) does not travel
                 self.patches[index] = torch.empty(num_bytes, dtype=torch.uint8)
-                self.works.append(broadcast(group, self.patches[index]) if num_bytes else None)
+                self.works.append((broadcast(group, self.patches[index]),) if num_bytes else ())
             else:  # aborted: no payload follows
                 assert kind == ABORTED, f"refit_gloo: bucket {index} has kind {kind} and {num_bytes} bytes"
-                self.works.append(None)
+                self.works.append(())
 
     def wait(self, index: int) -> torch.Tensor:
         kind, _, crc = self.rows[index]
         if kind == ABORTED:
             raise RuntimeError(f"refit_gloo: the trainer aborted the transfer at bucket {index}")
-        if (work := self.works[index]) is not None:
+        for work in self.works[index]:
             work.wait()
         if kind == SPARSE:
             if not self.base_ok:
@@ -139,13 +113,4 @@ class DeltaIncoming:
                     "(the trainer retries with a full refit)"
                 )
             apply_patch(index, self.buffers[index], self.patches.pop(index), self.units[index])
-        began = time.perf_counter()
-        check_bucket(index, self.buffers[index], crc)
-        self.verify_s += time.perf_counter() - began
-        return self.buffers[index]
-
-    def drain(self) -> None:
-        for work in self.works:
-            if work is not None:
-                with contextlib.suppress(Exception):
-                    work.wait()
+        return self._checked(index, crc)

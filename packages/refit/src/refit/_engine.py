@@ -15,6 +15,7 @@ import json
 import socket
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from functools import partial
 
 from refit._buckets import ParamSpec
@@ -86,7 +87,6 @@ class Engine:
         self.trainer_host = trainer_host
         self.timeout_s = timeout_s
         self.channel: GlooChannel | NcclChannel | IpcChannel | None = None
-        self.bucket_bytes: int | None = None  # the bucket size asked for when the group opened
         self.delta_base: str | None = None  # token of the delta refit whose bytes it holds (refit._delta)
         self._checkpoint_specs: list[ParamSpec] | None = None
         import httpx  # here, not at module top: the sender's pack path must import without it
@@ -182,7 +182,7 @@ class Engine:
         return self._rpc("refit_last_verify")
 
     # --- the byte pipe ---
-    def connect(self, bucket_bytes: int) -> None:
+    def connect(self) -> None:
         """Open this engine's transfer group (trainer = rank 0, its workers = 1..N); for IPC, only tell the
         engine to get ready (each bucket's handle then travels in its own `/update_weights`). Refuses an
         engine started with another backend (vLLM's own `nccl` takes bare buckets and would leave the
@@ -198,7 +198,7 @@ class Engine:
                     f"{self.url}: the IPC refit serves a one-GPU engine, not {self.world_size()}"
                 )
             self._call("POST", "/init_weight_transfer_engine", json={"init_info": {}})
-            self.channel, self.bucket_bytes = IpcChannel(self.update_weights), bucket_bytes
+            self.channel = IpcChannel(self.update_weights)
             return
         host, world_size = self.trainer_host, 1 + self.world_size()
         opener: Callable[[], GlooChannel | NcclChannel]
@@ -213,7 +213,6 @@ class Engine:
             opener = partial(_open_gloo, host, store.port, world_size, timeout_s, store)
         init = partial(self._call, "POST", "/init_weight_transfer_engine", json={"init_info": init_info})
         self.channel = _rendezvous(opener, init)
-        self.bucket_bytes = bucket_bytes
 
     def update_info(
         self,
@@ -251,21 +250,17 @@ def _rendezvous(open_trainer_end, init_engine_end):
     The engine's HTTP call runs here; the trainer end runs on a daemon thread so that an engine that
     refuses at once (wrong backend) surfaces its error now instead of after the collective's timeout.
     """
-    result: dict = {}
+    opened: Future = Future()
 
     def trainer_end() -> None:
         try:
-            result["channel"] = open_trainer_end()
+            opened.set_result(open_trainer_end())
         except BaseException as exc:  # handed to the caller below
-            result["error"] = exc
+            opened.set_exception(exc)
 
-    thread = threading.Thread(target=trainer_end, daemon=True)
-    thread.start()
+    threading.Thread(target=trainer_end, daemon=True).start()
     init_engine_end()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["channel"]
+    return opened.result()  # waits for the trainer end
 
 
 def _open_gloo(host: str, port: int, world_size: int, timeout_s: float, store) -> GlooChannel:

@@ -113,7 +113,10 @@ def update_weights(
     bucket_bytes = bucket_bytes or default_bucket_bytes(engines)
     plan = plan_buckets(specs, bucket_bytes)
     run = Run(list(engines), lora=lora) if rank == 0 else None
-    _agree_or_raise(run.check(specs) if run and lora is None else None)  # an adapter is not the checkpoint
+    # Rank 0's verdict on the check (an adapter is not the checkpoint), shared so all ranks refuse together
+    # (none hangs in a gather).
+    if error := _share(run.check(specs) if run and lora is None else None):
+        raise ValueError(error)
     if run is None:
         for _ in params:  # join every gather; rank 0 sends
             pass
@@ -121,7 +124,7 @@ def update_weights(
             for _ in params:
                 pass
         return None
-    run.phase("connect", lambda engine: _connect_once(engine, bucket_bytes))
+    run.phase("connect", _connect_once)
     run.phase("pause", Engine.pause)
     run.phase("start", Engine.start_weight_update)
     token = uuid.uuid4().hex if delta else None  # names the bytes the engines hold after this refit
@@ -163,12 +166,6 @@ def _share(value):
     return value
 
 
-def _connect_once(engine: Engine, bucket_bytes: int) -> None:
+def _connect_once(engine: Engine) -> None:
     if engine.channel is None:
-        engine.connect(bucket_bytes)
-
-
-def _agree_or_raise(error: str | None) -> None:
-    """Rank 0's verdict on the check, shared so all ranks refuse together (none hangs in a gather)."""
-    if error := _share(error):
-        raise ValueError(error)
+        engine.connect()

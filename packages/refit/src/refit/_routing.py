@@ -30,6 +30,7 @@ import io
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -127,8 +128,7 @@ class RoutingReplay:
         taps = [_Tap() for _ in self.routers]
         with self._tapped(taps):
             yield self
-        per_layer = [torch.cat(tap.seen) for tap in taps] if taps[0].seen else []
-        self.recorded = torch.stack(per_layer, dim=1) if per_layer else None
+        self.recorded = torch.stack([torch.cat(tap.seen) for tap in taps], dim=1) if taps[0].seen else None
 
     @contextmanager
     def replay(self, experts: torch.Tensor) -> Iterator[RoutingReplay]:
@@ -156,9 +156,7 @@ class RoutingReplay:
         undo = []
         for router, tap in zip(self.routers, taps, strict=True):
             if _router_kind(router) == "automodel":
-                undo.append(
-                    lambda router=router, old=router.router_replay: setattr(router, "router_replay", old)
-                )
+                undo.append(partial(setattr, router, "router_replay", router.router_replay))
                 router.router_replay = tap
             else:
                 hook = router.register_forward_hook(lambda m, _a, out, tap=tap: _swap(m, out, tap))

@@ -18,10 +18,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from refit._buckets import ParamSpec, bucket_nbytes, packed_buckets
-from refit._delta import ABORTED, FULL, SPARSE, Shadow, bucket_unit, diff_into
+from refit._delta import ABORTED, FULL, SPARSE, bucket_unit, diff_into
 from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, Engine
 from refit._gather import FullParams
-from refit._transport import IpcChannel, NcclChannel, checksum, device_checksum
+from refit._transport import IpcChannel, NcclChannel, ReceiveBuffers, checksum, device_checksum
 
 __all__ = ["Run"]
 
@@ -114,8 +114,7 @@ class Run:
         except BaseException as exc:  # the trainer itself failed: tell every engine to roll back
             unsent = [bucket_nbytes(specs, b) for b in plan[self.buckets_sent :]]
             for engine in [e for e in engines if e in self.live]:
-                self._abort(engine, "abort", unsent)
-                self.fail(engine, "transfer", RuntimeError(f"trainer aborted the transfer: {exc!r}"))
+                self._abort(engine, exc, "abort", unsent)
         self._receipts(receivers)
         self.seconds[f"{prefix}transfer"] = time.perf_counter() - began
 
@@ -126,7 +125,7 @@ class Run:
         the shadow's bytes the patches, the others every bucket whole (`refit._delta`)."""
         began = time.perf_counter()
         sizes = [bucket_nbytes(specs, b) for b in plan]
-        base_N = _SHADOW.carve((tuple(specs), bucket_bytes), sizes)
+        base_N = _SHADOW.carve(sizes, key=(tuple(specs), bucket_bytes))
         old_token, _SHADOW.token = _SHADOW.token, None  # rewritten from here on: valid again once whole
         engines = list(self.live)
         patched = {e for e in engines if old_token is not None and e.delta_base == old_token}
@@ -140,8 +139,8 @@ class Run:
         except BaseException as exc:  # nothing was sent yet: every bucket goes out aborted
             table_N3 = torch.tensor([[ABORTED, 0, 0]] * len(plan), dtype=torch.int64)
             for engine in engines:  # a delta engine waits for its table, a full one for every bucket
-                self._abort(engine, *(("send_all", [table_N3]) if engine in patched else ("abort", sizes)))
-                self.fail(engine, "transfer", RuntimeError(f"trainer aborted the transfer: {exc!r}"))
+                signal = ("send_all", [table_N3]) if engine in patched else ("abort", sizes)
+                self._abort(engine, exc, *signal)
         else:
             _SHADOW.token = token
             self._send_delta(engines, patched, rows, payloads, base_N)
@@ -193,9 +192,11 @@ class Run:
             if engine in self.live:
                 self._result(engine, "transfer", future)
 
-    def _abort(self, engine: Engine, method: str, *args) -> None:
-        with contextlib.suppress(Exception):  # it is reported as failed already; its pipe may be gone too
+    def _abort(self, engine: Engine, exc: BaseException, method: str, *args) -> None:
+        """The trainer failed (`exc`): tell the engine so (`method`; its pipe may be gone too), fail it."""
+        with contextlib.suppress(Exception):
             getattr(engine.channel, method)(*args)
+        self.fail(engine, "transfer", RuntimeError(f"trainer aborted the transfer: {exc!r}"))
 
     def _send(self, params: FullParams, specs: list[ParamSpec], plan: list[range], engines, prefix) -> None:
         """Gather, pack and send bucket by bucket, into two buffers: each bucket is queued for sending as
@@ -247,18 +248,16 @@ class Run:
 def _mismatch(expected: list[ParamSpec], specs: list[ParamSpec]) -> str | None:
     want = {s.name: s.shape for s in expected}
     have = {s.name: s.shape for s in specs}
-    missing = sorted(want.keys() - have.keys())
-    extra = sorted(have.keys() - want.keys())
-    shapes = [
-        f"{n}: engine {want[n]}, sent {have[n]}"
-        for n in sorted(want.keys() & have.keys())
-        if want[n] != have[n]
-    ]
-    if not (missing or extra or shapes):
-        return None
-    parts = [f"missing {missing[:8]}" * bool(missing), f"unexpected {extra[:8]}" * bool(extra)]
-    parts.append(f"shape mismatch {shapes[:8]}" * bool(shapes))
-    return "; ".join(p for p in parts if p)
+    problems = {
+        "missing": sorted(want.keys() - have.keys()),
+        "unexpected": sorted(have.keys() - want.keys()),
+        "shape mismatch": [
+            f"{n}: engine {want[n]}, sent {have[n]}"
+            for n in sorted(want.keys() & have.keys())
+            if want[n] != have[n]
+        ],
+    }
+    return "; ".join(f"{what} {items[:8]}" for what, items in problems.items() if items) or None
 
 
 def _verify_failed(engine: Engine) -> bool:
@@ -270,7 +269,7 @@ def _verify_failed(engine: Engine) -> bool:
         return False
 
 
-_SHADOW = Shadow()  # rank 0's copy of the bytes its delta engines hold (kept between refits)
+_SHADOW = ReceiveBuffers()  # rank 0's copy of the bytes its delta engines hold (kept between refits)
 
 _HOST_BUFFERS: list[torch.Tensor] = []
 

@@ -116,17 +116,6 @@ def verify_checksums(record: dict, got: list[int], expected: list[int], *, first
         record["checked"] = index + 1
 
 
-def check_bucket(index: int, buffer_N: torch.Tensor, expected: int) -> None:
-    """Raise `VerifyError` unless `buffer_N` (bucket `index`) has the CRC-32 the trainer sent."""
-    got = checksum(buffer_N)
-    if got != expected:
-        raise VerifyError(
-            f"refit_gloo: bucket {index} ({buffer_N.numel()} bytes) has CRC-32 {got:#010x}, the trainer "
-            f"packed {expected:#010x}: its bytes changed on the way (the engine rolls back; the trainer "
-            "retries with a full refit)"
-        )
-
-
 def host_store(host: str, timeout_s: float) -> dist.TCPStore:
     """Rank 0's TCPStore, listening on a port the OS picks (`.port`): no window between choosing a free
     port and binding it in which another process could take it."""
@@ -167,7 +156,7 @@ class Incoming:
         self.buffers = buffers
         self.verify_s = 0.0  # seconds spent on the CRC checks
         self.headers_N2 = torch.full((len(buffers), 2), ABORT - 1, dtype=torch.int64)  # (index, CRC-32)
-        self.works = [
+        self.works: list[tuple[dist.Work, ...]] = [
             (broadcast(group, self.headers_N2[index]), broadcast(group, buffer_N))
             for index, buffer_N in enumerate(buffers)
         ]
@@ -180,14 +169,24 @@ class Incoming:
         sent_index, crc = self.headers_N2[index].tolist()
         if sent_index != index:
             raise RuntimeError(f"refit_gloo: the trainer aborted the transfer at bucket {index}")
+        return self._checked(index, crc)
+
+    def _checked(self, index: int, crc: int) -> torch.Tensor:
+        """Bucket `index`, unless its CRC-32 differs from the one the trainer sent (`VerifyError`)."""
         began = time.perf_counter()
-        check_bucket(index, self.buffers[index], crc)
+        buffer_N = self.buffers[index]
+        if (got := checksum(buffer_N)) != crc:
+            raise VerifyError(
+                f"refit_gloo: bucket {index} ({buffer_N.numel()} bytes) has CRC-32 {got:#010x}, the trainer "
+                f"packed {crc:#010x}: its bytes changed on the way (the engine rolls back; the trainer "
+                "retries with a full refit)"
+            )
         self.verify_s += time.perf_counter() - began
-        return self.buffers[index]
+        return buffer_N
 
     def drain(self) -> None:
         """Wait for the rest of the stream (errors here are the ones already raised, or a dead peer)."""
-        for work in (work for pair in self.works for work in pair):
+        for work in (work for works in self.works for work in works):
             with contextlib.suppress(Exception):
                 work.wait()
 
@@ -196,16 +195,19 @@ class ReceiveBuffers:
     """An engine's receive buffers, one per bucket, carved from one block of host memory kept between
     refits (one copy of the weights): fresh memory costs a page fault per 4 KiB on every refit (a raw
     gloo broadcast into fresh memory takes 2-3x as long as into a warm buffer, bench/refit_cpu.py).
-    Reusing the block is safe only while no weight lives in it: `forget_if_used_by` checks that."""
+    Reusing the block is safe only while no weight lives in it: `forget_if_used_by` checks that.
+    The trainer keeps one too, as the shadow of its delta engines' bytes (`refit._delta`)."""
 
     def __init__(self) -> None:
         self.block_N: torch.Tensor | None = None
-        self.sizes: list[int] = []
+        self.layout: tuple = ()
         self.token: str | None = None  # names the refit whose bytes the block holds whole (delta base)
 
-    def carve(self, sizes: list[int]) -> list[torch.Tensor]:
-        if sizes != self.sizes:  # another layout: the bytes held are no base for it
-            self.sizes, self.token = list(sizes), None
+    def carve(self, sizes: list[int], key: tuple = ()) -> list[torch.Tensor]:
+        """One buffer per bucket of `sizes`; `key`: what else the bytes held depend on (the trainer's
+        shadow: the specs and the bucket size)."""
+        if (key, sizes) != self.layout:  # another layout: the bytes held are no base for it
+            self.layout, self.token = (key, list(sizes)), None
         starts = [0]
         for num_bytes in sizes:  # each bucket starts 64-byte aligned, so its tensors view as any dtype
             starts.append(starts[-1] + -(-num_bytes // 64) * 64)
@@ -226,8 +228,6 @@ class ReceiveBuffers:
 
 class GlooChannel:
     """Trainer end of one engine's gloo group. `send` is asynchronous: `wait` on what it returns."""
-
-    kind = "gloo"
 
     def __init__(self, group: dist.ProcessGroupGloo) -> None:
         self.group = group
@@ -262,8 +262,6 @@ class NcclChannel:
     `begin` gives it the refit's bucket plan; `send` broadcasts each bucket and, after the last, the
     buckets' checksums, which the engine compares with its own (`refit.vllm_gpu`). Every broadcast is
     queued on the current stream, behind the packing and the checksum of its bucket."""
-
-    kind = "nccl"
 
     def __init__(self, host: str, port: int, world_size: int) -> None:
         from vllm.distributed.weight_transfer.nccl_common import trainer_init
@@ -300,8 +298,6 @@ class IpcChannel:
     so the trainer packs the next bucket into its other buffer meanwhile; `wait` on what `send` returns
     before reusing a buffer.
     """
-
-    kind = "ipc"
 
     def __init__(self, post: Callable[[dict], None]) -> None:
         self.post = post

@@ -126,23 +126,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU.
-        self.receive_weights(self.parse_update_info(update_info))
-
-    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("refit_gloo: /init_weight_transfer_engine was never called")
-        self.last_verify = {"checked": 0, "failed": None, "error": ""}
         try:
-            self._receive(update_info)
+            self.receive_weights(self.parse_update_info(update_info))
         except BaseException:
             self._roll_back()
             raise
 
-    def _receive(self, info: GlooUpdateInfo) -> None:
+    def receive_weights(self, info: GlooUpdateInfo) -> None:
         """Post the receive of every bucket at once, then verify and load each as it arrives: the wire
         never waits for a load or for this thread (which holds the GIL while loading), so small buckets
         pipeline the trainer's packing, the wire and the reload."""
-        assert self.group is not None  # receive_weights checked
+        if self.group is None:
+            raise RuntimeError("refit_gloo: /init_weight_transfer_engine was never called")
+        self.last_verify = {"checked": 0, "failed": None, "error": ""}
         specs = info.specs()
         plan = plan_buckets(specs, info.bucket_bytes)
         buffers = self.buffers.carve([bucket_nbytes(specs, b) for b in plan])
@@ -150,7 +146,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.buffers.token = self.pending_token = None  # overwritten from here on
         began = time.perf_counter()
         adapter: dict[str, torch.Tensor] = {}
-        incoming: Incoming | DeltaIncoming
         if info.delta_base is None:
             incoming = Incoming(self.group, buffers)
         else:
@@ -196,14 +191,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.adapters is not None:
             if self.pending_adapter is None:
                 raise RuntimeError("refit_gloo: finish_weight_update without a received adapter")
-            _swap_adapter(self.adapters, self.pending_adapter)
+            # The served adapter replaced (same id, same slot), as vLLM's `load_inplace` does it.
+            lora = self.pending_adapter
+            self.adapters.remove_adapter(lora.id)
+            self.adapters.add_adapter(lora)
+            self.adapters.activate_adapter(lora.id)
             self.pending_adapter = None
-            self.last_timings["finish_s"] = time.perf_counter() - began
-            return
-        finalize_layerwise_reload(self.model, self.model_config)
-        _repack_tied(self.model)
-        self.buffers.token, self.pending_token = self.pending_token, None  # they hold this refit whole
-        self._forget_buffers_if_kept()
+        else:
+            finalize_layerwise_reload(self.model, self.model_config)
+            _repack_tied(self.model)
+            self.buffers.token, self.pending_token = self.pending_token, None  # they hold this refit whole
+            self._forget_buffers_if_kept()
         self.last_timings["finish_s"] = time.perf_counter() - began
 
     def _roll_back(self) -> None:
@@ -243,7 +241,7 @@ def _repack_tied(model: torch.nn.Module) -> None:
         if weight is not None and getattr(layer, "quant_method", None) is not None:
             holders.setdefault(id(weight), []).append(layer)
     for layers in holders.values():
-        for layer in layers[1:] if len(layers) > 1 else ():
+        for layer in layers[1:]:
             layer.quant_method.process_weights_after_loading(layer)
 
 
@@ -271,13 +269,6 @@ def _lora_model(manager, tensors: dict[str, torch.Tensor], peft_config: dict):
     if unexpected := sorted(name for name in lora.loras if name.rsplit(".", 1)[-1] not in expected):
         raise ValueError(f"refit_gloo: the adapter wraps {unexpected[:4]}, which this engine's LoRA cannot")
     return lora
-
-
-def _swap_adapter(manager, lora) -> None:
-    """The served adapter replaced by `lora` (same id, same slot), as vLLM's `load_inplace` does it."""
-    manager.remove_adapter(lora.id)
-    manager.add_adapter(lora)
-    manager.activate_adapter(lora.id)
 
 
 def _checkpoint_specs(model_path: str) -> list[list]:

@@ -23,13 +23,6 @@ EstimatorName = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", 
 _STD_EPS = 1e-6
 
 
-def group_index(group_ids_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense group index per sample (`inverse_B`, values in [0, G)) and the size of each group (`count_G`)."""
-    _, inverse_B = torch.unique(group_ids_B, return_inverse=True)
-    count_G = torch.bincount(inverse_B)
-    return inverse_B, count_G
-
-
 def _group_sum(values_B: torch.Tensor, inverse_B: torch.Tensor, num_groups: int) -> torch.Tensor:
     return values_B.new_zeros(num_groups).index_add_(0, inverse_B, values_B)
 
@@ -44,7 +37,8 @@ def _centered(rewards_B: torch.Tensor, group_ids_B: torch.Tensor):
     """
     check_groups(rewards_B, group_ids_B)
     rewards_B = rewards_B.detach()
-    inverse_B, count_G = group_index(group_ids_B)
+    # The dense group index of each sample, in [0, G), and the size of each group.
+    _, inverse_B, count_G = torch.unique(group_ids_B, return_inverse=True, return_counts=True)
     num_groups = count_G.numel()
     min_G = rewards_B.new_full((num_groups,), torch.inf).scatter_reduce(0, inverse_B, rewards_B, "amin")
     shifted_B = rewards_B - min_G[inverse_B]
@@ -57,8 +51,7 @@ def reinforce(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
     A group of size 1 is its own baseline, so its advantage is 0.
     """
-    centered_B, _, _ = _centered(rewards, group_ids)
-    return centered_B
+    return _centered(rewards, group_ids)[0]
 
 
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -94,8 +87,7 @@ def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     side: each sequence's token sum over a constant (the generation budget), averaged over sequences
     (molt's `--algo.loss.agg seq-mean-token-sum-norm`, its default under dr_grpo).
     """
-    centered_B, _, _ = _centered(rewards, group_ids)
-    return centered_B
+    return _centered(rewards, group_ids)[0]
 
 
 def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

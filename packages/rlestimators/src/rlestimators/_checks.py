@@ -7,8 +7,6 @@ the argument, instead of broadcasting silently or returning NaN. The checks only
 Legend: B sequences, T tokens.
 """
 
-from collections.abc import Iterable
-
 import torch
 
 
@@ -46,7 +44,6 @@ def check_groups(rewards_B: torch.Tensor, group_ids_B: torch.Tensor) -> None:
         raise ValueError(f"group_ids must be an integer tensor (int64), got {group_ids_B.dtype}")
 
 
-def check_choice(name: str, value: str, options: Iterable[str]) -> None:
-    options = tuple(options)
+def check_choice(name: str, value: str, options: tuple[str, ...]) -> None:
     if value not in options:
         raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, options))}")

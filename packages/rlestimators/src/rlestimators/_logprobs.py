@@ -26,10 +26,13 @@ from rlestimators._checks import check_floating
 _CHUNK_BYTES = 256 * 2**20
 
 
-def _chunks(num_rows: int, vocab: int):
-    rows_per_chunk = max(1, _CHUNK_BYTES // (4 * vocab))
+def _chunks(num_rows: int, vocab: int, *, head: bool = False):
+    """Row slices, each a float32 [C, V] chunk of at most `_CHUNK_BYTES`; with `head`, of at most
+    `_HEAD_CHUNK_BYTES` and C a multiple of 128 rows (`lm_head_logprobs`: whole matmul tiles)."""
+    tile = 128 if head else 1
+    rows_per_chunk = max(tile, (_HEAD_CHUNK_BYTES if head else _CHUNK_BYTES) // (4 * vocab) // tile * tile)
     for start in range(0, num_rows, rows_per_chunk):
-        yield slice(start, min(start + rows_per_chunk, num_rows))
+        yield slice(start, start + rows_per_chunk)
 
 
 def _scaled_f32(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -76,26 +79,14 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_logits_NV, None, None
 
 
-def _entropy_rows(logits_CV: torch.Tensor, temperature: float) -> torch.Tensor:
-    probs_CV = torch.softmax(_scaled_f32(logits_CV, temperature), dim=-1)
-    # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), where p * log_softmax would give NaN.
-    return torch.special.entr(probs_CV).sum(dim=-1)
-
-
-def _entropy_grad_rows(logits_CV, entropy_C1, coef_C1, temperature, out_CV) -> None:
-    probs_CV = torch.softmax(_scaled_f32(logits_CV, temperature), dim=-1)
-    # dH/dz_v = -p_v (log p_v + H) = entr(p_v) - p_v * H, in float32: the two terms nearly cancel where
-    # log p_v is close to -H, so rounding p to bf16 first would lose the difference.
-    dh_dz_CV = torch.special.entr(probs_CV).sub_(probs_CV.mul_(entropy_C1))
-    torch.mul(dh_dz_CV, coef_C1, out=out_CV)
-
-
 class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_NV, temperature):
         entropy_N = logits_NV.new_empty(logits_NV.shape[0], dtype=torch.float32)
         for rows in _chunks(*logits_NV.shape):
-            entropy_N[rows] = _entropy_rows(logits_NV[rows], temperature)
+            probs_CV = torch.softmax(_scaled_f32(logits_NV[rows], temperature), dim=-1)
+            # entr(p) = -p log p, and 0 where p == 0 (a -inf logit), where p * log_softmax would give NaN.
+            entropy_N[rows] = torch.special.entr(probs_CV).sum(dim=-1)
         ctx.save_for_backward(logits_NV, entropy_N)
         ctx.temperature = temperature
         return entropy_N
@@ -108,18 +99,33 @@ class _Entropy(torch.autograd.Function):
         coef_N1 = grad_N.float()[:, None] / temperature
         grad_logits_NV = torch.empty_like(logits_NV)
         for rows in _chunks(*logits_NV.shape):
-            _entropy_grad_rows(
-                logits_NV[rows], entropy_N[rows, None], coef_N1[rows], temperature, grad_logits_NV[rows]
-            )
+            probs_CV = torch.softmax(_scaled_f32(logits_NV[rows], temperature), dim=-1)
+            # dH/dz_v = -p_v (log p_v + H) = entr(p_v) - p_v * H, in float32: the two terms nearly cancel
+            # where log p_v is close to -H, so rounding p to bf16 first would lose the difference.
+            dh_dz_CV = torch.special.entr(probs_CV).sub_(probs_CV.mul_(entropy_N[rows, None]))
+            torch.mul(dh_dz_CV, coef_N1[rows], out=grad_logits_NV[rows])
         return grad_logits_NV, None
 
 
-def _check_logits(logits: torch.Tensor, temperature: float) -> None:
+def _check_logits(logits: torch.Tensor, temperature: float, name: str = "logits", dims: str = "[B, T, V]"):
+    """A non-empty floating [B, T, V] `logits` (or what `name` and `dims` say) and a sane temperature."""
     if logits.dim() != 3 or logits.numel() == 0:
-        raise ValueError(f"logits must be a non-empty [B, T, V] tensor, got shape {tuple(logits.shape)}")
-    check_floating(logits=logits)
+        raise ValueError(f"{name} must be a non-empty {dims} tensor, got shape {tuple(logits.shape)}")
+    check_floating(**{name: logits})
     if not (0.0 < temperature < float("inf")):
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
+
+
+def _check_tokens(tokens: torch.Tensor, shape: torch.Size, vocab: int, source: str) -> None:
+    """Integer ids [B, T] = `shape` in [0, `vocab`) (one device synchronisation), from `source`'s shapes."""
+    if tokens.shape != shape:
+        raise ValueError(
+            f"tokens must be [B, T] = {tuple(shape)} to match the {source}, got {tuple(tokens.shape)}"
+        )
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
+    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+        raise ValueError(f"token ids must lie in [0, {vocab}) (the vocabulary of the {source}); some do not")
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0) -> torch.Tensor:
@@ -134,16 +140,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, *, temperature: f
     costs one device synchronisation.
     """
     _check_logits(logits, temperature)
-    if tokens.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"tokens must be [B, T] = {tuple(logits.shape[:-1])} to match logits {tuple(logits.shape)}, "
-            f"got {tuple(tokens.shape)}"
-        )
-    if tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
     vocab = logits.shape[-1]
-    if bool(((tokens < 0) | (tokens >= vocab)).any()):
-        raise ValueError(f"token ids must lie in [0, {vocab}) (the logits' vocabulary); some do not")
+    _check_tokens(tokens, logits.shape[:-1], vocab, "logits")
     logp_N1 = _TokenLogprobs.apply(
         logits.reshape(-1, vocab), tokens.reshape(-1, 1).long(), float(temperature)
     )
@@ -166,14 +164,8 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> to
 # --- from the LM head's input: the [B, T, V] logits never exist ---
 
 # Bytes of one float32 [C, V] chunk of `lm_head_logprobs`. Each chunk is also one [C, H] x [H, V] matmul,
-# so C is a multiple of 128 rows (whole matmul tiles).
+# so C is a multiple of 128 rows (whole matmul tiles, `_chunks`).
 _HEAD_CHUNK_BYTES = 512 * 2**20
-
-
-def _head_chunks(num_rows: int, vocab: int):
-    rows_per_chunk = max(128, _HEAD_CHUNK_BYTES // (4 * vocab) // 128 * 128)
-    for start in range(0, num_rows, rows_per_chunk):
-        yield slice(start, min(start + rows_per_chunk, num_rows))
 
 
 def _chunk_logp(hidden_CH: torch.Tensor, weight_VH: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -198,7 +190,7 @@ class _HeadLogprobs(torch.autograd.Function):
         num_rows, vocab = hidden_NH.shape[0], weight_VH.shape[0]
         logp_N1 = hidden_NH.new_empty((num_rows, 1), dtype=torch.float32)
         entropy_N1 = hidden_NH.new_empty((num_rows, 1), dtype=torch.float32)
-        for rows in _head_chunks(num_rows, vocab):
+        for rows in _chunks(num_rows, vocab, head=True):
             logp_CV = _chunk_logp(hidden_NH[rows], weight_VH, temperature)
             torch.gather(logp_CV, 1, tokens_N1[rows], out=logp_N1[rows])
             # H = -sum_v p_v log p_v: entr(p) is 0 where p is 0 (no 0 * -inf).
@@ -226,7 +218,7 @@ class _HeadLogprobs(torch.autograd.Function):
             target_N1 = (g_logp_N1 * -torch.expm1(logp_N1)).to(hidden_NH.dtype)
         grad_hidden_NH = torch.empty_like(hidden_NH) if ctx.needs_input_grad[0] else None
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        for rows in _head_chunks(num_rows, vocab):
+        for rows in _chunks(num_rows, vocab, head=True):
             if low_precision:
                 grad_z_CV = torch.softmax(hidden_NH[rows] @ weight_VH.T, dim=-1).mul_(neg_coef_N1[rows])
                 grad_z_CV.scatter_(1, tokens_N1[rows], target_N1[rows])
@@ -264,24 +256,15 @@ def lm_head_logprobs(
     logits and their gradient, 2 x 4.6 GiB in bf16. Gradients flow to `hidden` and `weight` (the weight's
     accumulated in float32 over the chunks, rounded once) from either output; an unused output costs none.
     """
-    if hidden.dim() != 3 or hidden.numel() == 0:
-        raise ValueError(f"hidden must be a non-empty [B, T, H] tensor, got shape {tuple(hidden.shape)}")
+    _check_logits(hidden, temperature, "hidden", "[B, T, H]")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}"
         )
-    check_floating(hidden=hidden, weight=weight)
+    check_floating(weight=weight)
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    if not (0.0 < temperature < float("inf")):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature}")
-    if tokens.shape != hidden.shape[:-1]:
-        raise ValueError(f"tokens must be [B, T] = {tuple(hidden.shape[:-1])}, got {tuple(tokens.shape)}")
-    if tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
-    vocab = weight.shape[0]
-    if bool(((tokens < 0) | (tokens >= vocab)).any()):
-        raise ValueError(f"token ids must lie in [0, {vocab}) (the head's vocabulary); some do not")
+    _check_tokens(tokens, hidden.shape[:-1], weight.shape[0], "LM head")
     logp_N1, entropy_N1 = _HeadLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1, 1).long(), float(temperature)
     )

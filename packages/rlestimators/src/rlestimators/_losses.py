@@ -139,12 +139,9 @@ def policy_loss(
     ratio_BT = log_ratio_BT.exp()
     no_clip_BT = torch.zeros_like(trainable_BT)
 
-    if kind == "ppo":
-        loss_BT, is_clipped_BT, is_capped_BT = _clipped_surrogate(
-            ratio_BT, adv_BT, clip_low, clip_high, dual_clip
-        )
-    elif kind == "gspo":
-        ratio_BT = _gspo_ratio(logp_BT, log_ratio_BT, trainable_BT)
+    if kind in ("ppo", "gspo"):
+        if kind == "gspo":
+            ratio_BT = _gspo_ratio(logp_BT, log_ratio_BT, trainable_BT)
         loss_BT, is_clipped_BT, is_capped_BT = _clipped_surrogate(
             ratio_BT, adv_BT, clip_low, clip_high, dual_clip
         )

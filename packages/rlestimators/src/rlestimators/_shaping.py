@@ -7,7 +7,6 @@ from typing import overload
 
 import torch
 
-from rlestimators._advantages import group_index
 from rlestimators._checks import check_groups
 
 
@@ -19,7 +18,7 @@ def dynamic_filter(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     Group ids are arbitrary integers in any order.
     """
     check_groups(rewards, group_ids)
-    inverse_B, count_G = group_index(group_ids)
+    _, inverse_B, count_G = torch.unique(group_ids, return_inverse=True, return_counts=True)
     rewards_B = rewards.detach()
     num_groups = count_G.numel()
     max_G = rewards_B.new_full((num_groups,), -torch.inf).scatter_reduce(0, inverse_B, rewards_B, "amax")
