@@ -64,9 +64,9 @@ def test_segment_routes_become_the_batch_routes_padded_with_minus_one():
     empty = batch.select([])  # a rank's empty turn: a row without routes
     assert empty.experts_BTLK.shape == (1, 1, LAYERS, TOP_K) and (empty.experts_BTLK == -1).all()
     assert torch.equal(batch.select([1]).experts_BTLK, batch.experts_BTLK[1:, :5])  # its 5 tokens
-    from molt._packing import PackedRows
+    from molt._packing import packed_rows
 
-    packed = PackedRows.of(batch.row_lengths, cuda=False).pack(batch.experts_BTLK, fill=-1)
+    packed = packed_rows(batch.row_lengths, cuda=False).pack(batch.experts_BTLK, fill=-1)
     assert torch.equal(packed[0], torch.cat([batch.experts_BTLK[0, :8], batch.experts_BTLK[1, :5]]))
 
     with pytest.raises(RuntimeError, match=r"rows \[1\] have no MoE routes.*--enable-return-routed-experts"):

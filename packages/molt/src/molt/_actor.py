@@ -24,12 +24,7 @@ import torch
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch, shifted_logprobs
 from molt._objective import step_loss
 from molt._rank import ModelRank
-from molt._sharding import (
-    adapter_config,
-    compute_dtype,
-    load_model,
-    replicas,
-)
+from molt._sharding import adapter_config, compute_dtype, load_model, replicas
 from molt.config import Config
 from rlestimators import entropy_from_logits
 
@@ -126,7 +121,6 @@ class PolicyWorker(ModelRank):
         and the backward. Returns the loss's metric numerators and, under routing replay, the (token,
         router) pairs it compared and those the router would have routed elsewhere."""
         algo, device = self.config.algo, self.device
-        old_logp_BT, ref_logp_BT = inputs.old_logp_BT, inputs.ref_logp_BT
         with self._routes(mb) as replay:
             # The entropy of the distribution each token was sampled from; a bonus trains it.
             logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if algo.entropy_coef else "detached")
@@ -134,14 +128,14 @@ class PolicyWorker(ModelRank):
             loss, sums = step_loss(
                 logp_BT,
                 entropy_BT,
-                None if old_logp_BT is None else old_logp_BT.to(device),
+                None if inputs.old_logp_BT is None else inputs.old_logp_BT.to(device),
                 mb.rollout_logp_BT.to(device),
                 mb.advantages_BT.to(device),
                 mb.loss_mask_BT.to(device),
                 num_tokens=mb.num_tokens,
                 num_seqs=mb.num_seqs,
                 algo=algo,
-                ref_logp_BT=None if ref_logp_BT is None else ref_logp_BT.to(device),
+                ref_logp_BT=None if inputs.ref_logp_BT is None else inputs.ref_logp_BT.to(device),
                 lag_BT=None if mb.lag_BT is None else mb.lag_BT.to(device),
             )
             loss.backward()

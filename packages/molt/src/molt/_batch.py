@@ -38,6 +38,7 @@ import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -45,7 +46,6 @@ __all__ = [
     "RowImages",
     "TrainBatch",
     "collate",
-    "rows_of",
     "NO_INPUTS",
     "StepInputs",
     "row_images",
@@ -102,9 +102,9 @@ class TrainBatch:
         shape = tuple(self.tokens_BT.shape)
         if self.tokens_BT.dim() != 2 or self.tokens_BT.dtype != torch.int64:
             raise ValueError(f"tokens_BT must be an int64 [B, T] tensor, got {self.tokens_BT.dtype} {shape}")
-        for name in ("loss_mask_BT", "rollout_logp_BT", "advantages_BT"):
+        for name in ("loss_mask_BT", "rollout_logp_BT", "advantages_BT", "lag_BT"):
             tensor = getattr(self, name)
-            if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+            if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != torch.float32):
                 raise ValueError(f"{name} must be float32 {shape}, got {tensor.dtype} {tuple(tensor.shape)}")
         if self.images and len(self.images) != shape[0]:
             raise ValueError(f"images must hold one entry per row ({shape[0]}), got {len(self.images)}")
@@ -112,12 +112,6 @@ class TrainBatch:
         if experts is not None and (experts.dim() != 4 or tuple(experts.shape[:2]) != shape):
             raise ValueError(
                 f"experts_BTLK must be [{shape[0]}, {shape[1]}, L, K], got {tuple(experts.shape)}"
-            )
-        if self.lag_BT is not None and (
-            tuple(self.lag_BT.shape) != shape or self.lag_BT.dtype != torch.float32
-        ):
-            raise ValueError(
-                f"lag_BT must be float32 {shape}, got {self.lag_BT.dtype} {tuple(self.lag_BT.shape)}"
             )
         lengths = self.lengths_B
         if lengths is not None and (lengths.shape != (shape[0],) or bool((lengths > shape[1]).any())):
@@ -138,34 +132,25 @@ class TrainBatch:
         """Rows `rows`, in that order, with the columns their longest needs (no plan, the same
         `num_tokens` and `num_seqs`). No rows: one row of one all-masked token 0, which adds nothing to any
         loss or metric, for a rank or micro-batch that must run a forward in lock-step with the others."""
-        if not rows:
-            experts = self.experts_BTLK
-            return TrainBatch(
-                torch.zeros(1, 1, dtype=torch.int64),
-                loss_mask_BT=torch.zeros(1, 1),
-                rollout_logp_BT=torch.zeros(1, 1),
-                advantages_BT=torch.zeros(1, 1),
-                num_tokens=self.num_tokens,
-                num_seqs=self.num_seqs,
-                images=(None,) if self.images else (),
-                experts_BTLK=None if experts is None else experts.new_full((1, 1, *experts.shape[2:]), -1),
-                lengths_B=torch.ones(1, dtype=torch.int64),
-                lag_BT=None if self.lag_BT is None else torch.zeros(1, 1),
-            )
-        index = torch.tensor(list(rows), dtype=torch.int64)
-        num_cols = max(self.row_lengths[row] for row in rows)
-        tensors = {
-            f.name: getattr(self, f.name)[index, :num_cols]
+        lengths = [self.row_lengths[row] for row in rows] or [1]
+        index, num_cols = torch.tensor(list(rows), dtype=torch.int64), max(lengths)
+
+        def cut(tensor: torch.Tensor, fill: int = 0) -> torch.Tensor:
+            """`rows` of a [B, T, ...] tensor, `num_cols` columns; no rows: one token of `fill`."""
+            return tensor[index, :num_cols] if rows else tensor.new_full((1, 1, *tensor.shape[2:]), fill)
+
+        tensors: dict[str, Any] = {  # by field name (mypy cannot check a ** dict against each field)
+            f.name: cut(tensor)
             for f in fields(self)
-            if f.name.endswith("_BT") and getattr(self, f.name) is not None
+            if f.name.endswith("_BT") and (tensor := getattr(self, f.name)) is not None
         }
         return TrainBatch(
             **tensors,
             num_tokens=self.num_tokens,
             num_seqs=self.num_seqs,
-            images=tuple(self.images[row] for row in rows) if self.images else (),
-            experts_BTLK=None if self.experts_BTLK is None else self.experts_BTLK[index, :num_cols],
-            lengths_B=torch.tensor([self.row_lengths[row] for row in rows], dtype=torch.int64),
+            images=(tuple(self.images[row] for row in rows) or (None,)) if self.images else (),
+            experts_BTLK=None if self.experts_BTLK is None else cut(self.experts_BTLK, fill=-1),
+            lengths_B=torch.tensor(lengths, dtype=torch.int64),
         )
 
     def check_step(self, inputs: StepInputs) -> None:
@@ -249,19 +234,15 @@ class StepInputs:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
     def rows(self, rows: Sequence[int], num_cols: int) -> StepInputs:
-        """These inputs for `rows` of the batch, cut to `num_cols` columns (`rows_of`)."""
-        return StepInputs(**{name: rows_of(t, rows, num_cols) for name, t in self.given().items()})
+        """These inputs for `rows` of the batch, cut to `num_cols` columns, as `TrainBatch.select` cuts the
+        batch's own; no rows: one zero row (its empty turn)."""
+        given = self.given()
+        return StepInputs(
+            **{name: t[list(rows), :num_cols] if rows else t.new_zeros(1, 1) for name, t in given.items()}
+        )
 
 
 NO_INPUTS = StepInputs()  # a step that reads none (frozen: one shared default)
-
-
-def rows_of(tensor_BT: torch.Tensor | None, rows: Sequence[int], num_cols: int) -> torch.Tensor | None:
-    """`rows` of a [B, T] tensor cut to `num_cols` columns, as `TrainBatch.select` cuts the batch's own;
-    no rows: one zero row (its empty turn); None stays None."""
-    if tensor_BT is None:
-        return None
-    return tensor_BT[list(rows), :num_cols] if rows else tensor_BT.new_zeros(1, 1)
 
 
 def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]], pad_id: int) -> TrainBatch:
@@ -323,22 +304,21 @@ def row_images(spans: list, processor) -> RowImages | None:
     return RowImages(processed["pixel_values"].to(torch.float32), grid_thw_I3, spans_tuple)
 
 
+def _check_per_row(batch: TrainBatch, name: str, per_row: Sequence) -> None:
+    if len(per_row) != batch.num_rows:
+        raise ValueError(f"{name} must hold one entry per row ({batch.num_rows}), got {len(per_row)}")
+
+
 def with_images(batch: TrainBatch, images_per_row: list[list], processor) -> TrainBatch:
     """`batch` with each row's `RowImages` (`row_images`); `images_per_row` holds each row's spans."""
-    if len(images_per_row) != batch.num_rows:
-        raise ValueError(
-            f"images_per_row must hold one list per row ({batch.num_rows}), got {len(images_per_row)}"
-        )
+    _check_per_row(batch, "images_per_row", images_per_row)
     return replace(batch, images=tuple(row_images(spans, processor) for spans in images_per_row))
 
 
 def with_lags(batch: TrainBatch, versions_per_row: list[list[int]], trainer_version: int) -> TrainBatch:
     """`batch` with `lag_BT`: `trainer_version` minus the weight version that sampled each trainable token
     (`versions_per_row`: each row's per-token versions, tito's `Segment.versions`), 0 elsewhere."""
-    if len(versions_per_row) != batch.num_rows:
-        raise ValueError(
-            f"versions_per_row must hold one list per row ({batch.num_rows}), got {len(versions_per_row)}"
-        )
+    _check_per_row(batch, "versions_per_row", versions_per_row)
     lag_BT = torch.zeros(batch.tokens_BT.shape)
     for row, versions in enumerate(versions_per_row):
         lag_BT[row, : len(versions)] = trainer_version - torch.tensor(versions, dtype=torch.float32)
@@ -348,10 +328,7 @@ def with_lags(batch: TrainBatch, versions_per_row: list[list[int]], trainer_vers
 def with_routes(batch: TrainBatch, routes_per_row: list) -> TrainBatch:
     """`batch` with `experts_BTLK` from each row's routes (`tito.Segment.routes()`: the experts of the
     row's first n tokens, `(n, L, K)`); -1 past them."""
-    if len(routes_per_row) != batch.num_rows:
-        raise ValueError(
-            f"routes_per_row must hold one entry per row ({batch.num_rows}), got {len(routes_per_row)}"
-        )
+    _check_per_row(batch, "routes_per_row", routes_per_row)
     missing = [row for row, routes in enumerate(routes_per_row) if routes is None]
     if missing:
         raise RuntimeError(

@@ -186,11 +186,8 @@ def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor] | None = None) -
     adapters = {}
     for key, meta in stored.items():
         name = key.removeprefix("model.")
-        if (
-            key.startswith("model.")
-            and ".lora_" in name
-            and (weights is None or f"{name.rsplit('.lora_', 1)[0]}.weight" in weights)
-        ):
+        base = f"{name.rsplit('.lora_', 1)[0]}.weight"  # the weight it adapts
+        if key.startswith("model.") and ".lora_" in name and (weights is None or base in weights):
             assert isinstance(meta, dcp.TensorStorageMetadata)  # a LoRA weight is a tensor
             adapters[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     return adapters

@@ -19,6 +19,7 @@ Legend: B sequences, T tokens.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -59,9 +60,8 @@ def load_value_model(model_dir: str, config: Config, world_size: int, device: to
     head_name = "score" if hasattr(model, "score") else "classifier"  # transformers' two names for it
     head = getattr(model, head_name)
     if any(key.startswith(f"{head_name}.") for key in loading["missing_keys"]):  # new: values start at 0
-        torch.nn.init.zeros_(head.weight)
-        if head.bias is not None:
-            torch.nn.init.zeros_(head.bias)
+        for param in head.parameters():  # the weight and any bias
+            torch.nn.init.zeros_(param)
     return parallelize_model(model.to(device), setup.mesh_context)
 
 
@@ -115,20 +115,13 @@ class CriticWorker(ModelRank):
 
 
 class CriticGroup(PolicyGroup):
-    """The driver's handle on the critic's ranks (data parallel only, see the module docstring)."""
+    """The driver's handle on the critic's ranks: a `PolicyGroup`'s arguments (`wait`, `log_prefix`), its
+    ranks data parallel only (module docstring)."""
 
     worker_class = CriticWorker
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        config: Config,
-        num_ranks: int,
-        *,
-        wait: bool = True,
-        log_prefix: str = "",
-    ) -> None:
-        super().__init__(model_dir, data_parallel_only(config), num_ranks, wait=wait, log_prefix=log_prefix)
+    def __init__(self, model_dir: str | Path, config: Config, num_ranks: int, **kwargs: Any) -> None:
+        super().__init__(model_dir, data_parallel_only(config), num_ranks, **kwargs)
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Values of every row of `batch`, [B, T], in row order."""

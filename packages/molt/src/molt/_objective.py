@@ -243,14 +243,12 @@ def step_loss(
         dual_clip=loss.dual_clip,
         weights=weights_BT * scale_BT,
     )
-    entropy_sum = masked_sum(entropy_BT, mask_BT)
     total = pg_sum - algo.entropy_coef * masked_sum(entropy_BT * scale_BT, mask_BT)
-    num_trainable = (mask_BT != 0).sum()
     has_tokens_B = (mask_BT != 0).any(dim=1)  # shard padding rows are not sequences
     sums = {
         "train/policy_loss": pg_sum.detach() * num_tokens / denominator,  # / num_tokens: as trained
-        "train/entropy": entropy_sum.detach(),
-        "train/clip_frac": pg_metrics["clip_frac"] * num_trainable,
+        "train/entropy": masked_sum(entropy_BT, mask_BT).detach(),
+        "train/clip_frac": pg_metrics["clip_frac"] * (mask_BT != 0).sum(),
         **_mismatch_sums(old_logp_BT, rollout_logp_BT, mask_BT, lag_BT),
         "train/correction_weight_mean": masked_sum(weights_BT, mask_BT),
         "train/correction_weight_dev": masked_sum((weights_BT - 1).abs(), mask_BT),  # 0: all weigh 1

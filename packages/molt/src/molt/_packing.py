@@ -9,7 +9,7 @@ planned here:
   deals them to the data-parallel ranks: every rank gets the same number (FSDP2 runs them in lock-step),
   and the micro-batches that run side by side cost about the same (length plus the quadratic attention
   term, `row_cost`).
-- `PackedRows` lays one micro-batch's rows end to end as one row of N tokens: positions restart at 0 for
+- `packed_rows` lays one micro-batch's rows end to end as one row of N tokens: positions restart at 0 for
   each row, and `packed_attention` (registered with transformers' attention interface as "molt_packed")
   attends within each row only: `torch.nn.attention.varlen.varlen_attn` (flash varlen) on CUDA in 16-bit,
   causal SDPA per row otherwise (a CPU, float32). No [N, N] mask is built. The per-token results come
@@ -32,22 +32,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from molt._prefix import gather_rows, tree_mask
+from molt._prefix import SharedPrefixRows, tree_mask
 
 __all__ = [
     "ATTENTION",
     "BF16_PEAK",
     "CUDA_PACK_MULTIPLE",
-    "PackedRows",
     "attention_windows",
     "auto_micro_batch_tokens",
     "model_flops",
     "packed_attention",
+    "packed_rows",
     "packing_refusal",
     "plan_micro_batches",
     "row_cost",
@@ -64,12 +63,6 @@ ATTENTION_TOKENS = 8192
 def row_cost(length: int) -> float:
     """The compute a row of `length` tokens costs, in tokens: its linear layers plus its attention."""
     return length + length * length / ATTENTION_TOKENS
-
-
-def _fits_padded(lengths: list[int], new: list[int], budget: int) -> bool:
-    """Whether rows of `new` lengths join a padded micro-batch of rows `lengths` within `budget` token
-    slots (rows x the longest)."""
-    return (len(lengths) + len(new)) * max([*new, *lengths]) <= budget
 
 
 class _Unit(NamedTuple):
@@ -96,9 +89,9 @@ def _fill(units: list[_Unit], lengths: Sequence[int], num_bins: int, budget: int
     for unit in units:
         if packed:
             fitting = [b for b in range(num_bins) if tokens[b] + unit.tokens <= budget]
-        else:
-            new = [lengths[r] for r in unit.rows]
-            fitting = [b for b in range(num_bins) if _fits_padded([lengths[r] for r in bins[b]], new, budget)]
+        else:  # padded: a micro-batch's token slots are its rows x the longest
+            joined = [[lengths[r] for r in (*bins[b], *unit.rows)] for b in range(num_bins)]
+            fitting = [b for b in range(num_bins) if len(joined[b]) * max(joined[b]) <= budget]
         if not fitting:
             return None
         best = min(fitting, key=lambda b: costs[b])
@@ -163,78 +156,24 @@ def plan_micro_batches(
     return plan
 
 
-@dataclass(frozen=True)
-class PackedRows:
-    """One micro-batch's rows end to end: row b's tokens at packed positions starts[b] .. starts[b] + n_b,
-    then a padding row (on CUDA) to the rounded length."""
-
-    lengths: tuple[int, ...]
-    num_packed: int
-    """N, the packed length, padding row included."""
-    max_length: int
-    """The longest row (rounded up on CUDA); varlen attention's bound."""
-
-    @classmethod
-    def of(cls, lengths: Sequence[int], *, cuda: bool) -> PackedRows:
-        total, longest = sum(lengths), max(lengths)
-        if cuda:  # few distinct shapes for compiled layers (module docstring)
-            padded = -(-total // CUDA_PACK_MULTIPLE) * CUDA_PACK_MULTIPLE
-            return cls(tuple(lengths), padded, max(1 << (longest - 1).bit_length(), padded - total))
-        return cls(tuple(lengths), total, longest)
-
-    num_saved = 0  # token slots saved by sharing: none (`molt._prefix.SharedPrefixRows` saves some)
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """int32 [rows + 1 (+1 with a padding row)]: where each row starts, then N."""
-        bounds = [0, *itertools.accumulate(self.lengths)]
-        if self.num_packed > bounds[-1]:
-            bounds.append(self.num_packed)
-        return torch.tensor(bounds, dtype=torch.int32)
-
-    def pack(self, values_BT: torch.Tensor, fill: int = 0) -> torch.Tensor:
-        """[1, N, ...]: each row's first n_b columns, end to end, then `fill` to N."""
-        parts = [values_BT[b, :n] for b, n in enumerate(self.lengths)]
-        missing = self.num_packed - sum(self.lengths)
-        if missing:
-            parts.append(values_BT.new_full((missing, *values_BT.shape[2:]), fill))
-        return torch.cat(parts)[None]
-
-    def position_ids(self) -> torch.Tensor:
-        """[1, N] int64: 0 .. n_b - 1 for each row (and the padding row)."""
-        pieces = [torch.arange(n) for n in self.lengths]
-        missing = self.num_packed - sum(self.lengths)
-        return torch.cat([*pieces, torch.arange(missing)])[None]
-
-    def model_kwargs(self, device: torch.device) -> dict:
-        """The forward's keyword arguments that make it packed: positions, and the row bounds that
-        `packed_attention` reads (transformers passes them to the attention function unchanged)."""
-        cu_seqlens = self.cu_seqlens.to(device)
-        return {
-            "position_ids": self.position_ids().to(device),
-            "cu_seq_lens_q": cu_seqlens,
-            "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": self.max_length,
-            "max_length_k": self.max_length,
-        }
-
-    def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
-        """[B, num_cols, ...] from [1, N, ...]: row b's values in its first n_b columns, 0 past them."""
-        index_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.int64)
-        valid_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.bool)
-        start = 0
-        for b, n in enumerate(self.lengths):
-            index_BT[b, :n] = torch.arange(start, start + n)
-            valid_BT[b, :n] = True
-            start += n
-        return gather_rows(values_1N, index_BT, valid_BT)
+def packed_rows(lengths: Sequence[int], *, cuda: bool) -> SharedPrefixRows:
+    """One micro-batch's rows end to end, sharing nothing (`SharedPrefixRows` of one-row groups): row b's
+    tokens at packed positions starts[b] .. starts[b] + n_b, then (on CUDA) a padding row to a multiple
+    of `CUDA_PACK_MULTIPLE`, and the longest row, varlen attention's bound, rounded up to a power of two
+    (module docstring)."""
+    groups = tuple(((b,), 0) for b in range(len(lengths)))
+    if not cuda:
+        return SharedPrefixRows(tuple(lengths), groups, max(lengths))
+    num_padding = -sum(lengths) % CUDA_PACK_MULTIPLE
+    max_length = max(1 << (max(lengths) - 1).bit_length(), num_padding)
+    return SharedPrefixRows(tuple(lengths), groups, max_length, num_padding)
 
 
 def packed_attention(
     module: torch.nn.Module,
-    query_1HND: torch.Tensor,
-    key_1HND: torch.Tensor,
-    value_1HND: torch.Tensor,
+    q_1HND: torch.Tensor,
+    k_1HND: torch.Tensor,
+    v_1HND: torch.Tensor,
     attention_mask: torch.Tensor | None,
     *,
     scaling: float | None = None,
@@ -257,34 +196,23 @@ def packed_attention(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
-            module,
-            query_1HND,
-            key_1HND,
-            value_1HND,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            **kwargs,
+            module, q_1HND, k_1HND, v_1HND, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    assert query_1HND.shape[0] == 1 and dropout == 0.0, "packed attention runs one row, without dropout"
+    assert q_1HND.shape[0] == 1 and dropout == 0.0, "packed attention runs one row, without dropout"
     if tree_block_masks is not None:
         from molt._flex import flex_attention
 
         assert sliding_window in tree_block_masks, f"no block mask for a window of {sliding_window}"
+        block_mask = tree_block_masks[sliding_window]
         out_1HND = flex_attention(
-            query_1HND,
-            key_1HND,
-            value_1HND,
-            block_mask=tree_block_masks[sliding_window],
-            scale=scaling,
-            enable_gqa=True,
+            q_1HND, k_1HND, v_1HND, block_mask=block_mask, scale=scaling, enable_gqa=True
         )
         assert isinstance(out_1HND, torch.Tensor)  # no auxiliary outputs asked for
         return out_1HND.transpose(1, 2).contiguous(), None
-    if query_1HND.is_cuda and query_1HND.dtype in (torch.bfloat16, torch.float16):  # flash takes 16-bit only
+    if q_1HND.is_cuda and q_1HND.dtype in (torch.bfloat16, torch.float16):  # flash takes 16-bit only
         from torch.nn.attention.varlen import varlen_attn
 
-        q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (query_1HND, key_1HND, value_1HND))
+        q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (q_1HND, k_1HND, v_1HND))
         window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
         cu_seqlens = cu_seq_lens_q.to(torch.int32)
         assert max_length_q is not None  # the packed rows' kwargs carry it with the row bounds
@@ -301,9 +229,9 @@ def packed_attention(
         )
         assert isinstance(out_NHD, torch.Tensor)  # no logsumexp asked for
         return out_NHD[None], None
-    outs = []
+    outs, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     for start, stop in itertools.pairwise(cu_seq_lens_q.tolist()):
-        q, k, v = (t[:, :, start:stop] for t in (query_1HND, key_1HND, value_1HND))
+        q, k, v = (t[:, :, start:stop] for t in (q_1HND, k_1HND, v_1HND))
         mask = None
         if tree_branches is not None and bool((tree_branches[start:stop] < 0).any()):  # a prefix, its rows
             assert tree_positions is not None  # `SharedPrefixRows.model_kwargs` gives both
@@ -311,11 +239,7 @@ def packed_attention(
         elif sliding_window is not None:  # causal in the window: query i sees key j when i - w < j <= i
             i, j = torch.arange(stop - start)[:, None], torch.arange(stop - start)[None]
             mask = ((j <= i) & (j > i - sliding_window)).to(q.device)
-        outs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True
-            )
-        )
+        outs.append(sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -3,7 +3,7 @@
 
 `prefix_groups` finds the rows of a micro-batch that begin with the same `MIN_SHARED_TOKENS` tokens or more;
 `SharedPrefixRows` lays each such group out as a one-level tree, [prefix | row 1's continuation | row 2's
-continuation | ...], and each row that shares nothing end to end, as `molt._packing.PackedRows` does.
+continuation | ...], and each row that shares nothing end to end, as `molt._packing.packed_rows` does.
 Positions continue from the prefix in every continuation (the prefix 0..S-1, row b's continuation
 S..n_b-1: a token's position is its column in its row), and `molt._packing.packed_attention` lets a
 continuation see the prefix and its own earlier tokens, never a sibling's (`visible`: by position and
@@ -13,7 +13,7 @@ for j < S and from its continuation past it, so every per-token result is the ro
 The attention. On CUDA, one FlexAttention call over the whole packed row (`molt._flex`): the block masks
 (`SharedPrefixRows.block_masks`, one per sliding window the model's layers use) are built once per
 forward and travel to every layer's attention as a keyword argument, as the row bounds do; N is rounded
-up as `PackedRows` rounds it, with a padding span that attends to itself only. On a CPU, where
+up as `packed_rows` rounds it, with a padding span that attends to itself only. On a CPU, where
 FlexAttention has no backward, each group's span runs SDPA with a boolean [n, n] `tree_mask`.
 
 The next token. A logprob in column j is read at position j - 1 with the row's own token j as target,
@@ -39,42 +39,35 @@ Legend: B rows, T tokens (columns), N packed tokens.
 from __future__ import annotations
 
 import functools
-import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "gather_rows", "prefix_groups", "tree_mask", "visible"]
+__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "prefix_groups", "tree_mask", "visible"]
 
 MIN_SHARED_TOKENS = 16
 """Rows share a prefix only when it saves at least this many tokens a row: shorter common beginnings (a
 chat template's first tokens) are not worth a tree mask."""
 
 
-def _common_length(a: list[int], b: list[int]) -> int:
-    """How many tokens `a` and `b` begin with alike."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def prefix_groups(
-    tokens_BT: torch.Tensor, lengths: Sequence[int], *, min_shared: int = MIN_SHARED_TOKENS
-) -> tuple[tuple[tuple[int, ...], int], ...]:
+def prefix_groups(tokens_BT: torch.Tensor, lengths: Sequence[int]) -> tuple[tuple[tuple[int, ...], int], ...]:
     """The rows as groups that share a prefix, each with the tokens its prefix holds: (rows, S), every row
     in one group; a row that shares nothing is a group of one with S = 0.
 
     Rows sorted by their tokens put those with a common beginning side by side; each joins the group
-    before it when the group then still shares at least `min_shared` tokens and saves no fewer tokens
+    before it when the group then still shares at least `MIN_SHARED_TOKENS` tokens and saves no fewer tokens
     than without it. S is the common tokens less one (module docstring: the next token)."""
     rows = [tokens_BT[b, :n].tolist() for b, n in enumerate(lengths)]
     groups: list[tuple[list[int], int]] = []  # (rows, the tokens they all begin with)
     for b in sorted(range(len(rows)), key=lambda b: rows[b]):
         if groups:
             members, common = groups[-1]
-            joined = min(common, _common_length(rows[members[-1]], rows[b]))
+            # os.path.commonprefix compares lists element by element, as it does strings
+            joined = min(common, len(os.path.commonprefix([rows[members[-1]], rows[b]])))
             saved = (len(members) - 1) * (common - 1)
-            if joined - 1 >= min_shared and len(members) * (joined - 1) >= saved:
+            if joined - 1 >= MIN_SHARED_TOKENS and len(members) * (joined - 1) >= saved:
                 groups[-1] = ([*members, b], joined)
                 continue
         groups.append(([b], lengths[b]))
@@ -83,14 +76,16 @@ def prefix_groups(
 
 @dataclass(frozen=True)
 class SharedPrefixRows:
-    """One micro-batch's rows as shared-prefix trees, end to end (module docstring); the interface of
-    `molt._packing.PackedRows`."""
+    """One micro-batch's rows as shared-prefix trees, end to end (module docstring). With groups of one
+    row only, nothing is shared: the rows packed end to end (`molt._packing.packed_rows`)."""
 
     lengths: tuple[int, ...]
     groups: tuple[tuple[tuple[int, ...], int], ...]
     """`prefix_groups`: (rows, S) per group, in packed order."""
+    max_length: int
+    """The longest span (group or padding): varlen attention's bound (`packed_rows` rounds it up)."""
     num_padding: int = 0
-    """A padding span's tokens after the groups (on CUDA, to round N up as `PackedRows` does): it attends
+    """A padding span's tokens after the groups (on CUDA, to round N up as `packed_rows` does): it attends
     to itself only, and no row reads it."""
     windows: tuple[int | None, ...] = (None,)
     """The `sliding_window`s the model's attention layers pass (None: full attention): on CUDA, one
@@ -104,13 +99,13 @@ class SharedPrefixRows:
         *,
         pad_to: int = 1,
         windows: Sequence[int | None] = (None,),
-        min_shared: int = MIN_SHARED_TOKENS,
     ) -> SharedPrefixRows:
         """The layout of these rows, N rounded up to a multiple of `pad_to` (on CUDA,
         `molt._packing.CUDA_PACK_MULTIPLE`)."""
-        groups = prefix_groups(tokens_BT, lengths, min_shared=min_shared)
-        num_tokens = sum(lengths) - sum((len(members) - 1) * shared for members, shared in groups)
-        return cls(tuple(lengths), groups, -num_tokens % pad_to, tuple(windows))
+        groups = prefix_groups(tokens_BT, lengths)
+        spans = [sum(lengths[b] for b in members) - (len(members) - 1) * shared for members, shared in groups]
+        num_padding = -sum(spans) % pad_to
+        return cls(tuple(lengths), groups, max(*spans, num_padding), num_padding, tuple(windows))
 
     @functools.cached_property
     def _tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -156,20 +151,28 @@ class SharedPrefixRows:
         """[1, N] int64: a token's column in its row (a continuation's go on from its prefix)."""
         return self._tokens[1][None]
 
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [spans + 1]: where each span (a group, then the padding) starts, then N."""
+        return torch.tensor(self._tokens[3], dtype=torch.int32)
+
     def model_kwargs(self, device: torch.device) -> dict:
         """The forward's keyword arguments: positions, the spans' bounds (attention never crosses one)
-        and the tree within each, which `packed_attention` reads: on CUDA the block masks of
-        `block_masks` (FlexAttention), on a CPU the positions and branches (`tree_mask`, SDPA)."""
-        _, positions_N, branches_N, bounds = self._tokens
-        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
-        longest = max(stop - start for start, stop in itertools.pairwise(bounds))
+        and, where a prefix is shared, the tree within each, which `packed_attention` reads: on CUDA the
+        block masks of `block_masks` (FlexAttention), on a CPU the positions and branches (`tree_mask`,
+        SDPA). Rows that share nothing pass the bounds alone: varlen attention on CUDA. transformers passes
+        them all to the attention function unchanged."""
+        _, positions_N, branches_N, _ = self._tokens
+        cu_seqlens = self.cu_seqlens.to(device)
         kwargs = {
             "position_ids": positions_N[None].to(device),
             "cu_seq_lens_q": cu_seqlens,
             "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": longest,
-            "max_length_k": longest,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
         }
+        if not self.num_saved:
+            return kwargs
         if device.type == "cuda":
             return kwargs | {"tree_block_masks": self.block_masks(device)}
         return kwargs | {"tree_positions": positions_N.to(device), "tree_branches": branches_N.to(device)}
@@ -198,27 +201,16 @@ class SharedPrefixRows:
     def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
         """[B, num_cols, ...] from [1, N, ...]: row b's column j from its prefix (j < S) or its
         continuation, 0 past its n_b columns. A prefix value goes to every row of its group."""
+        rows_N, positions_N, _, _ = self._tokens  # a prefix's tokens are its group's first row's
         index_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.int64)
-        valid_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.bool)
-        start = 0
+        index_BT[rows_N, positions_N[: len(rows_N)]] = torch.arange(len(rows_N))
         for members, shared in self.groups:
-            prefix = torch.arange(start, start + shared)
-            start += shared
-            for b in members:
-                own = self.lengths[b] - shared
-                index_BT[b, : self.lengths[b]] = torch.cat([prefix, torch.arange(start, start + own)])
-                valid_BT[b, : self.lengths[b]] = True
-                start += own
-        return gather_rows(values_1N, index_BT, valid_BT)
-
-
-def gather_rows(values_1N: torch.Tensor, index_BT: torch.Tensor, valid_BT: torch.Tensor) -> torch.Tensor:
-    """[B, T, ...] from a packed [1, N, ...]: row b's column j is packed token `index_BT[b, j]` where
-    `valid_BT` holds, 0 elsewhere (both layouts' `unpack`)."""
-    index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
-    gathered = values_1N[0][index_BT]
-    valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
-    return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+            index_BT[list(members[1:]), :shared] = index_BT[members[0], :shared]
+        valid_BT = torch.arange(num_cols) < torch.tensor(self.lengths)[:, None]
+        index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
+        gathered = values_1N[0][index_BT]
+        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
+        return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
 
 
 def visible(

@@ -6,7 +6,7 @@ AutoModel + FSDP2; each kind loads its own), sizes its micro-batch token budget,
 runs its rows of a `TrainBatch` through the model micro-batch by micro-batch, steps the optimizer and
 writes and reads its part of a checkpoint. The group plans the rows' micro-batches for all ranks
 (`molt._packing.plan_micro_batches`: a token budget, balanced by cost). Each micro-batch's rows go through
-the model packed end to end (`molt._packing.PackedRows`, attention within each row) and come back as
+the model packed end to end (`molt._packing.packed_rows`, attention within each row) and come back as
 [B, T] per-row tensors, so the loss sees the rows exactly as it would padded; a model that cannot pack
 runs them padded. With --actor.shared_prefix, rows that begin alike share those tokens' computation
 (`molt._prefix.SharedPrefixRows`, the same results per row; FlexAttention on CUDA, SDPA on a CPU). Every
@@ -43,10 +43,10 @@ from molt._log import redirect_output
 from molt._packing import (
     BF16_PEAK,
     CUDA_PACK_MULTIPLE,
-    PackedRows,
     attention_windows,
     auto_micro_batch_tokens,
     model_flops,
+    packed_rows,
     packing_refusal,
     use_packed_attention,
 )
@@ -84,11 +84,9 @@ class ModelRank:
         if on_gpu:
             torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+        url = f"tcp://{master_addr}:{master_port}"
         dist.init_process_group(
-            backend="nccl" if on_gpu else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
+            "nccl" if on_gpu else "gloo", init_method=url, rank=rank, world_size=world_size
         )
         self.model = self._load(str(model_dir), world_size)
         # --actor.pack: each micro-batch's rows end to end, attention within each (`molt._packing`); a
@@ -116,11 +114,8 @@ class ModelRank:
         if config.actor.freeze_moe_router:
             freeze_moe_routers(self.model)
         actor = config.actor
-        self.optimizer = torch.optim.AdamW(  # one group per device mesh: foreach ops never mix meshes
-            [{"params": params} for params in params_by_mesh(self.model)],
-            lr=self._learning_rate(),
-            weight_decay=actor.weight_decay,
-        )
+        groups = [{"params": params} for params in params_by_mesh(self.model)]  # foreach never mixes meshes
+        self.optimizer = torch.optim.AdamW(groups, lr=self._learning_rate(), weight_decay=actor.weight_decay)
         # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
@@ -159,7 +154,7 @@ class ModelRank:
         """This rank's micro-batch budget in tokens, and whether it packs rows (the group plans by both)."""
         return self.budget, self.packed
 
-    def _layout(self, mb: TrainBatch) -> PackedRows | SharedPrefixRows | None:
+    def _layout(self, mb: TrainBatch) -> SharedPrefixRows | None:
         """How `mb`'s rows go into the model: as shared-prefix trees where --actor.shared_prefix finds rows
         that begin alike (`molt._prefix`), packed end to end, or None (as they are, right padded).
         Rows of one length have no padding to save: they run as a [B, T] batch, whose SDPA kernels
@@ -173,7 +168,7 @@ class ModelRank:
                 return tree
         if not self.packed or len(set(mb.row_lengths)) == 1:
             return None
-        return PackedRows.of(mb.row_lengths, cuda=cuda)
+        return packed_rows(mb.row_lengths, cuda=cuda)
 
     def _model_outputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over `mb` in its layout, back as [B, T, X] per row: from the logprob head, log p of
@@ -186,12 +181,11 @@ class ModelRank:
             tokens_BT, kwargs = mb.tokens_BT.to(self.device), mb.model_inputs(self.device)
             if self._needs_blank_image(mb):  # vision-language rows get their images
                 tokens_BT, kwargs = self._blank_image_column(tokens_BT)
-            slots = tokens_BT.numel()
         else:
             tokens_BT, kwargs = layout.pack(mb.tokens_BT).to(self.device), layout.model_kwargs(self.device)
-            slots = layout.num_packed
             self.passes["saved"] += layout.num_saved
-        self.passes["slots"] += slots  # the tokens are counted by the pass (an empty turn has none)
+        # [B, T] or [1, N]; the tokens are counted by the pass (an empty turn has none)
+        self.passes["slots"] += tokens_BT.numel()
         head = self._logprob_head  # each row's last next token is another row's or a wrap: never trained
         with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
             out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **kwargs).logits
@@ -218,17 +212,16 @@ class ModelRank:
         vision = self.model.config.vision_config  # Qwen-VL: a patch is channels x frames x pixels^2
         merge = vision.spatial_merge_size
         num_values = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        extra_B1 = tokens_BT[:, -1:].clone()
-        extra_B1[0, 0] = self.model.config.image_token_id
+        tokens_BT = torch.cat([tokens_BT, tokens_BT[:, -1:]], dim=1)
+        tokens_BT[0, -1] = self.model.config.image_token_id
         token_type_BT = torch.zeros_like(tokens_BT)
-        token_type_B1 = torch.zeros_like(extra_B1)
-        token_type_B1[0, 0] = 1
+        token_type_BT[0, -1] = 1
         images = {
             "pixel_values": torch.zeros(merge * merge, num_values, device=self.device),
             "image_grid_thw": torch.tensor([[1, merge, merge]], device=self.device),
-            "mm_token_type_ids": torch.cat([token_type_BT, token_type_B1], dim=1),
+            "mm_token_type_ids": token_type_BT,
         }
-        return torch.cat([tokens_BT, extra_B1], dim=1), images
+        return tokens_BT, images
 
     def _per_micro_batch(self, batch: TrainBatch, compute) -> torch.Tensor:
         """`compute(micro-batch)` [b, t] over each planned micro-batch, back in `batch`'s rows [B, T] on
@@ -268,8 +261,7 @@ class ModelRank:
         counts["compiles"], self.graphs_seen = graphs - self.graphs_seen, graphs
         bf16 = compute_dtype(self.config) == torch.bfloat16 and self.device.type == "cuda"
         name = torch.cuda.get_device_name() if bf16 else ""
-        peaks = [peak for gpu, peak in BF16_PEAK.items() if gpu in name]
-        return {**counts, "peak_flops": peaks[0] if peaks else 0.0}
+        return {**counts, "peak_flops": next((peak for gpu, peak in BF16_PEAK.items() if gpu in name), 0.0)}
 
     def _micro_batch_sums(self, batch: TrainBatch, loss_of, inputs: StepInputs) -> dict[str, float]:
         """Forward and backward of each planned micro-batch of this rank's rows through `loss_of(mb, its
@@ -302,10 +294,9 @@ class ModelRank:
         norms = []  # one per parameter group = device mesh (expert parallelism puts experts on their own)
         for group in self.optimizer.param_groups:
             grads = [p.grad for p in group["params"] if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else None
-            if isinstance(norm, DTensor):  # a partial norm of sharded gradients: reduce it over ranks
-                norm = norm.full_tensor()
-            norms += [norm] if norm is not None else []
+            if grads:  # a partial norm of sharded gradients (a DTensor) is reduced over ranks
+                norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+                norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total_norm = torch.linalg.vector_norm(torch.stack(norms))
         for group in self.optimizer.param_groups:
             torch.nn.utils.clip_grads_with_norm_(group["params"], self.config.actor.grad_clip, total_norm)
@@ -319,14 +310,8 @@ class ModelRank:
         """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""
         from molt._checkpoint import save_actor
 
-        save_actor(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            Path(path) / self.checkpoint_dir,
-            rank=self.rank,
-            lora=self.lora,
-        )
+        where = Path(path) / self.checkpoint_dir
+        save_actor(self.model, self.optimizer, self.scheduler, where, rank=self.rank, lora=self.lora)
 
     def load(self, path: str) -> None:
         """Read the model, optimizer and schedule from a checkpoint (any number of ranks wrote it)."""
