@@ -12,7 +12,8 @@ from typing import Annotated, get_args, get_origin
 import msgspec
 import pytest
 
-from molt._flags import _leaves, flag_help, resolve
+from molt._bounds import leaves
+from molt._flags import flag_help, resolve
 from molt._validate import validate
 from molt.config import Config, ConfigError
 
@@ -38,8 +39,8 @@ def _bounds(tp) -> list[msgspec.Meta]:
     return [meta for arg in get_args(tp) for meta in _bounds(arg)]
 
 
-NUMERIC = [path for path, leaf in _leaves().items() if _numbers(leaf.type)]
-FLOATS = [path for path, leaf in _leaves().items() if float in _numbers(leaf.type)]
+NUMERIC = [path for path, leaf in leaves().items() if _numbers(leaf.type)]
+FLOATS = [path for path, leaf in leaves().items() if float in _numbers(leaf.type)]
 
 
 def _set(struct, path: str, value):
@@ -56,7 +57,7 @@ def test_every_numeric_field_declares_its_bounds():
         for path in NUMERIC
         if any(
             bound is not None
-            for meta in _bounds(_leaves()[path].type)
+            for meta in _bounds(leaves()[path].type)
             for bound in (meta.gt, meta.ge, meta.lt, meta.le)
         )
     }
@@ -67,7 +68,7 @@ def test_every_numeric_field_declares_its_bounds():
 @pytest.mark.parametrize("path", FLOATS)
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_every_float_field_refuses_nan_and_infinities(path, value):
-    default = _leaves()[path].default
+    default = leaves()[path].default
     given = ",".join([value, *map(str, default[1:])]) if isinstance(default, tuple) else value
     with pytest.raises(ConfigError, match=f"^--{re.escape(path)} must be (a )?finite number"):
         resolve([f"--{path}", given])

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import molt._validate
-from molt._flags import _leaves, parse, resolve
+from molt._bounds import leaves
+from molt._flags import parse, resolve
 from molt.config import Config, ConfigError
 
 pytestmark = [
@@ -163,7 +164,7 @@ PROBES: dict[str, Probe] = {
 
 
 def test_every_flag_has_a_probe():
-    assert set(PROBES) == set(_leaves())
+    assert set(PROBES) == set(leaves())
 
 
 AGENT_MODULE = '''
@@ -214,7 +215,7 @@ def inputs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 
 
 def _changed_value(path: str) -> str:
-    leaf = _leaves()[path]
+    leaf = leaves()[path]
     if leaf.type is bool:
         return str(not leaf.default).lower()
     if get_origin(leaf.type) is Literal:
@@ -261,7 +262,7 @@ def machine(monkeypatch):
     return pretend
 
 
-@pytest.mark.parametrize("path", list(_leaves()))
+@pytest.mark.parametrize("path", list(leaves()))
 def test_a_changed_flag_changes_what_the_run_does(path, inputs, machine, tmp_path, monkeypatch):
     probe = PROBES[path]
     machine(probe.cuda)

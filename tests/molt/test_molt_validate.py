@@ -14,8 +14,9 @@ import msgspec
 import pytest
 
 import molt._validate
+from molt._bounds import leaves
 from molt._engines import engine_extra_args
-from molt._flags import _leaves, resolve
+from molt._flags import resolve
 from molt._placement import engine_gpus, engine_memory_utilization, gpu_share, gpus_needed, refit_backend
 from molt._validate import check_cluster_gpus, num_experts, validate
 from molt.config import Config, ConfigError
@@ -427,7 +428,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
 
 
 def test_every_numeric_field_has_bad_values_written_out():
-    numeric = {path for path, leaf in _leaves().items() if _numeric(leaf.type)}
+    numeric = {path for path, leaf in leaves().items() if _numeric(leaf.type)}
     assert numeric == set(_BAD_NUMBERS)
 
 
@@ -456,7 +457,7 @@ _BAD_TEXT = {  # the string fields' bad values (tmp_path -> value)
 
 
 def _bad_values(path: str, tmp_path: Path) -> list[str]:
-    leaf_type = _leaves()[path].type
+    leaf_type = leaves()[path].type
     if path in _BAD_NUMBERS:
         return _BAD_NUMBERS[path]
     if leaf_type is bool:
@@ -466,7 +467,7 @@ def _bad_values(path: str, tmp_path: Path) -> list[str]:
     return [_BAD_TEXT[path](tmp_path)]
 
 
-@pytest.mark.parametrize("path", list(_leaves()))
+@pytest.mark.parametrize("path", list(leaves()))
 def test_every_field_refuses_a_bad_value_naming_its_flag(path, tmp_path):
     extra = {"algo.critic.model": ["--algo.advantage.estimator", "gae"]}.get(path, [])
     for value in _bad_values(path, tmp_path):

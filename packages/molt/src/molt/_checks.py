@@ -1,21 +1,27 @@
-"""The checks of `molt._validate.validate` that read the config alone: the combinations of flags
-(numbers tied to one another; asynchrony without importance correction, DESIGN invariant 2; a group
-baseline over groups of one; a sampler the trainer does not reproduce, invariant 3) and the derived values
-they fill. Each numeric field's own bound is `molt._bounds`'; the files, addresses and agent module the
-run reads are `molt._checks_paths`'; the model `molt._checks_model`'s; what this machine can run is
-`molt._validate`'s; the order of the pass is `validate`'s. Every message names the flags and what to do.
+"""The checks of `molt._validate.validate` that do not read the model: the combinations of flags (numbers
+tied to one another; asynchrony without importance correction, DESIGN invariant 2; a group baseline over
+groups of one; a sampler the trainer does not reproduce, invariant 3) and the derived values they fill;
+and what the config names outside itself: the files and directories the run reads and writes, the
+addresses it joins (vLLM servers, a Ray head, a W&B project), and the agent module against the data
+settings. Each numeric field's own bound is `molt._bounds`'; the model `molt._checks_model`'s; what this
+machine can run is `molt._validate`'s; the order of the pass is `validate`'s. Every message names the
+flags and what to do.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from pathlib import Path
 from typing import get_args
 
 import msgspec
 
+from molt._bounds import field_value
 from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Config, ConfigError, OutcomeEstimator
 
-__all__ = ["check_algorithm", "check_pairs", "check_sampling", "loss_denominator", "on_policy"]
+__all__ = ["check_agent", "check_algorithm", "check_pairs", "check_paths", "loss_denominator", "on_policy"]
 
 
 def check_pairs(config: Config) -> None:
@@ -67,20 +73,20 @@ def loss_denominator(config: Config) -> Config:
     the aggregation it would go with does not use."""
     loss = config.algo.loss
     agg = loss_agg(config.algo)
-    if agg != "seq-mean-token-sum-norm":
-        if loss.agg_constant:
-            raise ConfigError(
-                f"--algo.loss.agg_constant {loss.agg_constant} divides only under --algo.loss.agg "
-                f"seq-mean-token-sum-norm, and this run's is {agg}: pass that, or drop the constant"
-            )
-        constant = 0
-    else:  # Dr. GRPO's constant is the generation budget (Liu et al. 2025, §3.2)
-        constant = loss.agg_constant or config.rollout.max_new_tokens
+    if agg != "seq-mean-token-sum-norm" and loss.agg_constant:
+        raise ConfigError(
+            f"--algo.loss.agg_constant {loss.agg_constant} divides only under --algo.loss.agg "
+            f"seq-mean-token-sum-norm, and this run's is {agg}: pass that, or drop the constant"
+        )
+    # Dr. GRPO's constant is the generation budget (Liu et al. 2025, §3.2).
+    budget = loss.agg_constant or config.rollout.max_new_tokens
+    constant = budget if agg == "seq-mean-token-sum-norm" else 0
     loss = msgspec.structs.replace(loss, agg=agg, agg_constant=constant)
     return msgspec.structs.replace(config, algo=msgspec.structs.replace(config.algo, loss=loss))
 
 
 def check_algorithm(config: Config) -> None:
+    """The algorithm's flags against each other and the sampler's (DESIGN invariants 2 and 3)."""
     rollout, algo = config.rollout, config.algo
     # DESIGN invariant 2: tokens from an older policy, or mixed versions, need the importance correction.
     if (rollout.max_lag >= 1 or rollout.partial_rollout) and algo.correction.mode == "none":
@@ -127,10 +133,7 @@ def check_algorithm(config: Config) -> None:
             f"--train.mini_batches {config.train.mini_batches} is more than the step's {rollouts} rollouts "
             f"(--rollout.prompts_per_step x --rollout.group_size): each optimizer step needs one"
         )
-
-
-def check_sampling(config: Config) -> None:
-    """DESIGN invariant 3: the trainer computes the full softmax at the sampling temperature."""
+    # DESIGN invariant 3: the trainer computes the full softmax at the sampling temperature.
     if config.rollout.top_p < 1:
         raise ConfigError(
             f"--rollout.top_p {config.rollout.top_p}: the engine would renormalise each logprob over the "
@@ -138,3 +141,58 @@ def check_sampling(config: Config) -> None:
             "weight would be off; sample with --rollout.top_p 1 (shape the distribution with "
             "--rollout.temperature)"
         )
+
+
+def check_paths(config: Config) -> None:
+    """Files the run reads exist; directories it writes are not files; engine URLs are URLs."""
+    for flag in ("data.path", "eval.path"):
+        if (path := field_value(config, flag)) and not Path(path).is_file():
+            raise ConfigError(f"--{flag} {path}: no such file (a JSONL file of rows)")
+    for flag in ("model.path", "algo.teacher.model", "algo.critic.model"):
+        if (path := field_value(config, flag)) and not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"--{flag} {path} is not a Hugging Face model directory (no config.json)")
+    for flag in ("logger.run_dir", "ckpt.dir", "train.rollout_dump_dir"):
+        if (path := field_value(config, flag)) and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"--{flag} {path} is a file; it names a directory the run writes into")
+    for url in config.vllm.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--vllm.urls {url!r}: each is a running vLLM server's http:// address")
+    project = config.logger.wandb_project
+    if project and (len(project) > 128 or any(c in project for c in "/\\#?%:")):  # W&B's own rule
+        raise ConfigError(
+            f"--logger.wandb_project {project!r}: a W&B project name has at most 128 characters and none of "
+            "/ \\ # ? % :"
+        )
+    if config.logger.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--logger.wandb_project {config.logger.wandb_project} needs the wandb package, which is not "
+            "installed: run `uv sync --extra wandb` (or `pip install 'molt[wandb]'`), or drop the flag"
+        )
+    if not config.data.messages_key:
+        raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
+    address = config.ray.address
+    if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
+        raise ConfigError(f"--ray.address {address!r}: pass a Ray head's HOST:PORT, ray://HOST:PORT or auto")
+    if config.ray.address and config.ray.num_cpus is not None:
+        raise ConfigError(
+            "--ray.num_cpus sizes a local Ray; the cluster at --ray.address has its own CPUs: "
+            "drop one of the two"
+        )
+
+
+def check_agent(config: Config) -> None:
+    """The agent module exports an AgentRunner that the data settings can serve."""
+    from molt.agent import ChatAgent, load_agent
+
+    try:
+        module = load_agent(config.agent.module)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if issubclass(module.AgentRunner, ChatAgent) and not config.data.apply_chat_template:
+        raise ConfigError(
+            f"--agent.module {config.agent.module} is a ChatAgent: it sends chat messages, which tito "
+            "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
+            "text) serves only Env agents"
+        )
+    if not config.data.path and not hasattr(module, "dataset"):
+        raise ConfigError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")

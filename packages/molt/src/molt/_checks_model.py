@@ -1,7 +1,7 @@
 """The checks of `molt._validate.validate` that read the model: its shape (heads, key-value heads, experts,
 a vision tower) against the parallel sizes and what a vision-language policy can run, LoRA's flags against
 the projections they wrap and what vLLM serves, and a teacher's or critic's tokenizer against the policy's.
-The checks that read the config alone are `molt._checks`. Every message names the flags and what to do.
+The other checks are `molt._checks`'. Every message names the flags and what to do.
 
 Imports transformers only for a teacher or critic model, or to ask whether --actor.shared_prefix's model
 packs.
@@ -16,7 +16,7 @@ from molt._config_algo import estimator_needs
 from molt._placement import plain_kv_layout
 from molt.config import Config, ConfigError
 
-__all__ = ["LORA_RANKS", "check_companions", "check_model", "num_experts"]
+__all__ = ["LORA_RANKS", "check_companions", "check_model", "num_experts", "why_not_packed"]
 
 # Where Hugging Face configs keep the number of routed experts: Qwen-MoE, DeepSeek, Mixtral.
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
@@ -28,25 +28,24 @@ def num_experts(model_config: dict) -> int:
     return next((int(model_config[key]) for key in _EXPERT_KEYS if model_config.get(key)), 0)
 
 
-def _check_shared_prefix(model_dir: str | Path) -> None:
-    """--actor.shared_prefix lays rows out in packed micro-batches: refused for a model that cannot pack."""
+def why_not_packed(model_dir: str | Path) -> str | None:
+    """Why the actor cannot pack the model at `model_dir` (`molt._packing.packing_refusal`), or None."""
     from transformers import AutoConfig
 
     from molt._packing import packing_refusal
 
-    refusal = packing_refusal(AutoConfig.from_pretrained(model_dir))
-    if refusal:
-        raise ConfigError(
-            "--actor.shared_prefix on shares prefixes within packed micro-batches, and --model.path "
-            f"{model_dir} cannot pack ({refusal}): use --actor.shared_prefix auto or off"
-        )
+    return packing_refusal(AutoConfig.from_pretrained(model_dir))
 
 
 def check_model(config: Config, model_dir: str | Path) -> None:
     """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
     vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
-    if config.actor.shared_prefix == "on" and model_dir:  # the tiny model packs
-        _check_shared_prefix(model_dir)
+    # --actor.shared_prefix lays rows out in packed micro-batches (the tiny model packs).
+    if config.actor.shared_prefix == "on" and model_dir and (refusal := why_not_packed(model_dir)):
+        raise ConfigError(
+            "--actor.shared_prefix on shares prefixes within packed micro-batches, and --model.path "
+            f"{model_dir} cannot pack ({refusal}): use --actor.shared_prefix auto or off"
+        )
     if model_dir:
         model_config = json.loads((Path(model_dir) / "config.json").read_text())
     else:
@@ -149,15 +148,13 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
         )
     hidden = int(model_config.get("hidden_size", 0))
     head_dim = int(model_config.get("head_dim") or (hidden // heads if hidden else 0))
-    sides = {  # each projection's (input, output) size; a size the config does not state is 0 (unchecked)
-        "q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
-        "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
-        "gate_proj": (hidden, int(model_config.get("intermediate_size", 0))),
-        "up_proj": (hidden, int(model_config.get("intermediate_size", 0))),
-        "down_proj": (int(model_config.get("intermediate_size", 0)), hidden),
-    }  # fmt: skip
+    # Every projection maps the hidden size to its own size (or back): the MLP's (gate, up, down) to the
+    # intermediate size. A size the config does not state is 0 (unchecked).
+    own = {"q_proj": heads, "o_proj": heads, "k_proj": kv_heads, "v_proj": kv_heads}
+    intermediate = int(model_config.get("intermediate_size", 0))
     for name in lora.target_modules:
-        smaller = min((side for side in sides[name] if side), default=0)
+        side = own[name] * head_dim if name in own else intermediate
+        smaller = min((size for size in (hidden, side) if size), default=0)
         if smaller and lora.rank >= smaller:
             raise ConfigError(
                 f"--actor.lora.rank {lora.rank} does not fit {name}, whose smaller side is {smaller} "

@@ -9,6 +9,7 @@ Importing this module imports no torch, vLLM or Ray, so `molt --help` is instant
 imported only once a run starts.
 """
 
+import itertools
 import os
 from pathlib import Path
 from typing import Annotated
@@ -55,13 +56,10 @@ def train_help() -> str:
     """`molt train --help`: every dotted flag with its type, default and help, grouped by flag group."""
     groups = {field.name: field.type.__doc__ for field in msgspec.structs.fields(Config)}
     lines = [_USAGE, "", _SYNTAX]
-    group = None
-    for flag, type_name, default, help_text in flag_help():
-        name = flag[2:].split(".", 1)[0]
-        if name != group:
-            lines += ["", f"{name}: {groups[name]}"]
-            group = name
-        lines += [f"  {flag}  {type_name} = {default}", f"      {help_text}"]
+    for name, rows in itertools.groupby(flag_help(), key=lambda row: row[0][2:].split(".", 1)[0]):
+        lines += ["", f"{name}: {groups[name]}"]
+        for flag, type_name, default, help_text in rows:
+            lines += [f"  {flag}  {type_name} = {default}", f"      {help_text}"]
     return "\n".join(lines)
 
 
@@ -74,31 +72,28 @@ def train(ctx: typer.Context) -> None:
         return
     print_config = "--print-config" in args
     args = [arg for arg in args if arg != "--print-config"]
-    resume_dir = _take_resume(args)
     try:
+        resume_dir = _take_resume(args)
         if resume_dir is not None:  # the run's settings as given, then the flags given now
             settings = _resume_settings(resume_dir, args)
             args = ["--config", str(settings), *args, "--logger.run_dir", str(resume_dir)]
         given = parse(args)
         config = validate(given)  # derived values (queue depth, on-policy settings, ...) follow `given`
+        if print_config:
+            typer.echo(render_toml(config), nl=False)
+            return
+        config = with_run_dir(config)
+        run_dir = Path(config.logger.run_dir)
+        if resume_dir is None and (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(
+                f"--logger.run_dir {run_dir} already holds a run; choose another, or continue it with "
+                f"molt train --resume {run_dir}"
+            )
+        if resume_dir is not None and not (Path(config.ckpt.dir) / "latest").is_file():
+            raise ConfigError(f"--resume {resume_dir}: no checkpoint in {config.ckpt.dir}")
     except ConfigError as error:
         typer.echo(f"molt train: {error}", err=True)
         raise typer.Exit(2) from None
-    if print_config:
-        typer.echo(render_toml(config), nl=False)
-        return
-    config = with_run_dir(config)
-    run_dir = Path(config.logger.run_dir)
-    if resume_dir is None and (run_dir / "metrics.jsonl").exists():
-        typer.echo(
-            f"molt train: --logger.run_dir {run_dir} already holds a run; choose another, or continue it "
-            f"with molt train --resume {run_dir}",
-            err=True,
-        )
-        raise typer.Exit(2)
-    if resume_dir is not None and not (Path(config.ckpt.dir) / "latest").is_file():
-        typer.echo(f"molt train: --resume {resume_dir}: no checkpoint in {config.ckpt.dir}", err=True)
-        raise typer.Exit(2)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(render_toml(config, _RESOLVED))
     (run_dir / "given.toml").write_text(render_toml(given, _GIVEN))
@@ -144,8 +139,7 @@ def _take_resume(args: list[str]) -> Path | None:
             value = arg.partition("=")[2] or (args[index + 1] if index + 1 < len(args) else "")
             del args[index : index + (1 if "=" in arg else 2)]
             if not (Path(value) / "config.toml").is_file():
-                typer.echo(f"molt train: --resume {value!r}: not a run directory (no config.toml)", err=True)
-                raise typer.Exit(2)
+                raise ConfigError(f"--resume {value!r}: not a run directory (no config.toml)")
             return Path(value)
     return None
 

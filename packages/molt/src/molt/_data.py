@@ -28,14 +28,19 @@ def read_rows(config: Config, agent_module) -> Iterator[dict]:
     if not config.data.path:  # the agent module has dataset(seed) (`molt._checks.check_agent`)
         yield from agent_module.dataset(config.data.seed)
         return
-    rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines() if line.strip()]
-    key = config.data.messages_key
-    if not rows or any(key not in row for row in rows):
-        raise ValueError(f"--data.path {config.data.path}: every row needs a {key!r} field (and it has rows)")
+    rows = _read_jsonl(config.data.path, "--data.path", config.data.messages_key)
     rng = random.Random(config.data.seed)
     while True:
-        for row in rng.sample(rows, len(rows)):
-            yield {**row, "messages": row[key]}
+        yield from rng.sample(rows, len(rows))
+
+
+def _read_jsonl(path: str, flag: str, key: str, limit: int | None = None) -> list[dict]:
+    """The rows of a JSONL file (the first `limit`), each with its chat messages (field `key`) also under
+    `messages`; refuses a file without rows or a row without that field."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()][:limit]
+    if not rows or any(key not in row for row in rows):
+        raise ValueError(f"{flag} {path}: every row needs a {key!r} field (and it has rows)")
+    return [{**row, "messages": row[key]} for row in rows]
 
 
 class RowStream:
@@ -62,12 +67,7 @@ def eval_rows(config: Config, agent_module) -> list[dict]:
     """The first `--eval.num_prompts` evaluation rows (see `--eval.path`)."""
     count = config.eval.num_prompts
     if config.eval.path:
-        lines = Path(config.eval.path).read_text().splitlines()
-        rows = [json.loads(line) for line in lines if line.strip()][:count]
-        key = config.data.messages_key
-        if not rows or any(key not in row for row in rows):
-            raise ValueError(f"--eval.path {config.eval.path}: every row needs a {key!r} field (and rows)")
-        return [{**row, "messages": row[key]} for row in rows]
+        return _read_jsonl(config.eval.path, "--eval.path", config.data.messages_key, limit=count)
     source = getattr(agent_module, "eval_dataset", None)
     if source is not None:
         return list(itertools.islice(source(config.data.seed), count))

@@ -56,7 +56,6 @@ def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
     """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts); returns the file."""
     dump_dir.mkdir(parents=True, exist_ok=True)
     path = dump_dir / f"step_{step:06d}.jsonl"
-    encoder = msgspec.json.Encoder()
     with path.open("wb") as out:
         for group in groups:
             for index, rollout in enumerate(group.samples):
@@ -64,7 +63,7 @@ def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
                 record = RolloutRecord(
                     step, group.prompt_index, index, rollout.reward, rollout.truncated, rollout.info, segments
                 )
-                out.write(encoder.encode(record) + b"\n")
+                out.write(msgspec.json.encode(record) + b"\n")
     return path
 
 
@@ -75,6 +74,4 @@ def read_rollouts(dump_dir: str | Path) -> Iterator[RolloutRecord]:
     if not paths:
         raise ValueError(f"{dump_dir} holds no rollout dump (step_*.jsonl)")
     for path in paths:
-        with path.open("rb") as lines:
-            for line in lines:
-                yield decoder.decode(line)
+        yield from decoder.decode_lines(path.read_bytes())

@@ -28,14 +28,7 @@ from molt._placement import (
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
-__all__ = [
-    "ADAPTER",
-    "EngineActor",
-    "check_attached",
-    "launch_engines",
-    "lora_flags",
-    "stop_engines",
-]
+__all__ = ["ADAPTER", "EngineActor", "check_attached", "launch_engines", "lora_flags", "stop_engines"]
 
 ADAPTER = "policy"  # the LoRA adapter's name on the engines, and the model each tito request names
 
@@ -89,8 +82,7 @@ class EngineActor:
         self.server.stop()
         self.num_restarts += 1
         log_path = self.log_path.with_name(f"{self.log_path.stem}.restart-{self.num_restarts}.log")
-        self.server = VLLMServer(log_path=log_path, **self.flags)
-        self.server.start()
+        self.server = VLLMServer(log_path=log_path, **self.flags).start()
         return self.server.url
 
     def log_report(self) -> str:
@@ -108,16 +100,11 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
 
     import refit
 
-    backend = refit_backend(config, on_gpu=torch.cuda.is_available())
-    vllm = config.vllm
-    args = refit.engine_flags(backend) + [
-        "--max-model-len",
-        str(vllm.max_model_len),
-        "--seed",
-        str(config.train.seed),
-    ]
+    on_gpu, vllm = torch.cuda.is_available(), config.vllm
+    args = refit.engine_flags(refit_backend(config, on_gpu=on_gpu))
+    args += ["--max-model-len", str(vllm.max_model_len), "--seed", str(config.train.seed)]
     args += ["--enable-prefix-caching" if vllm.enable_prefix_caching else "--no-enable-prefix-caching"]
-    if torch.cuda.is_available():
+    if on_gpu:
         # The engine samples with the function the trainer computes (invariant 3), and a refit sends
         # weights in that dtype (`compute_dtype_name`); the CPU engine always runs float32.
         args += ["--dtype", compute_dtype_name(config)]

@@ -6,29 +6,22 @@ to the field's type, so msgspec checks every type and the bound a numeric field 
 before that, booleans accept true/false/1/0/yes/no (a bare boolean flag means true), optional fields
 accept `none`, and tuples are comma separated (`0.5,2.0`). An unknown flag or key fails naming it and the
 closest known flag (a renamed one, its new name); an ill-typed or out-of-bound one fails naming the flag
-as the user wrote it. Help text is each field's docstring, read from the source of `molt/config.py`
-(and `molt/_config_algo.py`).
+as the user wrote it. Help text is each field's docstring (`molt._bounds.leaves`).
 
 This module imports nothing heavy: `molt train --help` runs it.
 """
 
-import ast
 import difflib
-import functools
-import inspect
-import itertools
 import json
 import re
 import tomllib
 import types
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
-from molt import _config_algo
-from molt import config as config_module
-from molt._bounds import bound_error, help_bound
+from molt._bounds import bound_error, field_value, help_bound, leaves
 from molt._validate import validate
 from molt.config import Config, ConfigError
 
@@ -37,78 +30,19 @@ __all__ = ["flag_help", "parse", "render_toml", "resolve", "type_name"]
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-class _Leaf(NamedTuple):
-    type: Any
-    default: Any
-    doc: str
-
-
-@functools.cache
-def _field_docs() -> dict[tuple[str, str], str]:
-    """`(class name, field name) -> docstring`: the string literal right under each annotated field."""
-    trees = [ast.parse(inspect.getsource(module)) for module in (config_module, _config_algo)]
-    docs = {}
-    for node in (node for tree in trees for node in tree.body):
-        if not isinstance(node, ast.ClassDef):
-            continue
-        for stmt, after in itertools.pairwise(node.body):
-            if (
-                isinstance(stmt, ast.AnnAssign)
-                and isinstance(stmt.target, ast.Name)
-                and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)
-            ):
-                docs[node.name, stmt.target.id] = " ".join(after.value.value.split())  # one line
-    return docs
-
-
-def _is_group(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
-
-
-@functools.cache
-def _leaves() -> dict[str, _Leaf]:
-    """Every settable field by dotted path (`"algo.kl.coef"`), in definition order."""
-    docs, leaves = _field_docs(), {}
-
-    def walk(cls: type[msgspec.Struct], prefix: str) -> None:
-        for field in msgspec.structs.fields(cls):
-            if _is_group(field.type):
-                walk(field.type, f"{prefix}{field.name}.")
-            else:
-                has_factory = field.default_factory is not msgspec.NODEFAULT  # a mutable default: []
-                default = field.default_factory() if has_factory else field.default
-                doc = docs.get((cls.__name__, field.name), "")
-                leaves[prefix + field.name] = _Leaf(field.type, default, doc)
-
-    walk(Config, "")
-    return leaves
-
-
-@functools.cache
-def _groups() -> frozenset[str]:
-    """Dotted paths of the nested Structs (`"algo"`, `"algo.kl"`): TOML tables, not flags."""
-    parts = [path.split(".") for path in _leaves()]
-    return frozenset(".".join(p[:i]) for p in parts for i in range(1, len(p)))
-
-
 def type_name(tp: Any) -> str:
     """How a field's type reads in help and errors: `int`, `int|none`, `float,float`, `tis|mis|...` (its
     bound apart: `molt._bounds.help_bound`)."""
-    if get_origin(tp) is Annotated:
-        return type_name(get_args(tp)[0])
-    if tp is type(None):
-        return "none"
-    if get_origin(tp) is Literal:
-        return "|".join(str(arg) for arg in get_args(tp))
-    if get_origin(tp) in (Union, types.UnionType):
-        return "|".join(type_name(arg) for arg in get_args(tp))
-    if get_origin(tp) is tuple:
-        return ",".join(type_name(arg) for arg in get_args(tp))
-    if get_origin(tp) is list:
-        return f"{type_name(get_args(tp)[0])},..."
-    return tp.__name__
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return type_name(args[0])
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (Union, types.UnionType, tuple):
+        return ("," if origin is tuple else "|").join(map(type_name, args))
+    if origin is list:
+        return f"{type_name(args[0])},..."
+    return "none" if tp is type(None) else tp.__name__
 
 
 def _flag_value(value: Any) -> str:
@@ -119,16 +53,14 @@ def _flag_value(value: Any) -> str:
         return str(value).lower()
     if isinstance(value, tuple | list):
         return ",".join(_flag_value(item) for item in value) or '""'
-    if value == "":
-        return '""'
-    return str(value)
+    return str(value) or '""'
 
 
 def flag_help() -> list[tuple[str, str, str, str]]:
     """`(flag, type, default, help)` for every dotted flag, in definition order; the type with its bound,
     if any (`float (> 0)`)."""
     rows = []
-    for path, leaf in _leaves().items():
+    for path, leaf in leaves().items():
         bound = help_bound(path)
         shown = f"{type_name(leaf.type)} ({bound})" if bound else type_name(leaf.type)
         rows.append((f"--{path}", shown, _flag_value(leaf.default), leaf.doc))
@@ -146,7 +78,7 @@ def _unknown(name: str, where: str) -> ConfigError:
     """An error for an unknown flag or key, naming its new name (`_RENAMED`) or the closest known flag."""
     if name in _RENAMED:
         return ConfigError(f"{where} was renamed: pass {_RENAMED[name]}")
-    known = list(_leaves())
+    known = list(leaves())
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     if not close:  # a right field name in the wrong group: compare last segments
         by_field = {path.rsplit(".", 1)[-1]: path for path in known}
@@ -157,44 +89,38 @@ def _unknown(name: str, where: str) -> ConfigError:
 
 def _coerce(raw: str, tp: Any) -> Any:
     """The flag-syntax conveniences msgspec does not know; msgspec converts and checks the rest."""
-    args = get_args(tp)
-    if type(None) in args and raw.lower() == "none":
+    if type(None) in get_args(tp) and raw.lower() == "none":
         return None
     if tp is bool:
         return _BOOLS.get(raw.lower(), raw)
-    if get_origin(tp) is tuple:
-        return [part.strip() for part in raw.split(",")]
-    if get_origin(tp) is list:  # comma-separated; "" is the empty list
-        return [part.strip() for part in raw.split(",") if part.strip()]
+    if get_origin(tp) in (tuple, list):  # comma-separated; a list drops empty items ("" is the empty list)
+        parts = [part.strip() for part in raw.split(",")]
+        return parts if get_origin(tp) is tuple else [part for part in parts if part]
     return raw
 
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, dict[str, str]]:
     """`--config FILE` and `{dotted path: raw value}` from the command line; a repeated flag's last wins."""
-    config_file, raw_flags = None, {}
-    args = list(args)
+    raw_flags = {}
     i = 0
     while i < len(args):
         token = args[i]
         if not token.startswith("--"):
             raise ConfigError(f"unexpected argument {token!r}: options are --group.field VALUE")
         name, has_value, value = token[2:].partition("=")
-        if name != "config" and name not in _leaves():
+        if name != "config" and name not in leaves():
             raise _unknown(name, f"flag --{name}")
         if not has_value:
-            takes_bare = name != "config" and _leaves()[name].type is bool
+            takes_bare = name != "config" and leaves()[name].type is bool
             if takes_bare and (i + 1 == len(args) or args[i + 1].startswith("--")):
                 value = "true"
             elif i + 1 == len(args):
                 raise ConfigError(f"--{name} needs a value")
             else:
                 value, i = args[i + 1], i + 1
-        if name == "config":
-            config_file = value
-        else:
-            raw_flags[name] = value
+        raw_flags[name] = value
         i += 1
-    return config_file, raw_flags
+    return raw_flags.pop("config", None), raw_flags
 
 
 def _flatten_toml(table: dict[str, Any], file: str, prefix: str = "") -> dict[str, Any]:
@@ -202,14 +128,14 @@ def _flatten_toml(table: dict[str, Any], file: str, prefix: str = "") -> dict[st
     flat = {}
     for key, value in table.items():
         path = prefix + key
-        if path in _groups():
-            if not isinstance(value, dict):
-                raise ConfigError(f"{file}: {path} is a table ([{path}]), got {value!r}")
-            flat.update(_flatten_toml(value, file, path + "."))
-        elif path in _leaves():
+        if path in leaves():
             flat[path] = value
-        else:
+        elif not any(leaf.startswith(f"{path}.") for leaf in leaves()):  # not a group's table either
             raise _unknown(path, f"key {path} in {file}")
+        elif not isinstance(value, dict):
+            raise ConfigError(f"{file}: {path} is a table ([{path}]), got {value!r}")
+        else:
+            flat.update(_flatten_toml(value, file, path + "."))
     return flat
 
 
@@ -236,7 +162,7 @@ def _explain(error: msgspec.ValidationError, sources: dict[str, tuple[str, Any]]
     where, raw = sources[path]
     if re.match(r"Expected `(int|float)` [<>]", str(error)):
         return bound_error(where, path, raw)
-    return f"{where}: expected {type_name(_leaves()[path].type)}, got {raw!r}"
+    return f"{where}: expected {type_name(leaves()[path].type)}, got {raw!r}"
 
 
 def _read_toml(file: str) -> dict[str, Any]:
@@ -262,30 +188,23 @@ def parse(args: Sequence[str]) -> Config:
     values: dict[str, Any] = {}
     sources: dict[str, tuple[str, Any]] = {}  # path -> (where it was set, the value as written)
     if config_file is not None:
-        table = _read_toml(config_file)
-        for path, value in _flatten_toml(table, config_file).items():
-            values[path] = _coerce(value, _leaves()[path].type) if isinstance(value, str) else value
+        for path, value in _flatten_toml(_read_toml(config_file), config_file).items():
+            values[path] = _coerce(value, leaves()[path].type) if isinstance(value, str) else value
             sources[path] = (f"{config_file}: {path} (--{path})", value)
     for path, raw in raw_flags.items():
-        values[path] = _coerce(raw, _leaves()[path].type)
+        values[path] = _coerce(raw, leaves()[path].type)
         sources[path] = (f"--{path}", raw)
     try:
-        config = msgspec.convert(_nest(values), Config, strict=False)
+        return msgspec.convert(_nest(values), Config, strict=False)
     except msgspec.ValidationError as error:
         raise ConfigError(_explain(error, sources)) from None
-    return config
 
 
 def _toml_value(value: Any) -> str:
     if value is None:
         return '"none"'  # TOML has no null; `none` is how optional fields are written (see `_coerce`)
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, int | float):
-        return repr(value)  # Python's float repr (1e-05, inf, nan) is valid TOML
-    if isinstance(value, tuple):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    # A JSON string is a TOML basic string, once DEL (which TOML wants escaped) is escaped too.
+    # JSON's booleans, numbers (finite: `validate` refuses others), arrays and strings are TOML's, once DEL
+    # (which TOML wants escaped in a string) is escaped too.
     return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
@@ -293,13 +212,13 @@ def render_toml(config: Config, heading: str = "") -> str:
     """`config` as a TOML file that `--config` reads back to an equal Config, each key under its help;
     `heading`: comment lines first."""
     tables: dict[str, list[str]] = {}  # one [table] per Struct, in definition order
-    for path in _leaves():
+    for path in leaves():
         tables.setdefault(path.rsplit(".", 1)[0], []).append(path)
     lines = [f"# {line}" for line in heading.splitlines()]
     lines += ["# molt run configuration: defaults < --config FILE.toml < --group.field flags"]
     for table, paths in tables.items():
         lines += ["", f"[{table}]"]
         for path in paths:
-            value = functools.reduce(getattr, path.split("."), config)
-            lines += [f"# {_leaves()[path].doc}", f"{path.rsplit('.', 1)[1]} = {_toml_value(value)}"]
+            value = _toml_value(field_value(config, path))
+            lines += [f"# {leaves()[path].doc}", f"{path.rsplit('.', 1)[1]} = {value}"]
     return "\n".join(lines) + "\n"

@@ -47,8 +47,8 @@ class PolicyGroup:
 
     Rank 0 is pinned to the driver's node, which hosts the process-group rendezvous and, during a refit,
     the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
-    `wait=False` returns once the ranks are placed; `wait_ready` (or `ready_refs`) then waits for them to
-    load. `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
+    `wait=False` returns once the ranks are placed; `ready_refs` are then ready once they have loaded.
+    `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
     """
 
     worker_class: type = PolicyWorker
@@ -66,13 +66,10 @@ class PolicyGroup:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if num_ranks < 1:
-            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
         self.on_gpu = torch.cuda.is_available()
         self.backend = refit_backend(config, on_gpu=self.on_gpu)  # how its refits reach the engines
         self.num_ranks = num_ranks
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
-        self.dp_size = num_ranks // self.replicas
         self.layout: tuple[int, bool] | None = None  # the ranks' micro-batch budget and packing (`_plan`)
         self.shared_prefix = shares_prefixes(config, on_gpu=self.on_gpu)
         self.master_addr = ray.util.get_node_ip_address()
@@ -89,31 +86,19 @@ class PolicyGroup:
             self.worker_class
         )
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        logs = [f"{log_prefix}-{rank}.log" if log_prefix else "" for rank in range(num_ranks)]
         self.workers = [
             remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
-                rank,
-                num_ranks,
-                self.master_addr,
-                port,
-                str(model_dir),
-                config,
-                trainable,
-                f"{log_prefix}-{rank}.log" if log_prefix else "",
+                rank, num_ranks, self.master_addr, port, str(model_dir), config, trainable, logs[rank]
             )
             for rank in range(num_ranks)
         ]
-        if wait:
-            self.wait_ready()
+        if wait:  # until every rank has loaded its shard; raises if one failed to start
+            ray.get(self.ready_refs())
 
     def ready_refs(self) -> list:
         """One Ray object ref per rank, ready once that rank has loaded its shard."""
         return [w.__ray_ready__.remote() for w in self.workers]
-
-    def wait_ready(self) -> None:
-        """Block until every rank has loaded its shard; raises if one failed to start."""
-        import ray
-
-        ray.get(self.ready_refs())
 
     def _each(self, method: str, *per_rank_args) -> list:
         """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""
@@ -137,8 +122,9 @@ class PolicyGroup:
         if self.shared_prefix and packed:
             groups = prefix_groups(batch.tokens_BT, batch.row_lengths)
             together = [(rows, shared) for rows, shared in groups if shared]
+        num_ranks = self.num_ranks // self.replicas  # the data-parallel ranks
         return plan_micro_batches(
-            batch.row_lengths, num_ranks=self.dp_size, budget=budget, packed=packed, together=together
+            batch.row_lengths, num_ranks=num_ranks, budget=budget, packed=packed, together=together
         )
 
     def _row_shards(self, batch: TrainBatch, inputs: StepInputs | None = None) -> tuple[list, list[tuple]]:
@@ -200,14 +186,12 @@ class PolicyGroup:
         shards = self._row_shards(batch, inputs)[1]
         return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
 
-    def refit(self, engine_urls: list[str], version: int, *, trainer_host: str | None = None) -> dict:
+    def refit(self, engine_urls: list[str], version: int) -> dict:
         """Refit the engines with the current weights as `version`; returns rank 0's phase seconds.
-        Raises `EnginesLost` when some engines failed (the others were updated and resumed).
-
-        `trainer_host`: the address the engines reach rank 0 at; default, the driver node's address.
-        """
-        host = trainer_host or self.master_addr
-        report = self._each("refit", *[(list(engine_urls), self.backend, version, host)] * self.num_ranks)[0]
+        Raises `EnginesLost` when some engines failed (the others were updated and resumed). The engines
+        reach rank 0 at the driver node's address."""
+        args = (list(engine_urls), self.backend, version, self.master_addr)
+        report = self._each("refit", *[args] * self.num_ranks)[0]
         failed = report.pop("failed")
         if failed:
             raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])

@@ -76,7 +76,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
             cleanup.callback(ray.shutdown)
             model_dir = building.result()
         lora = bool(config.actor.lora.rank)  # attached engines must serve the adapter refits swap in
-        attached = check_attached(config.vllm.urls, lora=lora) if config.vllm.urls else []  # running servers
+        attached = check_attached(config.vllm.urls, lora=lora)  # --vllm.urls: servers running already
         num_new = 0 if attached else config.vllm.num_engines
         progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
@@ -121,7 +121,6 @@ def launch(config: Config, *, resume: bool = False) -> None:
         log = run_log(config)
         cleanup.callback(log.close)
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
-        filters = GroupFilters.of(config)  # --algo.filters: the pool's keep, bounded in each take
         parts = dict(
             policy=policy,
             rows=rows,
@@ -130,7 +129,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
             eval_rows=evaluation,
             first_step=first_step,
             startup=clock,
-            filters=filters,
+            filters=GroupFilters.of(config),  # --algo.filters: the pool's keep, bounded in each take
             **groups,
         )
         asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat, actors=engines))
@@ -200,8 +199,7 @@ async def _serve_and_run(
         fixed_sampling=fixed,
         engine_model=adapter,
     )
-    max_restarts = config.vllm.max_restarts
-    restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=max_restarts)
+    restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=config.vllm.max_restarts)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents
     try:
         async with serve_on_loop(create_app(tito, api_key=api_key)) as chat_url:

@@ -70,22 +70,18 @@ def redirect_output(log_path: str) -> None:
         os.dup2(log.fileno(), 2)
 
 
-WANDB_INSTALL = "uv sync --extra wandb (or pip install 'molt[wandb]')"
-
-
 def start_wandb(run_dir: Path, project: str, config: dict):
     """A W&B run of `project` writing under `<run_dir>/wandb`, offline unless WANDB_MODE says otherwise
     (upload it later with `wandb sync <run_dir>/wandb/offline-run-*`)."""
     import wandb
 
-    settings = wandb.Settings(silent=True, disable_git=True)
     return wandb.init(
         project=project,
         dir=str(run_dir),
         config=config,
         name=run_dir.name,
         mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]  # wandb checks the value
-        settings=settings,
+        settings=wandb.Settings(silent=True, disable_git=True),
     )
 
 

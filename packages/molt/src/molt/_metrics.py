@@ -1,6 +1,6 @@
 """The step's rollout and pool metrics (`rollout/*`, `train/staleness_mean`, `pool/*`), from what the
 step took. The training metrics come from the actor (`molt._objective.step_loss`), the evaluation ones from
-`molt._eval`; `molt.loop.REQUIRED_METRICS` names those every step logs."""
+`molt._eval`; `tests/e2e/test_train_loop.py` names those every step logs."""
 
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ from molt._config_algo import estimator_needs
 from molt.config import Config, ConfigError
 
 __all__ = [
-    "check_gpus",
     "compiles",
     "compute_dtype_name",
     "engine_gpus",
@@ -42,8 +41,6 @@ __all__ = [
     "resolve_placement",
     "shares_prefixes",
 ]
-
-_MEMORY = {"separate": 0.8, "shared": 0.4}  # --vllm.gpu_memory_utilization when unset
 
 
 def extra_groups(config: Config) -> list[str]:
@@ -85,17 +82,9 @@ def resolve_placement(config: Config, num_gpus: float) -> Config:
         raise ConfigError(
             f"--vllm.placement shared puts the engine and the actor on one GPU; {why}: lower it"
         )
-    if placement == "separate":
-        check_gpus(config, num_gpus)
-    elif num_gpus < 1:
+    if placement == "shared" and num_gpus < 1:
         raise ConfigError(f"--vllm.placement shared needs a GPU, and Ray sees {num_gpus:g}")
-    return msgspec.structs.replace(config, vllm=msgspec.structs.replace(config.vllm, placement=placement))
-
-
-def check_gpus(config: Config, num_gpus: float) -> None:
-    """Refuse a separate layout that asks for more GPUs than there are (Ray would wait for them forever)."""
-    needed = gpus_needed(config)
-    if needed > num_gpus:
+    if placement == "separate" and needed > num_gpus:  # Ray would wait for the GPUs forever
         vllm = config.vllm
         raise ConfigError(
             f"the run needs {needed} GPUs but Ray sees {num_gpus:g}: --actor.num_ranks "
@@ -105,6 +94,7 @@ def check_gpus(config: Config, num_gpus: float) -> None:
             "join a larger cluster with --ray.address, or (one actor rank, one single-GPU engine) share one "
             "GPU with --vllm.placement shared"
         )
+    return msgspec.structs.replace(config, vllm=msgspec.structs.replace(config.vllm, placement=placement))
 
 
 def gpu_share(config: Config) -> float:
@@ -117,22 +107,15 @@ def gpu_share(config: Config) -> float:
 
 def engine_gpus(config: Config) -> float:
     """What one engine asks Ray for."""
-    vllm = config.vllm
-    return (
-        gpu_share(config)
-        if vllm.placement == "shared"
-        else vllm.tensor_parallel_size * vllm.data_parallel_size
-    )
+    if config.vllm.placement == "shared":
+        return gpu_share(config)
+    return config.vllm.tensor_parallel_size * config.vllm.data_parallel_size
 
 
 def engine_memory_utilization(config: Config) -> float:
-    """--vllm.gpu_memory_utilization, or the layout's default."""
-    chosen = config.vllm.gpu_memory_utilization
-    return (
-        chosen
-        if chosen is not None
-        else _MEMORY["shared" if config.vllm.placement == "shared" else "separate"]
-    )
+    """--vllm.gpu_memory_utilization, or the layout's default (a shared GPU leaves the actors the rest)."""
+    chosen, shared = config.vllm.gpu_memory_utilization, config.vllm.placement == "shared"
+    return chosen if chosen is not None else (0.4 if shared else 0.8)
 
 
 def plain_kv_layout(model_config: dict) -> bool:
@@ -166,9 +149,8 @@ def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | Non
         return None
     if vllm.kv_cache_tokens:
         return vllm.kv_cache_tokens * per_token
-    sequences = rollout.queue_depth * rollout.group_size + evaluation.num_prompts * evaluation.n * bool(
-        evaluation.every
-    )
+    evaluated = evaluation.num_prompts * evaluation.n if evaluation.every else 0
+    sequences = rollout.queue_depth * rollout.group_size + evaluated
     wanted = sequences * (vllm.max_model_len + 16) * per_token
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // vllm.tensor_parallel_size
     room = engine_memory_utilization(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs

@@ -5,6 +5,7 @@ It reads only `metrics.jsonl`, so it works on a finished run, a stopped one, or 
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -34,21 +35,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def smooth(values: list[float], weight: float = 0.8) -> list[float]:
-    """Exponential moving average, as TensorBoard's smoothing slider (0 = raw)."""
-    out, last = [], values[0]
-    for value in values:
-        last = weight * last + (1 - weight) * value
-        out.append(last)
-    return out
-
-
 def smoothed(name: str, x: tuple, y: tuple) -> tuple[tuple, list[float]]:
-    """The smoothed curve of one metric. A timing curve starts after the run's first step, whose time
-    includes the warm-up (the engines' first batches, the first compiled kernels): carried into the
-    average, it would hold the curve up for tens of steps."""
+    """The curve of one metric smoothed by an exponential moving average of weight 0.8, as TensorBoard's
+    smoothing slider. A timing curve starts after the run's first step, whose time includes the warm-up
+    (the engines' first batches, the first compiled kernels): carried into the average, it would hold the
+    curve up for tens of steps."""
     skip = 1 if name.startswith("timing/") and len(x) > 1 else 0
-    return x[skip:], smooth(list(y[skip:]))
+    return x[skip:], list(itertools.accumulate(y[skip:], lambda last, value: 0.8 * last + 0.2 * value))
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -94,17 +94,21 @@ class RolloutRunner:
         try:
             async with asyncio.timeout(self.config.agent.timeout):
                 rollout = await episode(next(self.hosts), row, index)
-            self._check_no_sampled_placeholder(rollout)
+            images = self.renderer.images
+            if images is not None and images.image_token_id in rollout.sampled:
+                raise ValueError(
+                    "the policy sampled an image placeholder token; the trainer's model would read it as "
+                    "part of an image, so this rollout cannot be trained as sampled (it is retried)"
+                )
         except TimeoutError:
             self.failures["timed_out"] += 1
             raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
-        except EngineUnavailable:
-            self.failures["engine_unavailable"] += 1
-            await self._engines_back()
-            raise
-        except Exception:  # a ChatAgent's SDK reports a dead engine as its own error
-            self.failures["raised"] += 1
-            await self._engines_back()
+        except Exception as error:  # a ChatAgent's SDK reports a dead engine as its own error ("raised")
+            self.failures["engine_unavailable" if isinstance(error, EngineUnavailable) else "raised"] += 1
+            # When no engine serves but one is being restarted, wait for it: the pool's retry of this
+            # rollout then runs on it instead of failing at once (its group would be lost).
+            if self.restarts is not None:
+                await self.restarts.serving()
             raise
         if not math.isfinite(rollout.reward):
             self.failures["nonfinite_reward"] += 1
@@ -112,20 +116,6 @@ class RolloutRunner:
         if not rollout.sampled:
             raise ValueError("the rollout sampled no token: the agent made no request to the model")
         return rollout
-
-    async def _engines_back(self) -> None:
-        """When no engine serves but one is being restarted, wait for it: the pool's retry of this
-        rollout then runs on it instead of failing at once (its group would be lost)."""
-        if self.restarts is not None:
-            await self.restarts.serving()
-
-    def _check_no_sampled_placeholder(self, rollout: Rollout) -> None:
-        images = self.renderer.images
-        if images is not None and images.image_token_id in rollout.sampled:
-            raise ValueError(
-                "the policy sampled an image placeholder token; the trainer's model would read it as part "
-                "of an image, so this rollout cannot be trained as sampled (it is retried)"
-            )
 
     async def _chat_episode(self, host, row: dict, index: int) -> Rollout:
         """A ChatAgent episode: the agent's SDK talks to this session's URLs; tito captures every turn."""
@@ -152,7 +142,6 @@ class RolloutRunner:
 
     async def _env_episode(self, host, row: dict, index: int) -> Rollout:
         session = self.tito.new_session()
-        tokenizer = self.tito.tokenizer
         tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
         reward, sampled, info, truncated, ended = 0.0, [], {}, False, False
         try:
@@ -167,19 +156,16 @@ class RolloutRunner:
                 )
                 sampled += generation.token_ids
                 truncated = generation.finish_reason == "length"
-                reply = {
-                    "role": "assistant",
-                    "content": tokenizer.decode(generation.token_ids, skip_special_tokens=True),
-                }
+                text = self.tito.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
+                reply = {"role": "assistant", "content": text}
                 closing = self.renderer.closing_ids(generation.token_ids)
                 session.chat.record(messages, tools, prompt, reply, closing)
                 messages.append(reply)
-                result: Result = await host.step(session.id, reply["content"])
+                result: Result = await host.step(session.id, text)
                 reward += result.reward
                 info.update(result.info)
                 observation = result.observation
-                if observation is None:
-                    ended = True
+                if ended := observation is None:
                     break
         finally:
             trajectory = self.tito.end_session(session.id)

@@ -53,29 +53,23 @@ class StartupClock:
         import ray
 
         pending = {ref: stage for stage, refs in stages.items() for ref in refs}
-        left = {stage: len(refs) for stage, refs in stages.items()}
-        for stage in [stage for stage, count in left.items() if count == 0]:
+        for stage in [stage for stage, refs in stages.items() if not refs]:
             self.end(stage)
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             stage = pending.pop(done[0])
             ray.get(done[0])  # raises the stage's failure here
-            left[stage] -= 1
-            if left[stage] == 0:
+            if stage not in pending.values():
                 self.end(stage)
                 progress(f"{stage} ready ({self.seconds[stage]:.1f} s)")
 
-    def since_start(self) -> float:
-        return time.monotonic() - self.origin
-
     def metrics(self) -> dict[str, float]:
-        return {f"timing/startup_{stage}": s for stage, s in self.seconds.items()} | {
-            "timing/startup_total": self.since_start()
-        }
+        stages = {f"timing/startup_{stage}": s for stage, s in self.seconds.items()}
+        return stages | {"timing/startup_total": time.monotonic() - self.origin}
 
     def line(self) -> str:
         stages = ", ".join(f"{stage} {s:.1f} s" for stage, s in self.seconds.items())
-        return f"step 1 {self.since_start():.1f} s after the command ({stages})"
+        return f"step 1 {time.monotonic() - self.origin:.1f} s after the command ({stages})"
 
 
 def allow_bytecode() -> None:

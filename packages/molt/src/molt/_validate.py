@@ -7,9 +7,9 @@ the combinations of flags (asynchrony without importance correction, DESIGN inva
 over groups of one; a sampler the trainer does not reproduce, invariant 3), what this machine can run
 (CUDA-only features, flags that would do nothing on a CPU, more GPUs than a local Ray has), the model's shape
 against the parallel sizes, a teacher's or critic's tokenizer, and the agent module against the data
-settings. Every message names the flags and what to do. The checks that read the config alone are
-`molt._bounds` and `molt._checks`, those of the files, addresses and agent module it names
-`molt._checks_paths`, those that read the model `molt._checks_model`; this module holds the pass, what
+settings. Every message names the flags and what to do. The checks of each field's bound are
+`molt._bounds`', those of the combinations of flags and of the files, addresses and agent module the config
+names `molt._checks`', those that read the model `molt._checks_model`'s; this module holds the pass, what
 this machine can run, and the GPUs.
 `molt train` calls it once, as soon as its flags are read; `molt.train` (the Python API) calls it first
 thing, so it gets the same guards; it is idempotent. The one check that needs Ray, a joined cluster's
@@ -24,9 +24,8 @@ from __future__ import annotations
 import functools
 
 from molt._bounds import check_bounds, field_value
-from molt._checks import check_algorithm, check_pairs, check_sampling, loss_denominator, on_policy
-from molt._checks_model import check_companions, check_model, num_experts
-from molt._checks_paths import check_agent, check_paths
+from molt._checks import check_agent, check_algorithm, check_pairs, check_paths, loss_denominator, on_policy
+from molt._checks_model import check_companions, check_model, num_experts, why_not_packed
 from molt._placement import (
     compiles,
     compute_dtype_name,
@@ -86,7 +85,6 @@ def validate(config: Config) -> Config:
     config = on_policy(config)
     config = loss_denominator(config)
     check_algorithm(config)
-    check_sampling(config)
     _check_machine(config)
     if _on_gpu() and not config.ray.address:  # a joined cluster's GPUs are counted once joined
         config = resolve_placement(config, _local_gpus())
@@ -175,9 +173,7 @@ def check_cluster_gpus(config: Config) -> Config:
     GPUs are counted there (`molt._placement`)."""
     import ray
 
-    if not _on_gpu():
-        return config
-    return resolve_placement(config, ray.cluster_resources().get("GPU", 0.0))
+    return resolve_placement(config, ray.cluster_resources().get("GPU", 0.0)) if _on_gpu() else config
 
 
 def start_notes(config: Config) -> list[str]:
@@ -190,14 +186,9 @@ def start_notes(config: Config) -> list[str]:
             "optimizer step, so the ratio to the old policy is 1 and the surrogate reduces to pg (the "
             "clip never binds); raise --train.mini_batches for a trust region"
         )
-    if config.actor.pack and config.model.path:  # the tiny default model packs
-        from transformers import AutoConfig
-
-        from molt._packing import packing_refusal
-
-        refusal = packing_refusal(AutoConfig.from_pretrained(config.model.path))
-        if refusal:
-            notes.append(f"the actor pads its micro-batches (--actor.pack): {refusal}")
+    # The tiny default model packs.
+    if config.actor.pack and config.model.path and (refusal := why_not_packed(config.model.path)):
+        notes.append(f"the actor pads its micro-batches (--actor.pack): {refusal}")
     if config.actor.compile == "auto" and _on_gpu() and not compiles(config, on_gpu=True):
         why = (
             "--actor.activation_checkpointing" if config.actor.activation_checkpointing else "routing replay"

@@ -1,9 +1,9 @@
 """The typed configuration of a molt run: one frozen msgspec Struct per flag group.
 
 Every field has a default and, right under it, a one-line docstring that `molt train --help` prints and
-`config.toml` carries as a comment (`molt._flags` reads them from this file's source). A field's dotted path
-is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults < `--config FILE.toml` <
-flags (`molt._flags.resolve`).
+`config.toml` carries as a comment (`molt._bounds.leaves` reads them from this file's source). A field's
+dotted path is its flag: `Config.algo.kl.coef` is `--algo.kl.coef`. Precedence is defaults <
+`--config FILE.toml` < flags (`molt._flags.resolve`).
 
 A numeric field declares its bound on its type (`Annotated[float, Meta(gt=0)]`), which `--help` shows;
 what may be set to what, and which combinations run here, is checked in one place: `molt._validate`.
@@ -346,10 +346,8 @@ class Config(_Group):
 
 def with_run_dir(config: Config, now: datetime.datetime | None = None) -> Config:
     """The config with --logger.run_dir (runs/<UTC timestamp>) and --ckpt.dir (<run_dir>/checkpoints) set."""
-    run_dir = config.logger.run_dir
-    if not run_dir:
-        now = now or datetime.datetime.now(datetime.UTC)
-        run_dir = str(Path("runs") / now.strftime("%Y%m%d-%H%M%S"))
+    now = now or datetime.datetime.now(datetime.UTC)
+    run_dir = config.logger.run_dir or str(Path("runs") / now.strftime("%Y%m%d-%H%M%S"))
     ckpt_dir = config.ckpt.dir or str(Path(run_dir) / "checkpoints")
     return msgspec.structs.replace(
         config,

@@ -18,15 +18,7 @@ from pathlib import Path
 import torch
 
 from asyncpool import GroupPool, PromptStarved
-from molt._batch import (
-    NO_INPUTS,
-    StepInputs,
-    TrainBatch,
-    collate,
-    with_images,
-    with_lags,
-    with_routes,
-)
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, with_images, with_lags, with_routes
 from molt._checkpoint import step_dir, write_loop_state
 from molt._critic import CriticGroup
 from molt._data import RowStream
@@ -43,39 +35,7 @@ from molt._startup import StartupClock
 from molt.config import Config
 from tito import Tito
 
-__all__ = ["REQUIRED_METRICS", "Run", "run_steps"]
-
-# Logged every step (DESIGN §6), besides the algorithm's own metrics.
-REQUIRED_METRICS = frozenset(
-    {
-        "rollout/reward_mean",
-        "rollout/reward_std_in_group",
-        "rollout/response_len_mean",
-        "rollout/truncated_frac",
-        "train/policy_loss",
-        "train/kl",
-        "train/entropy",
-        "train/grad_norm",
-        "train/lr",
-        "train/clip_frac",
-        "train/mismatch_kl",
-        "train/staleness_kl",
-        "train/seq_masked_frac",
-        "train/staleness_mean",
-        "pool/dropped_stale",
-        "pool/dropped_stale_rate",
-        "pool/filtered",
-        "pool/wasted_frac",
-        "actor/padding_frac",
-        "actor/shared_prefix_frac",
-        "actor/tokens_per_s",
-        "actor/compiles",
-        "timing/generation",
-        "timing/policy_train",
-        "timing/broadcast",
-        "timing/step_total",
-    }
-)
+__all__ = ["Run", "run_steps"]
 
 
 @dataclass
@@ -132,7 +92,7 @@ async def run_steps(config: Config, run: Run) -> None:
         # Advantages, and the logprobs, values and KL they need (`molt._objective.score`); then each
         # window is one optimizer step whose loss, rollout correction included (invariant 2), is
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
-        rows_R = rows_per_rollout(rollouts)
+        rows_R = torch.tensor([len(rollout.segments) for rollout in rollouts])  # training rows per rollout
         scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config)
         seed = (config.train.seed, step)  # windows of whole rollouts, in a seeded random order
         parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), seed)
@@ -233,33 +193,33 @@ async def take(
     if filters is not None:
         filters.dropped.clear()  # the prompts this take drops
     taking = asyncio.ensure_future(pool.take(num_groups))
-    while not (await asyncio.wait({taking}, timeout=1.0))[0]:
-        problem = None
-        if restarts is not None:
-            restarts.notice()
-            if restarts.failure is not None:
-                taking.cancel()
-                raise restarts.failure
-            await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
-        coming_back = restarts is not None and restarts.coming_back
-        if not any(engine.alive for engine in tito.router.engines) and not coming_back:
-            problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
-        elif (failed := pool.stats.failed - before.failed) >= max(8, 2 * num_groups):
-            problem = (
-                f"{failed} groups failed every attempt while waiting for {num_groups}: the agent keeps "
-                "failing (its first traceback is logged above)"
-            )
-        elif filters is not None and (filtered := pool.stats.filtered - before.filtered) > filters.max_groups:
-            problem = (
-                f"{filtered} groups were dropped by --algo.filters while waiting for {num_groups}, more than "
-                f"{filters.max_groups} (--algo.filter_max_batches x --rollout.prompts_per_step): "
-                f"{filters.most_dropped()} Fix what the filter drops, raise --algo.filter_max_batches, or "
-                "take the filter out of --algo.filters"
-            )
-        if problem:
-            taking.cancel()
-            stale = pool.stats.dropped_stale - before.dropped_stale
-            raise RuntimeError(f"{problem} ({stale} groups dropped as stale meanwhile); stopping")
+    try:
+        while not (await asyncio.wait({taking}, timeout=1.0))[0]:
+            problem = None
+            if restarts is not None:
+                restarts.check()  # a restart past --vllm.max_restarts, or one that failed, stops the run
+                await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
+            coming_back = restarts is not None and restarts.coming_back
+            stats = pool.stats
+            if not any(engine.alive for engine in tito.router.engines) and not coming_back:
+                problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
+            elif (failed := stats.failed - before.failed) >= max(8, 2 * num_groups):
+                problem = (
+                    f"{failed} groups failed every attempt while waiting for {num_groups}: the agent keeps "
+                    "failing (its first traceback is logged above)"
+                )
+            elif filters is not None and (filtered := stats.filtered - before.filtered) > filters.max_groups:
+                problem = (
+                    f"{filtered} groups were dropped by --algo.filters while waiting for {num_groups}, more "
+                    f"than {filters.max_groups} (--algo.filter_max_batches x --rollout.prompts_per_step): "
+                    f"{filters.most_dropped()} Fix what the filter drops, raise --algo.filter_max_batches, "
+                    "or take the filter out of --algo.filters"
+                )
+            if problem:
+                stale = stats.dropped_stale - before.dropped_stale
+                raise RuntimeError(f"{problem} ({stale} groups dropped as stale meanwhile); stopping")
+    finally:
+        taking.cancel()  # a no-op once it is done
     try:
         return sorted(taking.result(), key=lambda group: group.prompt_index)
     except PromptStarved as starved:
@@ -295,11 +255,6 @@ async def refit_engines(
         return {}
 
 
-def rows_per_rollout(rollouts: list[Rollout]) -> torch.Tensor:
-    """How many training rows (segments) each rollout has."""
-    return torch.tensor([len(r.segments) for r in rollouts])
-
-
 def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tuple]:
     """Training rows: one per segment (a compacted episode has several); a rollout's segments share its
     advantage, so a rollout counts once in its group's baseline whatever its number of segments."""
@@ -317,12 +272,9 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
     `rollout.sampled` is recorded apart from the segments: for an Env by the episode from each engine
     reply it receives, for a ChatAgent by tito from each engine reply it commits (its reply log, kept
     beside the segments' seal, truncate and append bookkeeping, which this checks)."""
-    row = 0
+    trainable = (batch.tokens_BT[row][batch.loss_mask_BT[row] > 0].tolist() for row in range(batch.num_rows))
     for index, rollout in enumerate(rollouts):
-        trained: list[int] = []
-        for _ in rollout.segments:
-            trained += batch.tokens_BT[row][batch.loss_mask_BT[row] > 0].tolist()
-            row += 1
+        trained = [token for _ in rollout.segments for token in next(trainable)]  # its segments' rows
         if trained != rollout.sampled:
             raise RuntimeError(
                 f"token identity violated in rollout {index}: the batch's trainable tokens differ from "
@@ -333,11 +285,8 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
 @contextlib.asynccontextmanager
 async def _quiesced(pool: GroupPool, *, hold: bool):
     """Without partial rollout, no rollout may span a refit: hold new starts and let running ones finish."""
-    if not hold:
-        yield
-        return
-    with pool.paused():
-        while pool.stats.in_flight:
+    with pool.paused() if hold else contextlib.nullcontext():
+        while hold and pool.stats.in_flight:
             await asyncio.sleep(0.01)
         yield
 

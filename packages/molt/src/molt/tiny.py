@@ -69,23 +69,16 @@ Call a tool as <tool_call>{"name": NAME, "arguments": ARGS}</tool_call><|im_end|
 """
 
 
-def _vocabulary(
-    words: tuple[str, ...], specials: tuple[str, ...] = SPECIAL_TOKENS
-) -> tuple[dict[str, int], list[str]]:
-    """Specials first (stable ids), then single characters, then whole words as added tokens."""
-    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII + "\n"
-    vocab = {token: i for i, token in enumerate(specials + tuple(chars))}
-    added = list(TOOL_TOKENS) + [w for w in dict.fromkeys(ROLE_WORDS + words) if len(w) > 1]
-    return vocab, added
-
-
 def _build_tokenizer(
     words: tuple[str, ...], specials: tuple[str, ...] = SPECIAL_TOKENS, chat_template: str = CHAT_TEMPLATE
 ):
+    """Specials first (stable ids), then single characters, then whole words as added tokens."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab, added = _vocabulary(words, specials)
+    chars = [c for c in string.printable if c not in "\t\r\x0b\x0c"]  # printable ASCII + "\n"
+    vocab = {token: i for i, token in enumerate(specials + tuple(chars))}
+    added = list(TOOL_TOKENS) + [w for w in dict.fromkeys(ROLE_WORDS + words) if len(w) > 1]
     # A BPE with no merges splits text into characters; Fuse joins decoded pieces without spaces.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
     core.decoder = decoders.Fuse()

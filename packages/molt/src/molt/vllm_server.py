@@ -28,6 +28,11 @@ __all__ = ["VLLMServer", "engine_args", "first_error", "free_port"]
 
 
 _PORTS = random.SystemRandom()
+_START_TIMEOUT_S = 300.0  # a server not answering /health by then is stopped
+# The server's environment where this process's does not set them (the RL endpoints, no downloads) ...
+_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
+# ... and on a CPU (one process, a small KV cache, one thread).
+_CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 # An exception's closing line, after vLLM's optional "(EngineCore pid=N) " and "ERROR date time [file] ".
 _EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR \S+ \S+ \[[^\]]+\] )?[\w.]*(Error|Exception)\b")
 
@@ -100,17 +105,6 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _engine_env(on_cpu: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("VLLM_SERVER_DEV_MODE", "1")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    if on_cpu:
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
 class VLLMServer:
     """One vLLM server process. `with VLLMServer(model) as server:` waits for `/health`; `server.url`.
 
@@ -124,51 +118,43 @@ class VLLMServer:
         self,
         model: str | Path,
         *,
-        port: int | None = None,
         extra_args: Sequence[str] = (),
         log_path: str | Path | None = None,
-        start_timeout: float = 300.0,
         on_cpu: bool | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = port or free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.on_cpu = _on_cpu() if on_cpu is None else on_cpu
         self.args = engine_args(model, port=self.port, extra=extra_args, on_cpu=self.on_cpu)
         self.log_path = Path(log_path or f"/tmp/molt-vllm-{self.port}.log")
-        self.start_timeout = start_timeout
-        self.env = {**_engine_env(self.on_cpu), **(env or {})}
+        self.env = {**_ENV, **(_CPU_ENV if self.on_cpu else {}), **os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> VLLMServer:
-        log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            self.args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-        log.close()
-        self._wait_healthy()
-        return self
-
-    def _wait_healthy(self) -> None:
-        assert self.process is not None  # `start` started it
-        deadline = time.monotonic() + self.start_timeout
+        """Start the server and wait until it answers `/health` (an exit or a timeout raises with its log)."""
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"vLLM server exited with {self.process.returncode} {self.log_report()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
                     if reply.status == 200:
-                        return
+                        return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.5)
         self.stop()
-        raise TimeoutError(f"vLLM server not healthy after {self.start_timeout:.0f} s {self.log_report()}")
+        raise TimeoutError(f"vLLM server not healthy after {_START_TIMEOUT_S:.0f} s {self.log_report()}")
 
     def log_report(self, num_lines: int = 20) -> str:
         """Where the server's log is, the first error it names (a failed engine core's root cause) and its
