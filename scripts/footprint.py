@@ -12,13 +12,16 @@ import statement, wherever the statement is (heavy imports sit inside functions)
 user picks by name at run time (agent modules, recipes, the `molt.integrations` adapters) are not counted.
 Physical lines: every line of the file, comments, docstrings and blank lines included (`wc -l`). Code
 lines: the physical lines less the blank ones, the comment-only ones and those of docstrings (a string
-that is the first statement of a module, class or function). The README quotes both totals.
+that is the first statement of a module, class or function, or one right under an assignment in a module
+or class body: PEP 257's attribute docstrings, such as the config fields' help text). The README quotes
+both totals.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,13 +68,28 @@ def imported_names(name: str, path: Path) -> set[str]:
     return names
 
 
+def _is_string(stmt: ast.stmt) -> bool:
+    """A statement that is only a string literal."""
+    return isinstance(stmt, ast.Expr) and isinstance(getattr(stmt.value, "value", None), str)
+
+
 def code_lines(text: str) -> int:
-    """The lines of `text` that are neither blank, nor only a comment, nor part of a docstring."""
+    """The lines of `text` that are neither blank, nor only a comment, nor part of a docstring: a module's,
+    class's or function's, or an attribute's (PEP 257: the string right under an assignment in a module or
+    class body, such as a config field's, which `molt --help` prints)."""
     docstrings = set()
     for node in ast.walk(ast.parse(text)):
-        documented = isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        if documented and ast.get_docstring(node, clean=False) is not None:
-            docstrings.update(range(node.body[0].lineno, node.body[0].end_lineno + 1))
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        documented = [stmt for stmt in node.body[:1] if _is_string(stmt)]  # an empty module has none
+        if isinstance(node, (ast.Module, ast.ClassDef)):
+            documented += [
+                after
+                for stmt, after in itertools.pairwise(node.body)
+                if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and _is_string(after)
+            ]
+        for stmt in documented:
+            docstrings.update(range(stmt.lineno, stmt.end_lineno + 1))
     return sum(
         1
         for number, line in enumerate(text.splitlines(), 1)

@@ -63,9 +63,20 @@ def f():
 class C:
     """One line."""
     y = 1
+    z: int = 2
+    """z's doc (an attribute docstring),
+    over two lines."""
+    print("a call")
+    "not an attribute's doc"
+
+
+def g():
+    w = 1
+    "not an attribute's doc either: in a function"
 '''
 
 
 def test_code_lines_leave_out_blank_lines_comments_and_docstrings_but_not_other_strings():
-    # import, def, x =, the two lines of the returned string, class, y =
-    assert _footprint().code_lines(SAMPLE) == 7
+    # import, def f, x =, the returned string's two lines, class, y =, z: int =, print, its string after,
+    # def g, w =, the string after it
+    assert _footprint().code_lines(SAMPLE) == 13
