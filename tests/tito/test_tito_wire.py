@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from tito._engines import Engine, EngineRejected
 from tito._wire import Http1Wire
 
 pytestmark = pytest.mark.anyio
@@ -139,3 +140,31 @@ async def test_a_stream_left_before_its_end_closes_its_connection():
         assert await wire.request("GET", f"{url}/health") == (200, b"after")  # not the unread remains
         await wire.aclose()
     assert server.connections == 2
+
+
+async def test_an_error_raised_while_reading_a_stream_reaches_the_caller_as_it_was():
+    refusal = b'HTTP/1.1 400 Bad Request\r\ncontent-length: 14\r\n\r\n{"error": "x"}'
+    broken = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+    server = RawServer([refusal, broken])
+    async with server as url:
+        wire = Http1Wire(timeout=5.0)
+        with pytest.raises(ValueError, match="refused"):  # e.g. the engine client's EngineRejected
+            async with wire.stream(f"{url}/generate", b"{}") as (status, lines):
+                assert status == 400 and [line async for line in lines] == [b'{"error": "x"}']
+                raise ValueError("refused")
+        with pytest.raises(ConnectionError, match="malformed chunk size"):  # a broken reply is OSError
+            async with wire.stream(f"{url}/generate", b"{}") as (status, lines):
+                assert [line async for line in lines]
+        await wire.aclose()
+
+
+async def test_an_engine_that_refuses_a_streamed_request_is_a_refusal_not_a_dead_engine():
+    refusal = b'HTTP/1.1 400 Bad Request\r\ncontent-length: 23\r\n\r\n{"error": "bad prompt"}'
+    async with RawServer([refusal]) as url:
+        engine = Engine(url, Http1Wire(timeout=5.0))
+        chunks = await engine.generate([1, 2], {"max_tokens": 4}, stream=True)
+        with pytest.raises(EngineRejected, match="refused the request .400.: .*bad prompt"):
+            async for _ in chunks:
+                pass
+        assert engine.alive
+        await engine.wire.aclose()

@@ -86,10 +86,14 @@ class Http1Wire:
         try:
             exchange = _exchange(connection, "POST", path, host_line, body)
             status, length, chunked, keep = await asyncio.wait_for(exchange, self.timeout)
-            yield status, _lines(_chunks(connection.reader, chunked, length, done, self.timeout))
-        except ValueError as error:
+        except ValueError as error:  # a head that is not HTTP as this client reads it
             connection.close()
             raise ConnectionError(f"malformed reply from {host}:{port}: {error}") from error
+        except BaseException:
+            connection.close()
+            raise
+        try:  # what the caller raises while reading (an engine's refusal) reaches it as it was raised
+            yield status, _lines(_chunks(connection.reader, chunked, length, done, self.timeout))
         except BaseException:
             connection.close()
             raise
@@ -160,11 +164,19 @@ async def _chunks(reader, chunked: bool, length: int | None, done: list, timeout
             yield await within(reader.readexactly(length))
         done.append(True)
         return
-    while size := int((await within(reader.readuntil(b"\r\n"))).split(b";", 1)[0], 16):
+    while size := _chunk_size(await within(reader.readuntil(b"\r\n"))):
         yield (await within(reader.readexactly(size + 2)))[:-2]
     while await within(reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, then the blank line
         pass
     done.append(True)
+
+
+def _chunk_size(line: bytes) -> int:
+    """A chunk's size line (hex digits, maybe extensions after `;`); anything else is a broken reply."""
+    try:
+        return int(line.split(b";", 1)[0], 16)
+    except ValueError as error:
+        raise ConnectionError(f"malformed chunk size {line[:40]!r}") from error
 
 
 async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
