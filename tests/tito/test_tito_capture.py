@@ -15,22 +15,19 @@ from tito._protocol import TextStream
 
 def test_extension_appends_only_new_tokens_and_sampled_tokens_keep_logprob_and_version():
     capture = Capture("s")
-    capture.begin_turn([1, 2, 3])
-    capture.add_sampled([7, 8], [-0.1, -0.2], [4, 5])
-    capture.begin_turn([1, 2, 3, 7, 8, 9])
+    capture.commit_turn([1, 2, 3], [], Generation([7, 8], [-0.1, -0.2], [(4, 0, 1), (5, 1, 2)]))
+    capture.commit_turn([1, 2, 3, 7, 8, 9], [], Generation([10], [-0.3]))
     (segment,) = capture.trajectory().segments
-    assert segment.token_ids == [1, 2, 3, 7, 8, 9]
-    assert segment.loss_mask == [0, 0, 0, 1, 1, 0]
-    assert segment.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0]
-    assert segment.versions == [-1, -1, -1, 4, 5, -1]
+    assert segment.token_ids == [1, 2, 3, 7, 8, 9, 10]
+    assert segment.loss_mask == [0, 0, 0, 1, 1, 0, 1]
+    assert segment.logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, 0.0, -0.3]
+    assert segment.versions == [-1, -1, -1, 4, 5, -1, 0]
 
 
 def test_a_prefix_rewrite_seals_the_segment_and_opens_another():
     capture = Capture("s")
-    capture.begin_turn([1, 2, 3])
-    capture.add_sampled([7], [-0.1], [0])
-    capture.begin_turn([1, 9])
-    capture.add_sampled([5], [-0.3], [1])
+    capture.commit_turn([1, 2, 3], [], Generation([7], [-0.1]))
+    capture.commit_turn([1, 9], [], Generation([5], [-0.3], [(1, 0, 1)]))
     first, second = capture.trajectory().segments
     assert first.token_ids == [1, 2, 3, 7]
     assert second.token_ids == [1, 9, 5]
@@ -39,10 +36,8 @@ def test_a_prefix_rewrite_seals_the_segment_and_opens_another():
 
 def test_a_retry_replaces_the_previous_reply_instead_of_duplicating():
     capture = Capture("s")
-    capture.begin_turn([1, 2])
-    capture.add_sampled([7, 8], [-0.1, -0.2], [0, 0])
-    capture.begin_turn([1, 2], retry=True)
-    capture.add_sampled([9], [-0.4], [1])
+    capture.commit_turn([1, 2], [], Generation([7, 8], [-0.1, -0.2]))
+    capture.commit_turn([1, 2], [], Generation([9], [-0.4], [(1, 0, 1)]), retry=True)
     (segment,) = capture.trajectory().segments
     assert segment.token_ids == [1, 2, 9]
     assert segment.loss_mask == [0, 0, 1]
@@ -53,13 +48,10 @@ def test_a_resample_is_kept_and_a_conversation_goes_on_from_the_reply_it_kept():
     """The same prompt again without `retry` is a second sample: a segment of its own. A prompt that goes
     on from the first sample extends the first segment, so the reply the agent kept is trained."""
     capture = Capture("s")
-    capture.begin_turn([1, 2])
-    capture.add_sampled([7, 8], [-0.1, -0.2], [0, 0])
-    capture.begin_turn([1, 2])
-    capture.add_sampled([9], [-0.4], [1])
+    capture.commit_turn([1, 2], [], Generation([7, 8], [-0.1, -0.2]))
+    capture.commit_turn([1, 2], [], Generation([9], [-0.4], [(1, 0, 1)]))
     assert capture.tokens == [1, 2, 9]
-    capture.begin_turn([1, 2, 7, 8, 3])
-    capture.add_sampled([5], [-0.5], [2])
+    capture.commit_turn([1, 2, 7, 8, 3], [], Generation([5], [-0.5], [(2, 0, 1)]))
     first, second = capture.trajectory().segments
     assert (first.token_ids, first.loss_mask) == ([1, 2, 7, 8, 3, 5], [0, 0, 1, 1, 0, 1])
     assert (second.token_ids, second.loss_mask) == ([1, 2, 9], [0, 0, 1])
@@ -103,8 +95,8 @@ def test_a_malformed_reply_leaves_the_capture_as_it_was(reply, prompt, retry):
 @pytest.mark.parametrize(
     "bad",
     [
-        pytest.param(lambda c: c.begin_turn([]), id="empty-prompt"),
-        pytest.param(lambda c: c.add_sampled([1, 2], [-0.1], [0, 0]), id="ragged-sample"),
+        pytest.param(lambda c: c.commit_turn([], [], Generation([1], [-0.1])), id="empty-prompt"),
+        pytest.param(lambda c: c.commit_turn([1], [], Generation([1, 2], [-0.1])), id="ragged-sample"),
     ],
 )
 def test_malformed_capture_input_is_refused(bad):
@@ -115,10 +107,10 @@ def test_malformed_capture_input_is_refused(bad):
 
 def test_trajectory_is_a_copy():
     capture = Capture("s")
-    capture.begin_turn([1])
+    capture.commit_turn([1], [], Generation([2], [-0.1]))
     snapshot = capture.trajectory()
-    capture.add_sampled([2], [-0.1], [0])
-    assert snapshot.segments[0].token_ids == [1]
+    capture.commit_turn([1, 2, 3], [], Generation([4], [-0.1]))
+    assert snapshot.segments[0].token_ids == [1, 2]
 
 
 @pytest.fixture
@@ -149,10 +141,9 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
     capture, state = Capture("s"), ChatState()
     first = [{"role": "user", "content": "copy the word: fox"}]
     prompt = state.prompt(renderer, capture.tokens, first, None)
-    capture.begin_turn(prompt.token_ids)
     sampled = tokenizer.convert_tokens_to_ids(["f", "o", "x"]) + [tokenizer.eos_token_id]
     assert tokenizer(["fox"], add_special_tokens=False)["input_ids"][0] != sampled[:3]
-    capture.add_sampled(sampled, [-1.0] * 4, [0] * 4)
+    capture.commit_turn(prompt.token_ids, [], Generation(sampled, [-1.0] * 4))
     reply = {"role": "assistant", "content": "fox"}
     state.record(first, None, prompt, reply, renderer.closing_ids(sampled))
 
@@ -161,7 +152,7 @@ def test_a_continuation_keeps_the_sampled_ids_of_an_assistant_turn(renderer, tok
     assert prompt2[: len(capture.tokens)] == capture.tokens
     appended = tokenizer.decode(prompt2[len(capture.tokens) :])
     assert appended == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
-    capture.begin_turn(prompt2)
+    capture.commit_turn(prompt2, [], Generation([5], [-1.0]))
     (segment,) = capture.trajectory().segments
     start = len(prompt.token_ids)
     assert segment.token_ids[start : start + 4] == sampled

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from fake_engine import FakeEngine
 
-from tito import Capture, ChatRenderer, ChatState, ImageSpan, Tito, Trajectory, create_app
+from tito import Capture, ChatRenderer, ChatState, Generation, ImageSpan, Tito, Trajectory, create_app
 from tito._images import ImageLayout, load_image
 
 
@@ -151,8 +151,7 @@ def test_a_continuation_appends_new_images_after_the_trace(vl_renderer):
     state, capture = ChatState(), Capture("s")
     first = [{"role": "user", "content": [image_part(png_data_url(56, 56)), {"type": "text", "text": "hi"}]}]
     prompt = state.prompt(vl_renderer, capture.tokens, first, None, capture.images)
-    capture.begin_turn(prompt.token_ids, prompt.images)
-    capture.add_sampled([10, 11], [-1.0, -1.0], [0, 0])
+    capture.commit_turn(prompt.token_ids, prompt.images, Generation([10, 11], [-1.0, -1.0]))
     reply = {"role": "assistant", "content": "ab"}
     state.record(first, None, prompt, reply, [])
     second = [*first, reply, {"role": "user", "content": [image_part(png_data_url(112, 112))]}]
@@ -160,7 +159,7 @@ def test_a_continuation_appends_new_images_after_the_trace(vl_renderer):
     assert prompt2.token_ids[: len(capture.tokens)] == capture.tokens
     assert prompt2.images[0] == prompt.images[0]
     assert prompt2.images[1].offset > len(capture.tokens) and prompt2.images[1].length == 16
-    capture.begin_turn(prompt2.token_ids, prompt2.images)
+    capture.commit_turn(prompt2.token_ids, prompt2.images, Generation([12], [-1.0]))
     (segment,) = capture.trajectory().segments
     assert segment.images == prompt2.images
 
@@ -169,12 +168,11 @@ def test_the_same_tokens_with_another_image_open_a_new_segment():
     capture = Capture("s")
     red = ImageSpan(1, 2, "a" * 64, "data:image/png;base64,")
     blue = ImageSpan(1, 2, "b" * 64, "data:image/png;base64,")
-    capture.begin_turn([1, 6, 6, 2], [red])
-    capture.add_sampled([3], [-0.5], [0])
-    capture.begin_turn([1, 6, 6, 2, 3, 4], [blue])
+    capture.commit_turn([1, 6, 6, 2], [red], Generation([3], [-0.5]))
+    capture.commit_turn([1, 6, 6, 2, 3, 4], [blue], Generation([5], [-0.5]))
     first, second = capture.trajectory().segments
     assert (first.images, second.images) == ([red], [blue])
-    assert second.token_ids == [1, 6, 6, 2, 3, 4]
+    assert second.token_ids == [1, 6, 6, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize(
@@ -291,8 +289,8 @@ def test_a_sampled_placeholder_stops_the_conversation(vl_renderer):
     state, capture = ChatState(), Capture("s")
     first = [{"role": "user", "content": [image_part(png_data_url(56, 56)), {"type": "text", "text": "hi"}]}]
     prompt = state.prompt(vl_renderer, capture.tokens, first, None, capture.images)
-    capture.begin_turn(prompt.token_ids, prompt.images)
-    capture.add_sampled([10, vl_renderer.images.image_token_id], [-1.0, -1.0], [0, 0])
+    sampled = Generation([10, vl_renderer.images.image_token_id], [-1.0, -1.0])
+    capture.commit_turn(prompt.token_ids, prompt.images, sampled)
     reply = {"role": "assistant", "content": "a"}
     state.record(first, None, prompt, reply, [])
     second = [*first, reply, {"role": "user", "content": [image_part(png_data_url(56, 56))]}]

@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from tito import Capture, Segment, create_app, serve_on_loop
+from tito import Capture, Generation, Segment, create_app, serve_on_loop
 
 pytestmark = pytest.mark.anyio
 
@@ -98,16 +98,15 @@ async def test_a_streamed_chat_turn_through_the_openai_sdk_captures_routes(fake_
 
 def test_routes_survive_the_json_trajectory_and_are_left_out_without_them():
     capture = Capture("s")
-    capture.begin_turn([1, 2])
-    capture.add_sampled([7], [-0.1], [0])
+    capture.commit_turn([1, 2], [], Generation([7], [-0.1]))
     assert b"routed_experts" not in msgspec.json.encode(capture.trajectory())
 
     routes = np.arange(2 * 4 * 2, dtype=np.uint16).reshape(2, 4, 2)
     buffer = io.BytesIO()
     np.save(buffer, routes)
     capture = Capture("s")
-    capture.begin_turn([1, 2])
-    capture.add_sampled([7], [-0.1], [0], routed_experts=base64.b64encode(buffer.getvalue()).decode())
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    capture.commit_turn([1, 2], [], Generation([7], [-0.1], routed_experts=encoded))
     segment = msgspec.json.decode(msgspec.json.encode(capture.trajectory().segments[0]), type=Segment)
     np.testing.assert_array_equal(segment.routes(), routes)
 
@@ -116,6 +115,6 @@ def test_routes_that_do_not_fit_the_segment_are_refused():
     buffer = io.BytesIO()
     np.save(buffer, np.zeros((5, 2, 1), dtype=np.uint8))  # 5 rows for a 3-token segment
     capture = Capture("s")
-    capture.begin_turn([1, 2])
+    encoded = base64.b64encode(buffer.getvalue()).decode()
     with pytest.raises(ValueError, match="routes for tokens 0..4 of a segment of 3 tokens"):
-        capture.add_sampled([7], [-0.1], [0], routed_experts=base64.b64encode(buffer.getvalue()).decode())
+        capture.commit_turn([1, 2], [], Generation([7], [-0.1], routed_experts=encoded))

@@ -26,7 +26,7 @@ from pydantic import AfterValidator, BaseModel, Field, field_validator, model_va
 from ._chat import ParsedReply, message_text
 from ._fields import extra_fields
 from ._protocol import Asked, ChatBody, ToolName, check_json_schema, structured_outputs
-from ._routes import sdk_retry, stream, whole
+from ._routes import stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
@@ -74,6 +74,7 @@ class Message(BaseModel):
 
 
 class MessagesRequest(ChatBody):
+    route, id_prefix = "messages", "toolu_"
     max_tokens: int = Field(ge=1)
     messages: list[Message] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
@@ -96,9 +97,9 @@ class MessagesRequest(ChatBody):
                 raise ValueError(f"messages[{position}]: user and assistant turns must alternate")
         return self
 
-    def asked(self, tools: list[dict] | None, vocab_size: int) -> Asked:
+    def asked(self, tools: list[dict] | None) -> Asked:
         """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
-        fields, notes = extra_fields("messages", self.model_extra)
+        fields, notes = extra_fields(self.route, self.model_extra)
         choice = self.tool_choice or {}
         kind = choice.get("type")
         if "disable_parallel_tool_use" in choice:
@@ -136,23 +137,13 @@ class MessagesRequest(ChatBody):
 async def messages(tito: Tito, session: Session, body: MessagesRequest, request: Request) -> Response | dict:
     """`POST /s/{id}/v1/messages`: one turn, answered in one body or streamed as events."""
     chat_messages, tools = to_messages(body)
-    turn = ChatTurn(
-        tito,
-        session,
-        chat_messages,
-        tools,
-        stops=body.stop_sequences,
-        parse_tools=body.parse_tools(),
-        id_prefix="toolu_",
-        route="messages",
-        retry=sdk_retry(request),
-    )
-    asked = body.asked(tools, tito.vocab_size)
+    asked = body.asked(tools)
     if request.query_params:  # `?beta=true` from Claude Code: changes nothing here
         asked.fields["query"] = dict(request.query_params)
+    turn = ChatTurn(tito, session, request, body, chat_messages, tools, asked)
     if body.stream:
-        return await stream(session, turn, asked, stream_events(turn, tito.model_name), error_event)
-    parsed = await whole(request, session, turn, asked, ParsedReply.message)
+        return await stream(turn, stream_events(turn, tito.model_name), error_event)
+    parsed = await whole(turn, ParsedReply.message)
     reason = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
     return message_reply(tito.model_name, parsed, reason, turn.counts)
 
@@ -188,14 +179,11 @@ def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None
             if parts or not results:
                 has_images = any(part["type"] == "image_url" for part in parts)
                 messages.append({"role": "user", "content": parts if has_images else message_text(parts)})
-    tools = [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description, "parameters": t.input_schema},
-        }
-        for t in request.tools or []
+    functions = [
+        {"name": t.name, "description": t.description, "parameters": t.input_schema}
+        for t in request.tools or ()
     ]
-    return messages, tools or None
+    return messages, [{"type": "function", "function": function} for function in functions] or None
 
 
 def image_url_part(block: dict) -> dict:

@@ -20,6 +20,7 @@ an image rather than render the text around it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -27,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ._fields import thinking_switch
 from ._images import ImageLayout, image_parts, load_image, part_url
 from ._trajectory import ImageSpan
 
@@ -39,10 +39,8 @@ _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 def message_text(content: Any) -> str:
     """The text of a message's content: a string, a list of text parts, or None."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     return "".join(part.get("text", "") for part in content if part.get("type") == "text")
 
 
@@ -62,10 +60,8 @@ def _message_key(message: dict) -> tuple:
 def parse_arguments(arguments: Any) -> Any:
     """Tool-call arguments as an object where they parse (SDKs send a JSON string, we return an object)."""
     if isinstance(arguments, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
     return arguments
 
 
@@ -85,8 +81,9 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.images = images
         self.backend = tokenizer.backend_tokenizer
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-        self.thinking_switch = thinking_switch(template)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        # The template variable that turns the model's thinking on or off, if its template reads one.
+        self.thinking_switch = "enable_thinking" if "enable_thinking" in template else None
         self.system_in_place = True  # while probing whether the template renders a late system message
         user = {"role": "user", "content": "x"}
         try:

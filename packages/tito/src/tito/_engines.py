@@ -165,8 +165,7 @@ class Engine:
         self.model = model  # named in every generate request: a LoRA adapter the engine serves
         self.generate_url = f"{self.url}/inference/v1/generate"
         self.wire = wire
-        self.num_sessions = 0
-        self.num_in_flight = 0
+        self.num_sessions = self.num_in_flight = 0
         self.alive = True
         self._max_model_len: int | None = None
         self._features: dict[str, tuple[str, int, str]] = {}  # image sha256 -> (hash, length, tensors)

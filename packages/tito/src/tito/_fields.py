@@ -18,7 +18,7 @@ from typing import Any
 
 from ._protocol import ProtocolError
 
-__all__ = ["NEUTRAL", "REFUSED", "check_constraints", "extra_fields", "thinking_switch"]
+__all__ = ["NEUTRAL", "REFUSED", "check_constraints", "extra_fields"]
 
 # Accepted and recorded: they do not change the tokens the engine samples.
 NEUTRAL = {
@@ -80,8 +80,3 @@ def check_constraints(fixed_sampling: bool, constraints: list[str]) -> None:
         raise ProtocolError(
             400, f"{constraints[0]} {_CONSTRAINT_WHY}; leave it out", param=constraints[0].split(" ")[0]
         )
-
-
-def thinking_switch(chat_template: str | None) -> str | None:
-    """The template variable that turns the model's thinking on or off, if its template reads one."""
-    return "enable_thinking" if chat_template and "enable_thinking" in chat_template else None

@@ -38,14 +38,11 @@ class Guard:
     `@app.middleware` form wraps every request in extra tasks and streams, a measurable cost here)."""
 
     def __init__(self, app, api_key: str | None) -> None:
-        self.app = app
-        self.api_key = api_key
+        self.app, self.api_key = app, api_key
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            request = Request(scope)
-            refusal = self._refusal(request)
-            if refusal is not None:
+            if (refusal := self._refusal(Request(scope))) is not None:
                 await refusal(scope, receive, send)
                 return
             receive = _limited(receive)

@@ -26,7 +26,7 @@ from ._chat import ParsedReply, parse_arguments
 from ._fields import extra_fields
 from ._images import part_url
 from ._protocol import Asked, ChatBody, ToolFunction, check_role_order, logit_bias, structured_outputs
-from ._routes import sdk_retry, stream, whole
+from ._routes import stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
@@ -46,17 +46,18 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
+Content = str | list[dict[str, Any]] | None  # a message's text, or its parts
+
+
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Content = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @field_validator("content")
     @classmethod
-    def _text_and_image_parts(
-        cls, content: str | list[dict[str, Any]] | None
-    ) -> str | list[dict[str, Any]] | None:
+    def _text_and_image_parts(cls, content: Content) -> Content:
         for part in content if isinstance(content, list) else []:
             kind = part.get("type")
             if kind == "image_url":
@@ -76,6 +77,7 @@ class StreamOptions(BaseModel):
 
 
 class ChatRequest(ChatBody):
+    route, id_prefix = "chat.completions", "call_"
     messages: list[Message] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -115,7 +117,7 @@ class ChatRequest(ChatBody):
 
     def asked(self, tools: list[dict] | None, vocab_size: int) -> Asked:
         """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
-        fields, notes = extra_fields("chat.completions", self.model_extra)
+        fields, notes = extra_fields(self.route, self.model_extra)
         choice = self.tool_choice
         forced_by = choice if choice == "required" or isinstance(choice, dict) else None
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -150,25 +152,14 @@ class ChatRequest(ChatBody):
 async def chat_completions(tito: Tito, session: Session, body: ChatRequest, request: Request) -> Response:
     """`POST /s/{id}/v1/chat/completions`: one turn, answered in one body or streamed as chunks."""
     messages, tools = to_messages(body)
-    assert not isinstance(body.stop, str)  # `_stop_list` made it a list
-    turn = ChatTurn(
-        tito,
-        session,
-        messages,
-        tools,
-        stops=body.stop,
-        parse_tools=body.parse_tools(),
-        id_prefix="call_",
-        route="chat.completions",
-        retry=sdk_retry(request),
-    )
     asked = body.asked(tools, tito.vocab_size)
+    turn = ChatTurn(tito, session, request, body, messages, tools, asked)
     request_id = "chatcmpl-" + secrets.token_hex(12)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = stream_events(turn, request_id, tito.model_name, include_usage)
-        return await stream(session, turn, asked, events, error_event)
-    parsed = await whole(request, session, turn, asked, reply_message)
+        return await stream(turn, events, error_event)
+    parsed = await whole(turn, reply_message)
     return chat_completion(request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts)
 
 

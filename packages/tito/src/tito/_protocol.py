@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
@@ -47,9 +47,15 @@ class ChatBody(BaseModel):
     `_fields.extra_fields` refuses or records them."""
 
     model_config = ConfigDict(extra="allow")
+    route: ClassVar[str]  # the route's name in a `Turn` and in `_fields`
+    id_prefix: ClassVar[str]  # of the ids of the tool calls in its replies
 
     model: str
     stream: bool = False
+
+    def parse_tools(self) -> bool:
+        """Whether the reply is parsed for tool calls: tools are offered, and tool_choice allows them."""
+        raise NotImplementedError
 
 
 class ProtocolError(Exception):
@@ -59,10 +65,8 @@ class ProtocolError(Exception):
         self, status: int, message: str, kind: str = "invalid_request_error", *, param: str | None = None
     ) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param  # the request field at fault, where one is
+        # `param`: the request field at fault, where one is.
+        self.status, self.message, self.kind, self.param = status, message, kind, param
 
 
 def check_tool_name(name: str) -> str:

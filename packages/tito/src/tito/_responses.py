@@ -27,7 +27,7 @@ from pydantic import Field, field_validator
 from ._chat import ParsedReply, message_text, parse_arguments
 from ._fields import extra_fields
 from ._protocol import Asked, ChatBody, ProtocolError, check_json_schema, check_tool_name, structured_outputs
-from ._routes import sdk_retry, stream, whole
+from ._routes import stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
@@ -35,6 +35,7 @@ __all__ = ["ResponsesRequest", "create_response", "response_body", "stream_event
 
 
 class ResponsesRequest(ChatBody):
+    route, id_prefix = "responses", "call_"
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
@@ -60,21 +61,15 @@ class ResponsesRequest(ChatBody):
 
     def chat_tools(self) -> list[dict] | None:
         """The tools in the chat-completions form the template renders."""
-        return [
-            {
-                "type": "function",
-                "function": {
-                    key: tool[key]
-                    for key in ("name", "description", "parameters")
-                    if tool.get(key) is not None
-                },
-            }
-            for tool in self.tools or ()
-        ] or None
+        keys = ("name", "description", "parameters")
+        functions = [
+            {key: tool[key] for key in keys if tool.get(key) is not None} for tool in self.tools or ()
+        ]
+        return [{"type": "function", "function": function} for function in functions] or None
 
     def asked(self, tools: list[dict] | None) -> Asked:
         """Sampling, constraints, recorded fields and the thinking switch this request asks for."""
-        fields, notes = extra_fields("responses", self.model_extra)
+        fields, notes = extra_fields(self.route, self.model_extra)
         choice = self.tool_choice
         forced_by = choice if choice == "required" or isinstance(choice, dict) else None
         if tools and isinstance(choice, dict) and choice.get("type") != "function":
@@ -107,18 +102,7 @@ async def create_response(tito: Tito, session: Session, body: ResponsesRequest, 
     remembers its conversation for a later `previous_response_id`."""
     tools = body.chat_tools()
     messages, conversation = to_messages(body, session.responses.get(body.previous_response_id))
-    turn = ChatTurn(
-        tito,
-        session,
-        messages,
-        tools,
-        stops=None,
-        parse_tools=body.parse_tools(),
-        id_prefix="call_",
-        route="responses",
-        retry=sdk_retry(request),
-    )
-    asked = body.asked(tools)
+    turn = ChatTurn(tito, session, request, body, messages, tools, body.asked(tools))
     response_id = "resp_" + secrets.token_hex(12)
 
     def remember(parsed: ParsedReply) -> None:  # what previous_response_id will continue from
@@ -126,13 +110,14 @@ async def create_response(tito: Tito, session: Session, body: ResponsesRequest, 
 
     if body.stream:
         events = stream_events(turn, body, response_id, tito.model_name, remember)
-        return await stream(session, turn, asked, events, error_event)
-    parsed = await whole(request, session, turn, asked, ParsedReply.message)
+        return await stream(turn, events, error_event)
+    parsed = await whole(turn, ParsedReply.message)
     if turn.committed:
         remember(parsed)
     items = output_items(parsed, "msg_" + secrets.token_hex(12))
     finish = turn.generation.finish_reason
-    return encode(response_body(body, response_id, tito.model_name, items, finish, turn.counts))
+    reply = response_body(body, response_id, tito.model_name, items, finish, turn.counts)
+    return Response(msgspec.json.encode(reply), media_type="application/json")
 
 
 def to_messages(request: ResponsesRequest, history: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -194,9 +179,7 @@ def _content(content: Any, where: str) -> str | list[dict]:
             raise ProtocolError(
                 400, f"{where}.content[{index}].type {kind!r}: text and input_image parts only", param=where
             )
-    if any(part["type"] == "image_url" for part in parts):
-        return parts
-    return message_text(parts)
+    return parts if any(part["type"] == "image_url" for part in parts) else message_text(parts)
 
 
 def _check_order(conversation: list[dict]) -> None:
@@ -217,15 +200,7 @@ def output_items(parsed: ParsedReply, message_id: str) -> list[dict]:
     items = []
     if parsed.content:
         text = {"type": "output_text", "text": parsed.content, "annotations": [], "logprobs": []}
-        items.append(
-            {
-                "type": "message",
-                "id": message_id,
-                "status": "completed",
-                "role": "assistant",
-                "content": [text],
-            }
-        )
+        items.append(_message_item(message_id, "completed", [text]))
     for call in parsed.tool_calls:
         items.append(
             {
@@ -238,6 +213,10 @@ def output_items(parsed: ParsedReply, message_id: str) -> list[dict]:
             }
         )
     return items
+
+
+def _message_item(message_id: str, status: str, content: list[dict]) -> dict:
+    return {"type": "message", "id": message_id, "status": status, "role": "assistant", "content": content}
 
 
 def response_body(
@@ -283,10 +262,6 @@ def response_body(
     }
 
 
-def encode(body: dict) -> Response:
-    return Response(msgspec.json.encode(body), media_type="application/json")
-
-
 async def stream_events(
     turn: ChatTurn, request: ResponsesRequest, response_id: str, model: str, remember
 ) -> AsyncIterator[str]:
@@ -294,23 +269,17 @@ async def stream_events(
     and `remember(parsed)` runs."""
     numbers = itertools.count()
 
-    def event(kind: str, **data) -> str:  # an SSE event, numbered in order
-        body = {"type": kind, "sequence_number": next(numbers), **data}
-        return f"event: {kind}\ndata: {msgspec.json.encode(body).decode()}\n\n"
+    def event(kind: str, **data) -> str:  # numbered in order
+        return _event(kind, sequence_number=next(numbers), **data)
 
-    yield event("response.created", response=response_body(request, response_id, model, [], None, None))
-    yield event("response.in_progress", response=response_body(request, response_id, model, [], None, None))
+    started = response_body(request, response_id, model, [], None, None)
+    yield event("response.created", response=started)
+    yield event("response.in_progress", response=started)
     message_id, text, index = "msg_" + secrets.token_hex(12), "", 0
     at = {"item_id": message_id, "output_index": 0, "content_index": 0}  # the text, in the message item
     async for delta in turn.deltas():
         if not text:
-            item = {
-                "type": "message",
-                "id": message_id,
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
+            item = _message_item(message_id, "in_progress", [])
             yield event("response.output_item.added", output_index=0, item=item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             yield event("response.content_part.added", **at, part=part)
@@ -326,19 +295,10 @@ async def stream_events(
     for position, item in enumerate(items[index:], start=index):
         start = {**item, "arguments": "", "status": "in_progress"}
         yield event("response.output_item.added", output_index=position, item=start)
-        yield event(
-            "response.function_call_arguments.delta",
-            item_id=item["id"],
-            output_index=position,
-            delta=item["arguments"],
-        )
-        yield event(
-            "response.function_call_arguments.done",
-            item_id=item["id"],
-            output_index=position,
-            name=item["name"],
-            arguments=item["arguments"],
-        )
+        at_call = {"item_id": item["id"], "output_index": position}
+        yield event("response.function_call_arguments.delta", **at_call, delta=item["arguments"])
+        done = {"name": item["name"], "arguments": item["arguments"]}
+        yield event("response.function_call_arguments.done", **at_call, **done)
         yield event("response.output_item.done", output_index=position, item=item)
     body = response_body(request, response_id, model, items, turn.generation.finish_reason, turn.counts)
     yield event(
@@ -350,11 +310,9 @@ async def stream_events(
 
 def error_event(message: str) -> str:
     """A stream's error, as the OpenAI SDK reads a Responses stream's `error` event."""
-    body = {
-        "type": "error",
-        "code": "engine_unavailable",
-        "message": message,
-        "param": None,
-        "sequence_number": 0,
-    }
-    return f"event: error\ndata: {msgspec.json.encode(body).decode()}\n\n"
+    return _event("error", code="engine_unavailable", message=message, param=None, sequence_number=0)
+
+
+def _event(kind: str, **data) -> str:
+    """One SSE event of a Responses stream."""
+    return f"event: {kind}\ndata: {msgspec.json.encode({'type': kind, **data}).decode()}\n\n"

@@ -21,11 +21,11 @@ from pydantic import ValidationError
 
 from ._chat import ParsedReply
 from ._engines import EngineUnavailable, ExpansionMismatch
-from ._protocol import Asked, ChatBody, ProtocolError
+from ._protocol import ChatBody, ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["Handler", "chat_route", "sdk_retry", "session_of", "stream", "whole"]
+__all__ = ["Handler", "chat_route", "session_of", "stream", "whole"]
 
 # A route's handler; its body (Any here) is the route's own request model, a `ChatBody`.
 Handler = Callable[[Tito, Session, Any, Request], Awaitable[Response | dict]]
@@ -62,22 +62,13 @@ def session_of(tito: Tito, session_id: str) -> Session:
     return session
 
 
-def sdk_retry(request: Request) -> bool:
-    """Whether the request is an SDK's retry of an earlier attempt: the stock openai and anthropic SDKs
-    number each attempt in `x-stainless-retry-count`, 0 on the first (their `_base_client.py`)."""
-    count = request.headers.get("x-stainless-retry-count", "0")
-    return count.isdigit() and int(count) > 0
-
-
-async def whole(
-    request: Request, session: Session, turn: ChatTurn, asked: Asked, reply_message
-) -> ParsedReply:
+async def whole(turn: ChatTurn, reply_message) -> ParsedReply:
     """A turn answered in one body. It is committed only if the client is still there to receive it."""
-    async with session.lock:
-        await turn.start(asked, stream=False)
+    async with turn.session.lock:
+        await turn.start(stream=False)
         async for _ in turn.deltas():  # `parsed` holds the whole reply once this ends
             pass
-        if not _disconnected(request.receive):
+        if not _disconnected(turn.request.receive):
             turn.commit(reply_message(turn.parsed))
     return turn.parsed
 
@@ -95,20 +86,19 @@ def _disconnected(receive) -> bool:
     return False
 
 
-async def stream(
-    session: Session, turn: ChatTurn, asked: Asked, events: AsyncIterator[str], error_event
-) -> StreamingResponse:
+async def stream(turn: ChatTurn, events: AsyncIterator[str], error_event) -> StreamingResponse:
     """Hold the session's lock for the whole stream; errors before the first token are plain 4xx/503.
 
     `events` commits the turn after its last event was sent: a client that leaves mid-stream closes it
     first, and the turn leaves no trace. An engine that fails mid-stream ends the stream with an error
     event in the protocol's format (the turn is not committed).
     """
-    await session.lock.acquire()
+    lock = turn.session.lock
+    await lock.acquire()
     try:
-        await turn.start(asked, stream=True)
+        await turn.start(stream=True)
     except BaseException:
-        session.lock.release()
+        lock.release()
         raise
 
     async def body() -> AsyncIterator[str]:
@@ -118,6 +108,6 @@ async def stream(
         except (EngineUnavailable, ExpansionMismatch) as error:
             yield error_event(f"{error}; the turn was not captured: retry it")
         finally:
-            session.lock.release()
+            lock.release()
 
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -100,37 +100,31 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(request, 400, _validation_message(error))
+        parts = []
+        for item in error.errors():
+            where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+            parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
+        return error_response(request, 400, "invalid request: " + "; ".join(parts))
 
     @app.exception_handler(ProtocolError)
     async def refused(request: Request, error: ProtocolError) -> JSONResponse:
         return error_response(request, error.status, error.message, error.kind, error.param)
-
-    @app.exception_handler(TooManySessions)
-    async def too_many(request: Request, error: TooManySessions) -> JSONResponse:
-        return error_response(request, 429, str(error), "rate_limit_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 413: "request_too_large"}.get(error.status_code, "invalid_request_error")
         return error_response(request, error.status_code, str(error.detail), kind)
 
-    @app.exception_handler(EngineRejected)
-    async def rejected(request: Request, error: EngineRejected) -> JSONResponse:
-        return error_response(request, 400, str(error))
+    def answer(status: int, kind: str, then: str = ""):
+        """The handler of an error answered with its own message (and `then`)."""
 
-    @app.exception_handler(ExpansionMismatch)
-    async def mismatch(request: Request, error: ExpansionMismatch) -> JSONResponse:
-        return error_response(request, 502, str(error), "image_expansion_mismatch")
+        async def handler(request: Request, error: Exception) -> JSONResponse:
+            return error_response(request, status, f"{error}{then}", kind)
 
-    @app.exception_handler(EngineUnavailable)
-    async def unavailable(request: Request, error: EngineUnavailable) -> JSONResponse:
-        return error_response(request, 503, f"{error}; this session cannot continue", "engine_unavailable")
+        return handler
 
-
-def _validation_message(error: RequestValidationError) -> str:
-    parts = []
-    for item in error.errors():
-        where = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
-        parts.append(f"{where}: {item.get('msg')}" if where else str(item.get("msg")))
-    return "invalid request: " + "; ".join(parts)
+    app.add_exception_handler(TooManySessions, answer(429, "rate_limit_error"))
+    app.add_exception_handler(EngineRejected, answer(400, "invalid_request_error"))
+    app.add_exception_handler(ExpansionMismatch, answer(502, "image_expansion_mismatch"))
+    unavailable = answer(503, "engine_unavailable", "; this session cannot continue")
+    app.add_exception_handler(EngineUnavailable, unavailable)

@@ -229,7 +229,7 @@ class Tito:
         """The Env form: token ids in (with the images on their placeholder tokens, see `ChatRenderer`),
         sampled token ids (with logprobs and versions) out. A turn that fails is not captured. The last
         turn's prompt again is a second sample, kept beside the first; with `retry` it replaces the
-        last turn's reply instead (`Capture.begin_turn`)."""
+        last turn's reply instead (`Capture.commit_turn`)."""
         if not prompt_ids:
             raise ValueError("a turn needs at least one prompt token")
         prompt_ids, images = list(prompt_ids), list(images)
@@ -238,9 +238,7 @@ class Tito:
             routes_from = session.capture.routes_known_after(prompt_ids, images, retry=retry)
             result = await session.engine.generate(prompt_ids, params, images=images, routes_from=routes_from)
             turn = Turn(0, 0, 0, sampling=params)
-            session.capture.commit_turn(
-                prompt_ids, images, result, routes_from=routes_from, turn=turn, retry=retry
-            )
+            session.capture.commit_turn(prompt_ids, images, result, turn=turn, retry=retry)
             return result
 
     async def aclose(self) -> None:

@@ -76,30 +76,24 @@ def _decode_routes(encoded: str) -> np.ndarray:
     return routes
 
 
-def _check_sampled(token_ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-    if not (len(token_ids) == len(logprobs) == len(versions)):
-        raise ValueError(
-            f"sampled tokens, logprobs and versions differ in length: "
-            f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
-        )
-
-
-def _checked_routes(
-    encoded: str | None, start: int, length: int, old: np.ndarray | None
-) -> np.ndarray | None:
-    """A reply's MoE routes, decoded (None without): from token `start` they must lie within the segment
-    (of `length` tokens with the reply), in the shape of the routes it holds (`old`)."""
+def _checked_routes(encoded: str | None, old: np.ndarray | None, length: int) -> np.ndarray | None:
+    """The routes a segment holds once a reply's MoE routes (`encoded`, None without) follow those it
+    holds (`old`, for its first tokens): in their shape, within the segment (of `length` tokens with the
+    reply). None when neither has any."""
     if not encoded:
-        return None
+        return old
     routes = _decode_routes(encoded)
+    start = 0 if old is None else len(old)
     if start + len(routes) > length:
         raise ValueError(
             f"the engine returned routes for tokens {start}..{start + len(routes) - 1} of a segment "
             f"of {length} tokens"
         )
-    if old is not None and old.shape[1:] != routes.shape[1:]:
+    if old is None:
+        return routes
+    if old.shape[1:] != routes.shape[1:]:
         raise ValueError(f"routes of shape {routes.shape[1:]} follow routes of shape {old.shape[1:]}")
-    return routes
+    return np.concatenate([old, routes])
 
 
 def _encode_routes(routes: np.ndarray | None) -> str:
@@ -149,10 +143,8 @@ class Capture:
         self.segments: list[Segment] = [Segment()]
         self._routes: list[np.ndarray | None] = [None]  # per segment: its first tokens' MoE routes
         self._current = 0  # the segment the last turn went to
-        self._turn_start = -1  # where the last turn's prompt ended in the current segment
         self._turn_prompt: tuple[list[int], list[ImageSpan]] | None = None
-        self.replies: list[list[int]] = []  # each turn's sampled ids as appended; a retried turn's removed
-        self.turns: list[Turn] = []  # one per entry of `replies`
+        self.turns: list[Turn] = []  # one per completed turn; a retried turn's replaced by the retry's
 
     @property
     def tokens(self) -> list[int]:
@@ -164,44 +156,35 @@ class Capture:
         """The current segment's images."""
         return self.segments[self._current].images
 
+    @property
+    def replies(self) -> list[list[int]]:
+        """Each turn's sampled ids, as the engine returned them."""
+        return [self.segments[t.segment].token_ids[t.start : t.start + t.num_sampled] for t in self.turns]
+
     def routes_known_after(
         self, prompt_ids: list[int], images: Sequence[ImageSpan] = (), *, retry: bool = False
     ) -> int:
-        """How many leading tokens of the current segment will have their MoE routes captured once
-        `prompt_ids` is placed (`begin_turn`), without placing it."""
+        """How many leading tokens of the segment `prompt_ids` continues have their MoE routes captured
+        (`commit_turn` places it there), without placing it."""
         routes = self._routes_after(*self._place(prompt_ids, images, retry))
         return 0 if routes is None else len(routes)
 
     def commit_turn(
         self,
         prompt_ids: list[int],
-        images: list[ImageSpan],
+        images: Sequence[ImageSpan],
         sampled: Generation,
         *,
-        routes_from: int = 0,
         turn: Turn | None = None,
         retry: bool = False,
     ) -> None:
-        """A completed turn, placed in one step: its prompt (`begin_turn`), then what the engine sampled.
-        Nothing enters the capture before the turn completes, and the engine's reply is checked before
-        anything is placed, so a turn that fails, at the engine or in that check, leaves no trace.
-        `retry`: the turn retries the last one (module docstring)."""
-        if not prompt_ids:
-            raise ValueError("a turn needs at least one prompt token")
-        _check_sampled(sampled.token_ids, sampled.logprobs, sampled.versions)
-        index, keep = self._place(prompt_ids, images, retry)
-        length = len(prompt_ids) + len(sampled.token_ids)
-        routes = _checked_routes(sampled.routed_experts, routes_from, length, self._routes_after(index, keep))
-        self._begin(prompt_ids, images, index, keep)
-        turn = msgspec.structs.replace(turn or Turn(0, 0, 0), finish_reason=sampled.finish_reason)
-        self._append(sampled.token_ids, sampled.logprobs, sampled.versions, routes, routes_from, turn)
+        """A completed turn (`turn`: how it was asked for), placed in one step: its prompt, then what the
+        engine sampled, exactly as it returned them. Nothing enters the capture before the turn
+        completes, and the engine's reply is checked before anything is placed, so a turn that fails, at
+        the engine or in that check, leaves no trace.
 
-    def begin_turn(
-        self, prompt_ids: list[int], images: Sequence[ImageSpan] = (), *, retry: bool = False
-    ) -> None:
-        """Make the segment this prompt continues equal `prompt_ids` with `images` (all of the prompt's,
-        in order), appending, rolling back or opening a segment as needed.
-
+        The prompt makes the segment it continues equal `prompt_ids` with `images` (all of the prompt's,
+        in order), appending, rolling back or opening a segment as needed:
         - `retry` and `prompt_ids` equals the last turn's prompt: that turn's sampled tokens (and its
           `Turn`) are dropped, so a retry never duplicates tokens.
         - `prompt_ids` extends the current segment, or else another: the new tokens are appended to it
@@ -209,39 +192,52 @@ class Capture:
         - anything else (a prefix rewrite, the last prompt again without `retry`): a new segment starts
           with `prompt_ids`.
         """
+        token_ids, logprobs, versions = sampled.token_ids, sampled.logprobs, sampled.versions
         if not prompt_ids:
             raise ValueError("a turn needs at least one prompt token")
-        self._begin(prompt_ids, images, *self._place(prompt_ids, images, retry))
+        if not (len(token_ids) == len(logprobs) == len(versions)):
+            raise ValueError(
+                f"sampled tokens, logprobs and versions differ in length: "
+                f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
+            )
+        index, keep = self._place(prompt_ids, images, retry)
+        length = len(prompt_ids) + len(token_ids)
+        routes = _checked_routes(sampled.routed_experts, self._routes_after(index, keep), length)
+        if index == len(self.segments):
+            self.segments.append(Segment())
+            self._routes.append(None)
+        segment, new = self.segments[index], prompt_ids[keep:]
+        if keep < len(segment.token_ids):  # a retry: the reply it replaces goes
+            self.turns.pop()
+            for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
+                del field[keep:]
+        segment.images = list(images)
+        segment.token_ids += new + token_ids
+        segment.loss_mask += [0] * len(new) + [1] * len(token_ids)
+        segment.logprobs += [0.0] * len(new) + logprobs
+        segment.versions += [-1] * len(new) + versions
+        self._routes[index], self._current = routes, index
+        self._turn_prompt = (list(prompt_ids), list(images))
+        self.turns.append(
+            msgspec.structs.replace(
+                turn or Turn(0, 0, 0),
+                segment=index,
+                start=len(prompt_ids),
+                num_sampled=len(token_ids),
+                finish_reason=sampled.finish_reason,
+            )
+        )
 
     def _place(self, prompt_ids: list[int], images: Sequence[ImageSpan], retry: bool) -> tuple[int, int]:
         """Where a turn with this prompt goes: (segment index, how many of its tokens stay), the index
         past the last segment for a new one. Checks the current segment first: the common case."""
         if retry and (prompt_ids, list(images)) == self._turn_prompt:
-            return self._current, self._turn_start
+            return self._current, len(prompt_ids)
         order = [self._current, *(i for i in reversed(range(len(self.segments))) if i != self._current)]
         for index in order:
             if self._extends(self.segments[index], prompt_ids, images):
                 return index, len(self.segments[index].token_ids)
         return len(self.segments), 0
-
-    def _begin(self, prompt_ids: list[int], images: Sequence[ImageSpan], index: int, keep: int) -> None:
-        if index == len(self.segments):
-            self.segments.append(Segment())
-            self._routes.append(None)
-        elif keep < len(self.segments[index].token_ids):  # a retry: the reply it replaces goes
-            self.replies.pop()
-            self.turns.pop()
-            self._truncate(index, keep)
-        self._current = index
-        segment = self.segments[index]
-        new = prompt_ids[len(segment.token_ids) :]
-        segment.images = list(images)
-        segment.token_ids += new
-        segment.loss_mask += [0] * len(new)
-        segment.logprobs += [0.0] * len(new)
-        segment.versions += [-1] * len(new)
-        self._turn_start = len(segment.token_ids)
-        self._turn_prompt = (list(prompt_ids), list(images))
 
     @staticmethod
     def _extends(segment: Segment, prompt_ids: list[int], images: Sequence[ImageSpan]) -> bool:
@@ -252,62 +248,10 @@ class Capture:
         shared = [image for image in images if image.offset < length]
         return prompt_ids[:length] == segment.token_ids and shared == segment.images
 
-    def add_sampled(
-        self,
-        token_ids: list[int],
-        logprobs: list[float],
-        versions: list[int],
-        *,
-        routed_experts: str | None = None,
-        routes_from: int = 0,
-    ) -> None:
-        """Append tokens the engine sampled to the current segment, exactly as it returned them.
-        `routed_experts`: the routes the engine returned for this turn, starting at token `routes_from`
-        of the segment (module docstring); only those of tokens without a route yet are kept."""
-        _check_sampled(token_ids, logprobs, versions)
-        length = len(self.tokens) + len(token_ids)
-        routes = _checked_routes(routed_experts, routes_from, length, self._routes[self._current])
-        self._append(token_ids, logprobs, versions, routes, routes_from, Turn(0, 0, 0))
-
-    def _append(
-        self,
-        token_ids: list[int],
-        logprobs: list[float],
-        versions: list[int],
-        routes: np.ndarray | None,
-        routes_from: int,
-        turn: Turn,
-    ) -> None:
-        """Append a reply (`turn`: how it was asked for) to the current segment."""
-        segment = self.segments[self._current]
-        self.replies.append(list(token_ids))
-        start, num_sampled = len(segment.token_ids), len(token_ids)
-        self.turns.append(
-            msgspec.structs.replace(turn, segment=self._current, start=start, num_sampled=num_sampled)
-        )
-        segment.token_ids += token_ids
-        segment.loss_mask += [1] * len(token_ids)
-        segment.logprobs += logprobs
-        segment.versions += versions
-        old = self._routes[self._current]
-        known = 0 if old is None else len(old)
-        if routes is None or routes_from > known:  # a gap: routes must cover the segment from its start
-            return
-        new = routes[known - routes_from :]
-        self._routes[self._current] = new if old is None else np.concatenate([old, new])
-
     def _routes_after(self, index: int, keep: int) -> np.ndarray | None:
         """The routes segment `index` holds once cut to `keep` tokens (None for a new segment)."""
         routes = self._routes[index] if index < len(self._routes) else None
         return None if routes is None else routes[:keep]
-
-    def _truncate(self, index: int, length: int) -> None:
-        segment = self.segments[index]
-        for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
-            del field[length:]
-        segment.images = [image for image in segment.images if image.offset < length]
-        if (routes := self._routes[index]) is not None:
-            self._routes[index] = routes[:length]
 
     def trajectory(self) -> Trajectory:
         """A copy of the capture, without a trailing empty segment."""

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import msgspec
+from fastapi import Request
 
 from ._chat import ParsedReply, Prompt
 from ._engines import Generation
 from ._fields import check_constraints
-from ._protocol import Asked, ProtocolError, TextStream
+from ._protocol import Asked, ChatBody, ProtocolError, TextStream
 from ._service import Session, Tito
 from ._trajectory import Turn
 
@@ -19,42 +20,45 @@ __all__ = ["ChatTurn"]
 class ChatTurn:
     """Render the prompt (only new tokens for a continuation), sample, parse, remember the reply.
 
-    `start()` opens the engine stream and waits for its first chunk, so an engine that does not answer
-    surfaces before a streamed response has sent anything. `retry`: the request is an SDK's retry of an
-    earlier attempt (`x-stainless-retry-count` above 0). It replaces the session's last turn only if that
-    turn was the attempt it retries: the last request of the session, committed (its reply was lost on
-    the way back). The retry of an attempt that failed replaces nothing, since that attempt left no trace.
+    `body`: the route's request, which names the route and whether its reply is parsed for tool calls;
+    `asked`: what it asks of the turn. `start()` opens the engine stream and waits for its first chunk,
+    so an engine that does not answer surfaces before a streamed response has sent anything. A request
+    that is an SDK's retry of an earlier attempt (the stock openai and anthropic SDKs number each attempt
+    in `x-stainless-retry-count`, 0 on the first: their `_base_client.py`) replaces the session's last
+    turn only if that turn was the attempt it retries: the last request of the session, committed (its
+    reply was lost on the way back). The retry of an attempt that failed replaces nothing, since that
+    attempt left no trace.
     """
 
     def __init__(
         self,
         tito: Tito,
         session: Session,
+        request: Request,
+        body: ChatBody,
         messages: list[dict],
         tools: list[dict] | None,
-        *,
-        stops: list[str] | None,
-        parse_tools: bool,
-        id_prefix: str,
-        route: str,
-        retry: bool = False,
+        asked: Asked,
     ) -> None:
-        self.tito, self.session, self.route, self.retry = tito, session, route, retry
+        self.tito, self.session, self.request, self.body, self.asked = tito, session, request, body, asked
         self.messages, self.tools = messages, tools
-        self.parse_tools, self.id_prefix = parse_tools, id_prefix
+        retries = request.headers.get("x-stainless-retry-count", "0")
+        self.retry = retries.isdigit() and int(retries) > 0
+        self.parse_tools = parse_tools = body.parse_tools()
         hold_all = parse_tools and tito.tool_calls.family != "hermes"
+        stops = asked.sampling.get("stop")
         self.text = TextStream(tito.tokenizer, stops=stops, hold_tool_calls=parse_tools, hold_all=hold_all)
         self.generation = Generation()
         self.parsed = ParsedReply("", [])
         self.prompt = Prompt([])
         self._chunks: AsyncIterator[Generation] | None = None
         self._first: Generation | None = None
-        self._routes_from = 0
         self.committed = False
         self._switches_used: dict = {}
         self.record = Turn(0, 0, 0)
 
-    async def start(self, asked: Asked, *, stream: bool) -> None:
+    async def start(self, *, stream: bool) -> None:
+        asked = self.asked
         if self.session.id not in self.tito.sessions:  # ended while this request waited for the lock
             raise ProtocolError(404, f"session {self.session.id!r} has ended", "not_found")
         self.retry, self.session.committed = self.retry and self.session.committed, False
@@ -80,11 +84,11 @@ class ChatTurn:
         self._switches_used = switches
         differs = {k: v for k, v in asked.sampling.items() if v is not None and params.get(k) != v}
         self.record = Turn(
-            0, 0, 0, self.route, params, differs, fields=asked.fields, notes=[*asked.notes, *notes]
+            0, 0, 0, self.body.route, params, differs, fields=asked.fields, notes=[*asked.notes, *notes]
         )
-        self._routes_from = capture.routes_known_after(prompt.token_ids, prompt.images, retry=self.retry)
+        routes_from = capture.routes_known_after(prompt.token_ids, prompt.images, retry=self.retry)
         sampled = await self.session.engine.generate(
-            prompt.token_ids, params, images=prompt.images, stream=stream, routes_from=self._routes_from
+            prompt.token_ids, params, images=prompt.images, stream=stream, routes_from=routes_from
         )
         self._chunks = sampled if stream else None
         self._first = await anext(sampled, None) if stream else sampled
@@ -115,7 +119,7 @@ class ChatTurn:
         self.generation.stop_reason = self.text.stop
         if self.parse_tools:
             self.parsed = self.tito.tool_calls.parse(
-                text, self.generation.token_ids, self.tools, self.id_prefix
+                text, self.generation.token_ids, self.tools, self.body.id_prefix
             )
         else:
             self.parsed = ParsedReply(text, [])
@@ -131,12 +135,7 @@ class ChatTurn:
         record = msgspec.structs.replace(self.record, tool_parse_failures=self.parsed.failures)
         prompt = self.prompt
         self.session.capture.commit_turn(
-            prompt.token_ids,
-            prompt.images,
-            self.generation,
-            routes_from=self._routes_from,
-            turn=record,
-            retry=self.retry,
+            prompt.token_ids, prompt.images, self.generation, turn=record, retry=self.retry
         )
         self.committed = self.session.committed = True
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
