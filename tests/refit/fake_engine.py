@@ -33,8 +33,7 @@ def checkpoint_specs(model_dir: Path) -> list[list]:
     for file in sorted(model_dir.glob("*.safetensors")):
         with safe_open(file, framework="pt") as reader:
             for name in reader.keys():  # noqa: SIM118
-                tensor = reader.get_tensor(name)
-                specs.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)])
+                specs.append([name, list(reader.get_slice(name).get_shape())])
     return specs
 
 

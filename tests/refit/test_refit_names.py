@@ -25,14 +25,14 @@ class PrefixMapper:
 
 def test_legacy_checkpoint_names_are_matched_through_the_engines_mapper():
     mapper = PrefixMapper()
-    checkpoint = [["model.layers.0.self_attn.q_proj.weight", "float32", [4, 4]],
-                  ["model.layers.0.self_attn.k_proj.weight", "float32", [2, 4]],
-                  ["visual.blocks.0.norm1.weight", "float32", [4]],
-                  ["lm_head.weight", "float32", [8, 4]],
-                  ["model.unused.weight", "float32", [1]]]  # fmt: skip
+    checkpoint = [["model.layers.0.self_attn.q_proj.weight", [4, 4]],
+                  ["model.layers.0.self_attn.k_proj.weight", [2, 4]],
+                  ["visual.blocks.0.norm1.weight", [4]],
+                  ["lm_head.weight", [8, 4]],
+                  ["model.unused.weight", [1]]]  # fmt: skip
     trainer = ["model.language_model.layers.0.self_attn.q_proj.weight",
                "model.language_model.layers.0.self_attn.k_proj.weight",
                "model.visual.blocks.0.norm1.weight", "lm_head.weight"]  # fmt: skip
     translated = in_trainer_names(checkpoint, trainer, mapper)
-    assert [name for name, _, _ in translated] == [*trainer, "model.unused.weight"]
+    assert [name for name, _ in translated] == [*trainer, "model.unused.weight"]
     assert [spec[1:] for spec in translated] == [spec[1:] for spec in checkpoint]

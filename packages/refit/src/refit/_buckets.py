@@ -87,11 +87,8 @@ def pack_bucket(buffer_N: torch.Tensor, tensors: Iterable[torch.Tensor]) -> int:
             pieces.append((out_N[offset + start : offset + start + piece.size], piece))
         offset += source.size
     threads = _pack_threads()
-    if threads == 1 or len(pieces) == 1:
-        for out, piece in pieces:
-            np.copyto(out, piece)
-    else:
-        list(_pack_pool(threads).map(lambda job: np.copyto(*job), pieces))
+    copy_all = map if threads == 1 or len(pieces) == 1 else _pack_pool(threads).map  # map: on this thread
+    list(copy_all(lambda job: np.copyto(*job), pieces))
     return num_bytes
 
 

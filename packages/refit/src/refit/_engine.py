@@ -88,7 +88,7 @@ class Engine:
         self.timeout_s = timeout_s
         self.channel: GlooChannel | NcclChannel | IpcChannel | None = None
         self.delta_base: str | None = None  # token of the delta refit whose bytes it holds (refit._delta)
-        self._checkpoint_specs: list[ParamSpec] | None = None
+        self._checkpoint_specs: dict[str, tuple[int, ...]] | None = None
         import httpx  # here, not at module top: the sender's pack path must import without it
 
         self._http = httpx.Client(timeout=timeout_s)
@@ -158,13 +158,13 @@ class Engine:
         body = {"method": method, "kwargs": kwargs}  # only our extension's read-only methods
         return self._call("POST", "/collective_rpc", json=body, read_only=True).json()["results"]
 
-    def checkpoint_specs(self, names: Sequence[str] = ()) -> list[ParamSpec]:
-        """Names and full shapes of the checkpoint the engine loaded (what a refit must send), a name
-        spelt as in `names` (the trainer's) where the engine loads both spellings into one parameter.
+    def checkpoint_specs(self, names: Sequence[str] = ()) -> dict[str, tuple[int, ...]]:
+        """Name -> full shape of each tensor of the checkpoint the engine loaded (what a refit must send),
+        a name spelt as in `names` (the trainer's) where the engine loads both spellings into one parameter.
         Asked once: a server never changes the checkpoint it loaded, so later refits skip the round trip."""
         if self._checkpoint_specs is None:
             reply = self._rpc("refit_checkpoint_specs", trainer_names=json.dumps(list(names)))
-            self._checkpoint_specs = [ParamSpec.from_json(item) for item in reply[0]]
+            self._checkpoint_specs = {name: tuple(shape) for name, shape in reply[0]}
         return self._checkpoint_specs
 
     def transfer_backend(self) -> list[str]:
@@ -193,10 +193,8 @@ class Engine:
                 f"start it with refit.engine_flags({self.backend!r})"
             )
         if self.backend == IPC_BACKEND:
-            if self.world_size() != 1:
-                raise ValueError(
-                    f"{self.url}: the IPC refit serves a one-GPU engine, not {self.world_size()}"
-                )
+            if (gpus := self.world_size()) != 1:
+                raise ValueError(f"{self.url}: the IPC refit serves a one-GPU engine, not {gpus}")
             self._call("POST", "/init_weight_transfer_engine", json={"init_info": {}})
             self.channel = IpcChannel(self.update_weights)
             return

@@ -95,13 +95,10 @@ def _merged(weight: torch.Tensor, lora: Any) -> torch.Tensor:
     return (weight.float() + lora.scale * (b @ a)).to(weight.dtype)
 
 
-_WRAPPED = "_checkpoint_wrapped_module."  # torch's activation-checkpoint wrapper adds it to every name
-
-
 def checkpoint_name(name: str) -> str:
     """A parameter's checkpoint name: without the wrapper segment that activation checkpointing
     (torch's `checkpoint_wrapper`, which AutoModel applies) inserts into module paths."""
-    return name.replace(_WRAPPED, "")
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def full_params(module: torch.nn.Module, *, dtype: torch.dtype | None = None) -> FullParams:

@@ -152,9 +152,8 @@ def update_weights(
 
 def default_bucket_bytes(engines: Sequence[Engine]) -> int:
     """`IPC_BUCKET_BYTES` when every engine takes CUDA IPC handles, else `DEFAULT_BUCKET_BYTES`."""
-    if engines and all(engine.backend == IPC_BACKEND for engine in engines):
-        return IPC_BUCKET_BYTES
-    return DEFAULT_BUCKET_BYTES
+    ipc_only = bool(engines) and all(engine.backend == IPC_BACKEND for engine in engines)
+    return IPC_BUCKET_BYTES if ipc_only else DEFAULT_BUCKET_BYTES
 
 
 def _share(value):

@@ -29,8 +29,7 @@ import base64
 import io
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
-from functools import partial
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -153,19 +152,15 @@ class RoutingReplay:
 
     @contextmanager
     def _tapped(self, taps: list[_Tap]) -> Iterator[None]:
-        undo = []
-        for router, tap in zip(self.routers, taps, strict=True):
-            if _router_kind(router) == "automodel":
-                undo.append(partial(setattr, router, "router_replay", router.router_replay))
-                router.router_replay = tap
-            else:
-                hook = router.register_forward_hook(lambda m, _a, out, tap=tap: _swap(m, out, tap))
-                undo.append(hook.remove)
-        try:
+        with ExitStack() as undo:  # on the way out, every router as it was
+            for router, tap in zip(self.routers, taps, strict=True):
+                if _router_kind(router) == "automodel":
+                    undo.callback(setattr, router, "router_replay", router.router_replay)
+                    router.router_replay = tap
+                else:
+                    hook = router.register_forward_hook(lambda m, _a, out, tap=tap: _swap(m, out, tap))
+                    undo.callback(hook.remove)
             yield
-        finally:
-            for fn in undo:
-                fn()
 
 
 def _swap(router: torch.nn.Module, output: tuple, tap: _Tap) -> tuple | None:

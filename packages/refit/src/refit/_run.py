@@ -72,11 +72,9 @@ class Run:
         (asked only of engines that failed it). `retry`: they are live again, for a retry; else they fail
         in `verify`."""
         failed = [
-            engine
+            self._by_url[url]
             for url, (phase, _) in self.failures.items()
-            if phase == "transfer"
-            and (engine := self._by_url.get(url)) is not None
-            and _verify_failed(engine)
+            if phase == "transfer" and _verify_failed(self._by_url[url])
         ]
         for engine in failed:
             _, error = self.failures.pop(engine.url)
@@ -245,8 +243,7 @@ class Run:
                 self.fail(engine, "transfer", exc)
 
 
-def _mismatch(expected: list[ParamSpec], specs: list[ParamSpec]) -> str | None:
-    want = {s.name: s.shape for s in expected}
+def _mismatch(want: dict[str, tuple[int, ...]], specs: list[ParamSpec]) -> str | None:
     have = {s.name: s.shape for s in specs}
     problems = {
         "missing": sorted(want.keys() - have.keys()),

@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import itertools
 import pickle
 import time
 import zlib
@@ -208,9 +209,8 @@ class ReceiveBuffers:
         shadow: the specs and the bucket size)."""
         if (key, sizes) != self.layout:  # another layout: the bytes held are no base for it
             self.layout, self.token = (key, list(sizes)), None
-        starts = [0]
-        for num_bytes in sizes:  # each bucket starts 64-byte aligned, so its tensors view as any dtype
-            starts.append(starts[-1] + -(-num_bytes // 64) * 64)
+        # Each bucket starts 64-byte aligned, so its tensors view as any dtype.
+        starts = [0, *itertools.accumulate(-(-num_bytes // 64) * 64 for num_bytes in sizes)]
         if self.block_N is None or self.block_N.numel() < starts[-1]:
             self.block_N, self.token = torch.empty(starts[-1], dtype=torch.uint8), None
         return [self.block_N[start : start + n] for start, n in zip(starts, sizes, strict=False)]
@@ -244,11 +244,8 @@ class GlooChannel:
     def abort(self, sizes: list[int]) -> None:
         """Send the buckets not yet sent (their byte `sizes`) as aborted: an ABORT header and junk each,
         so the engine's posted receives all complete and it rolls back."""
-        header = torch.tensor([ABORT, 0], dtype=torch.int64)
         junk_N = torch.zeros(max(sizes, default=0), dtype=torch.uint8)
-        works = []
-        for num_bytes in sizes:
-            works += [broadcast(self.group, header), broadcast(self.group, junk_N[:num_bytes])]
+        works = [work for num_bytes in sizes for work in self.send(ABORT, junk_N[:num_bytes], 0)]
         for work in works:
             work.wait()
 

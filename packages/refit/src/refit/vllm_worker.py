@@ -75,7 +75,6 @@ class GlooInitInfo(WeightTransferInitInfo):
     port: int
     world_size: int
     timeout_s: float = 300.0
-    rank_offset: int = 1  # the trainer is rank 0
 
 
 @dataclass
@@ -87,11 +86,6 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     token: str | None = None  # names the bytes the kept buffers hold once this refit is whole
     delta_base: str | None = None  # a delta stream against the bytes of that token (refit._delta)
     lora: dict | None = None  # the PEFT config of the LoRA adapter the buckets hold
-
-    def specs(self) -> list[ParamSpec]:
-        return [
-            ParamSpec.from_json(item) for item in zip(self.names, self.dtype_names, self.shapes, strict=True)
-        ]
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -113,7 +107,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         parallel = self.parallel_config
-        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + 1  # the trainer is rank 0
         self.group = join_gloo_group(
             init_info.host, init_info.port, rank, init_info.world_size, init_info.timeout_s
         )
@@ -139,7 +133,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self.group is None:
             raise RuntimeError("refit_gloo: /init_weight_transfer_engine was never called")
         self.last_verify = {"checked": 0, "failed": None, "error": ""}
-        specs = info.specs()
+        specs = [ParamSpec.from_json(s) for s in zip(info.names, info.dtype_names, info.shapes, strict=True)]
         plan = plan_buckets(specs, info.bucket_bytes)
         buffers = self.buffers.carve([bucket_nbytes(specs, b) for b in plan])
         base_ok = info.delta_base is not None and self.buffers.token == info.delta_base
@@ -272,7 +266,8 @@ def _lora_model(manager, tensors: dict[str, torch.Tensor], peft_config: dict):
 
 
 def _checkpoint_specs(model_path: str) -> list[list]:
-    """Name, dtype and shape of every tensor in the model's safetensors files (headers only)."""
+    """Name and shape of every tensor in the model's safetensors files (headers only): the trainer's check
+    compares names and shapes, whatever the dtypes."""
     from safetensors import safe_open
 
     folder = Path(model_path)
@@ -284,21 +279,10 @@ def _checkpoint_specs(model_path: str) -> list[list]:
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(file, framework="pt") as reader:
             for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                piece = reader.get_slice(name)
-                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype(), piece.get_dtype().lower())
-                specs.append([name, dtype, list(piece.get_shape())])
+                specs.append([name, list(reader.get_slice(name).get_shape())])
     if not specs:
         raise FileNotFoundError(f"no *.safetensors in {folder}: refit checks names against the checkpoint")
     return specs
-
-
-_SAFETENSORS_DTYPES = {
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F64": "float64",
-    "I64": "int64",
-}
 
 
 class RefitWorkerExtension:
@@ -310,7 +294,7 @@ class RefitWorkerExtension:
     weight_transfer_engine: WeightTransferEngine | None
 
     def refit_checkpoint_specs(self, trainer_names: str = "[]") -> list[list]:
-        """The checkpoint's names, dtypes and shapes, in the trainer's spelling where vLLM maps both
+        """The checkpoint's names and shapes, in the trainer's spelling where vLLM maps both
         spellings alike (`trainer_names`: a JSON list; `/collective_rpc` passes strings only)."""
         specs = _checkpoint_specs(self.vllm_config.model_config.model)
         mapper = getattr(self.model_runner.get_model(), "hf_to_vllm_mapper", None)
@@ -318,8 +302,7 @@ class RefitWorkerExtension:
         return in_trainer_names(specs, names, mapper) if mapper is not None and names else specs
 
     def refit_transfer_backend(self) -> str | None:
-        config = self.vllm_config.weight_transfer_config
-        return None if config is None else config.backend
+        return getattr(self.vllm_config.weight_transfer_config, "backend", None)
 
     def refit_last_timings(self) -> dict[str, float]:
         return dict(getattr(self.weight_transfer_engine, "last_timings", {}))

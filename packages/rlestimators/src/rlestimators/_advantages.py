@@ -121,14 +121,7 @@ def maxrl(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return centered_B * inv_mean_G[inverse_B]
 
 
-ESTIMATORS = {
-    "reinforce": reinforce,
-    "rloo": rloo,
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "reinforce_pp": reinforce_pp,
-    "maxrl": maxrl,
-}
+ESTIMATORS = {fn.__name__: fn for fn in (reinforce, rloo, grpo, dr_grpo, reinforce_pp, maxrl)}
 
 
 def gae(

@@ -20,12 +20,6 @@ from rlestimators._losses import masked_means
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
 
 
-def _check_bounds(name: str, bounds: tuple[float, float]) -> None:
-    low, high = bounds
-    if not 0.0 <= low <= high:
-        raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {bounds}")
-
-
 def rollout_correction(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -62,8 +56,9 @@ def rollout_correction(
     check_choice("rollout correction mode", mode, get_args(CorrectionMode))
     if not token_cap > 0:
         raise ValueError(f"token_cap must be > 0, got {token_cap}")
-    _check_bounds("token_bounds", token_bounds)
-    _check_bounds("seq_bounds", seq_bounds)
+    for name, bounds in (("token_bounds", token_bounds), ("seq_bounds", seq_bounds)):
+        if not 0.0 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"{name} must be (low, high) with 0 <= low <= high, got {bounds}")
 
     trainable_BT = mask != 0
     log_ratio_BT = torch.where(trainable_BT, old_logp.detach().float() - rollout_logp.detach().float(), 0.0)

@@ -261,8 +261,7 @@ def lm_head_logprobs(
         raise ValueError(
             f"weight must be [V, H] with H = {hidden.shape[-1]}, got shape {tuple(weight.shape)}"
         )
-    check_floating(weight=weight)
-    if hidden.dtype != weight.dtype:
+    if hidden.dtype != weight.dtype:  # so the weight is floating too
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     _check_tokens(tokens, hidden.shape[:-1], weight.shape[0], "LM head")
     logp_N1, entropy_N1 = _HeadLogprobs.apply(

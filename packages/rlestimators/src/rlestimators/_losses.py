@@ -137,7 +137,7 @@ def policy_loss(
     adv_BT = adv_BT.expand_as(logp_BT)
     log_ratio_BT = torch.where(trainable_BT, logp_BT - old_logp.detach().float(), 0.0)
     ratio_BT = log_ratio_BT.exp()
-    no_clip_BT = torch.zeros_like(trainable_BT)
+    is_clipped_BT = is_capped_BT = torch.zeros_like(trainable_BT)  # what kind "pg" clips: nothing
 
     if kind in ("ppo", "gspo"):
         if kind == "gspo":
@@ -148,10 +148,9 @@ def policy_loss(
     elif kind == "cispo":
         is_weight_BT = ratio_BT.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
         loss_BT = -is_weight_BT * adv_BT * logp_BT
-        is_clipped_BT, is_capped_BT = is_weight_BT != ratio_BT.detach(), no_clip_BT
+        is_clipped_BT = is_weight_BT != ratio_BT.detach()
     else:  # "pg"
         loss_BT = -adv_BT * ratio_BT
-        is_clipped_BT, is_capped_BT = no_clip_BT, no_clip_BT
 
     if weights is not None:
         loss_BT = loss_BT * weights.detach().float()
