@@ -28,17 +28,16 @@ import molt._log
 from molt._batch import NO_INPUTS, StepInputs, collate
 from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import launch_engines
-from molt._eval import evaluate
 from molt._filters import GroupFilters
 from molt._launch import _model_dir, _start_ray, prompt_pool, run_log, start_extra_groups
-from molt._log import RunLog
+from molt._log import RunLog, StartupClock
+from molt._metrics import evaluate
 from molt._objective import step_loss
 from molt._placement import compiles, extra_groups
 from molt._restarts import EngineRestarts
 from molt._rollout import Rollout, RolloutRunner
 from molt._runners import launch_hosts
 from molt._sharding import compute_dtype, distributed_settings
-from molt._startup import StartupClock
 from molt.agent import load_agent
 from molt.config import Config, with_run_dir
 from molt.tiny import TINY_SHAPE

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from molt._startup import StartupClock, _process_started
+from molt._log import StartupClock, _process_started
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,7 +68,7 @@ def test_the_startup_clock_counts_from_the_process_start_and_times_each_stage():
 
 
 def test_bytecode_is_allowed_for_the_run_and_what_it_starts(tmp_path):
-    script = "import os, sys; from molt._startup import allow_bytecode; allow_bytecode(); " \
+    script = "import os, sys; from molt._log import allow_bytecode; allow_bytecode(); " \
              "print(os.environ.get('PYTHONDONTWRITEBYTECODE'), sys.dont_write_bytecode)"  # fmt: skip
     env = {"PYTHONDONTWRITEBYTECODE": "1", "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)

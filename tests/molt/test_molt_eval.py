@@ -12,8 +12,8 @@ import pytest
 
 import molt.recipes
 from molt._data import check_held_out, eval_rows, read_rows
-from molt._eval import evaluate
 from molt._flags import resolve
+from molt._metrics import evaluate
 from molt._rollout import Rollout
 from molt.config import Config, Eval
 from molt.recipes import copy_word, smollm2

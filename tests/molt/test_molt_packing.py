@@ -82,8 +82,9 @@ def test_packed_rows_lay_rows_end_to_end_with_their_own_positions():
     tokens_BT = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]])
     layout = packed_rows([3, 2, 4], cuda=False)
     assert layout.pack(tokens_BT).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
-    assert layout.position_ids().tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    assert layout.cu_seqlens.tolist() == [0, 3, 5, 9]
+    kwargs = layout.model_kwargs(torch.device("cpu"))
+    assert kwargs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 3, 5, 9]
     values_1N = torch.arange(1.0, 10.0)[None]
     assert layout.unpack(values_1N, 4).tolist() == [[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]]
 
@@ -91,10 +92,10 @@ def test_packed_rows_lay_rows_end_to_end_with_their_own_positions():
 def test_cuda_layouts_round_the_packed_length_and_longest_row():
     layout = packed_rows([300, 200], cuda=True)
     assert layout.num_packed == 512 and layout.max_length == 512
-    assert layout.cu_seqlens.tolist() == [0, 300, 500, 512]  # a padding row nobody attends to
-    assert layout.position_ids()[0, 500:].tolist() == list(range(12))
-    assert layout.pack(torch.ones(2, 300, dtype=torch.int64))[0, 500:].eq(0).all()
     kwargs = layout.model_kwargs(torch.device("cpu"))  # the row bounds alone: varlen attention, no tree
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 300, 500, 512]  # a padding row nobody attends to
+    assert kwargs["position_ids"][0, 500:].tolist() == list(range(12))
+    assert layout.pack(torch.ones(2, 300, dtype=torch.int64))[0, 500:].eq(0).all()
     assert kwargs["max_length_q"] == kwargs["max_length_k"] == 512
     assert set(kwargs) == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
 
@@ -103,7 +104,7 @@ def test_packed_attention_attends_within_each_row_only():
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 1, 7]
     q, k, v = (torch.randn(1, heads, sum(lengths), 8, generator=gen) for heads in (4, 2, 2))  # GQA
-    cu_seqlens = packed_rows(lengths, cuda=False).cu_seqlens
+    cu_seqlens = packed_rows(lengths, cuda=False).model_kwargs(torch.device("cpu"))["cu_seq_lens_q"]
     module = torch.nn.Module()
     out_1NHD, _ = packed_attention(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu_seqlens)
     for start, stop in itertools.pairwise(cu_seqlens.tolist()):  # each row alone, causal

@@ -93,7 +93,7 @@ def test_the_tree_packs_each_prefix_once_with_continuing_positions_and_unpacks_e
     assert layout.num_saved == shared and layout.num_packed == sum(lengths) - shared
     packed = layout.pack(tokens_BT)[0].tolist()
     assert packed == [9, 8, 7, *PROMPT[:-1], PROMPT[-1], 1, 2, 3, PROMPT[-1], 4, 5]  # rows sorted by tokens
-    positions = layout.position_ids()[0].tolist()
+    positions = layout.model_kwargs(torch.device("cpu"))["position_ids"][0].tolist()
     assert positions == [0, 1, 2, *range(shared), *range(shared, shared + 4), *range(shared, shared + 3)]
     torch.testing.assert_close(layout.unpack(layout.pack(tokens_BT), tokens_BT.shape[1]), tokens_BT)
     # the packed next token of every position but a row's last is that row's own next token

@@ -15,10 +15,11 @@ import pytest
 
 import molt._validate
 from molt._bounds import leaves
+from molt._checks_model import num_experts
 from molt._engines import engine_extra_args
 from molt._flags import resolve
 from molt._placement import engine_gpus, engine_memory_utilization, gpu_share, gpus_needed, refit_backend
-from molt._validate import check_cluster_gpus, num_experts, validate
+from molt._validate import check_cluster_gpus, validate
 from molt.config import Config, ConfigError
 
 

@@ -153,15 +153,10 @@ class PolicyWorker(ModelRank):
         one optimizer step, where those are the same numbers, and a separate logprob pass is saved. The
         rollout correction (`--algo.correction.*`) weighs each token by the ratio of `old_logp` to the
         engine's `batch.rollout_logp_BT`. `inputs.ref_logp_BT`: reference logprobs, which add the KL
-        loss term.
+        loss term (`molt._objective.score` gives them whenever --algo.kl.coef puts it in the loss).
         """
         if self.optimizer is None:
             raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
-        kl = self.config.algo.kl
-        if inputs.ref_logp_BT is None and kl.coef != 0 and not kl.in_reward:
-            raise ValueError(
-                "--algo.kl.coef is set: pass reference logprobs (inputs.ref_logp_BT) to train_step"
-            )
         sums = self._micro_batch_sums(batch, self._forward_backward, inputs)
         rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
         routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
@@ -205,12 +200,10 @@ class PolicyWorker(ModelRank):
         counts = {"refit/verify_failed": len(stats.verify_failed), "refit/bytes_sent": stats.bytes_sent}
         return {**stats.seconds, **counts, "failed": {}}
 
-    def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
-        """Full (gathered) parameters, all or `names`, on rank 0 (None elsewhere); call on every rank."""
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """Full (gathered) parameters on rank 0 (None elsewhere); call on every rank."""
         import refit
 
-        state = {}
-        for name, tensor in refit.full_params(self.model):  # gathers are collectives: every rank iterates
-            if self.rank == 0 and (names is None or name in names):
-                state[name] = tensor.detach().to("cpu", copy=True)
+        params = refit.full_params(self.model)  # gathers are collectives: every rank iterates
+        state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in params if self.rank == 0}
         return state if self.rank == 0 else None

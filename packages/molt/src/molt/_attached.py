@@ -87,10 +87,9 @@ def _probe(url: str, temperature: float, model: str | None) -> tuple[list[int], 
     reply = httpx.post(f"{url.rstrip('/')}/inference/v1/generate", json=body, timeout=120)
     reply.raise_for_status()
     choice = reply.json()["choices"][0]
-    tokens = choice["token_ids"]
     logp = [entry["logprob"] for entry in choice["logprobs"]["content"]]
     labels = []
     for span in choice.get("weight_versions") or ():
         label = span["version"]  # an integer label, or vLLM's "default" for the weights it loaded (0)
         labels += [int(label) if str(label).lstrip("-").isdigit() else 0] * (span["end"] - span["start"])
-    return tokens, logp, labels
+    return choice["token_ids"], logp, labels

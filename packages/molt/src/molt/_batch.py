@@ -184,8 +184,6 @@ class TrainBatch:
         in completion order, where window 1 (ratio 1, never clipped) would always hold the groups that
         finished first, the short ones, and the trust region would act on the long ones only."""
         num_rollouts = len(rows_per_rollout)
-        if sum(rows_per_rollout) != self.num_rows:
-            raise ValueError(f"rows_per_rollout adds up to {sum(rows_per_rollout)}, not {self.num_rows} rows")
         if not 1 <= count <= num_rollouts:
             raise ValueError(f"{num_rollouts} rollouts split into 1..{num_rollouts} windows, not {count}")
         starts = [0, *itertools.accumulate(rows_per_rollout)]
@@ -304,21 +302,14 @@ def row_images(spans: list, processor) -> RowImages | None:
     return RowImages(processed["pixel_values"].to(torch.float32), grid_thw_I3, spans_tuple)
 
 
-def _check_per_row(batch: TrainBatch, name: str, per_row: Sequence) -> None:
-    if len(per_row) != batch.num_rows:
-        raise ValueError(f"{name} must hold one entry per row ({batch.num_rows}), got {len(per_row)}")
-
-
 def with_images(batch: TrainBatch, images_per_row: list[list], processor) -> TrainBatch:
     """`batch` with each row's `RowImages` (`row_images`); `images_per_row` holds each row's spans."""
-    _check_per_row(batch, "images_per_row", images_per_row)
     return replace(batch, images=tuple(row_images(spans, processor) for spans in images_per_row))
 
 
 def with_lags(batch: TrainBatch, versions_per_row: list[list[int]], trainer_version: int) -> TrainBatch:
     """`batch` with `lag_BT`: `trainer_version` minus the weight version that sampled each trainable token
     (`versions_per_row`: each row's per-token versions, tito's `Segment.versions`), 0 elsewhere."""
-    _check_per_row(batch, "versions_per_row", versions_per_row)
     lag_BT = torch.zeros(batch.tokens_BT.shape)
     for row, versions in enumerate(versions_per_row):
         lag_BT[row, : len(versions)] = trainer_version - torch.tensor(versions, dtype=torch.float32)
@@ -328,7 +319,6 @@ def with_lags(batch: TrainBatch, versions_per_row: list[list[int]], trainer_vers
 def with_routes(batch: TrainBatch, routes_per_row: list) -> TrainBatch:
     """`batch` with `experts_BTLK` from each row's routes (`tito.Segment.routes()`: the experts of the
     row's first n tokens, `(n, L, K)`); -1 past them."""
-    _check_per_row(batch, "routes_per_row", routes_per_row)
     missing = [row for row, routes in enumerate(routes_per_row) if routes is None]
     if missing:
         raise RuntimeError(
@@ -340,9 +330,7 @@ def with_routes(batch: TrainBatch, routes_per_row: list) -> TrainBatch:
     if len(shapes) != 1:
         raise ValueError(f"the rows' routes differ in (layers, top_k): {sorted(shapes)}")
     experts_BTLK = torch.full((*batch.tokens_BT.shape, *shapes.pop()), -1, dtype=torch.int16)
-    for row, routes in enumerate(routes_per_row):
-        if len(routes) > batch.tokens_BT.shape[1]:
-            raise ValueError(f"row {row} has routes for {len(routes)} tokens, more than the batch's columns")
+    for row, routes in enumerate(routes_per_row):  # a row's routes are of its tokens: never past its columns
         experts_BTLK[row, : len(routes)] = torch.from_numpy(routes.astype("int16"))
     return replace(batch, experts_BTLK=experts_BTLK)
 

@@ -113,7 +113,7 @@ def export(checkpoint: str | Path, out_dir: str | Path, *, merged: bool = False)
     as a PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer) for
     its base model, or with `merged` as the model with each adapter merged in. Runs in one process, with
     no process group."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    import transformers
 
     checkpoint = Path(checkpoint)
     if (checkpoint / LATEST).is_file():  # a run's checkpoint directory: take its newest
@@ -121,32 +121,35 @@ def export(checkpoint: str | Path, out_dir: str | Path, *, merged: bool = False)
     if not (checkpoint / "actor").is_dir() or not (checkpoint / "model" / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a molt checkpoint (no actor/ and model/config.json)")
     lora_file = checkpoint / "actor" / LORA
-    if merged and not lora_file.is_file():
+    lora = msgspec.json.decode(lora_file.read_bytes()) if lora_file.is_file() else None
+    if merged and lora is None:
         raise ValueError(f"--merged merges LoRA adapters; {checkpoint}'s policy trained whole: drop --merged")
-    config = AutoConfig.from_pretrained(checkpoint / "model")
+    config = transformers.AutoConfig.from_pretrained(checkpoint / "model")
     vision = hasattr(config, "vision_config")  # loaded as the actor loads it (`molt._sharding.load_model`)
     out_dir = Path(out_dir)
-    if lora_file.is_file() and not merged:
-        return _export_adapter(checkpoint, msgspec.json.decode(lora_file.read_bytes()), out_dir, vision)
-    loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    model = loader.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
-    weights = model.state_dict()
-    adapters = _adapters(checkpoint / "actor", weights)
-    state = _load({**weights, **adapters}, checkpoint / "actor")
-    if adapters:  # a LoRA policy: each wrapped weight merged, W + alpha / rank * B @ A
-        lora = msgspec.json.decode(lora_file.read_bytes())
-        scale = lora["lora_alpha"] / lora["r"]
-        for name in {key.rsplit(".lora_", 1)[0] for key in adapters}:
-            a, b = (state.pop(f"{name}.lora_{part}.weight").float() for part in "AB")
-            weight = state[f"{name}.weight"]
-            state[f"{name}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
-    model.load_state_dict(state)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _save_preprocessing(checkpoint, out_dir, vision)
+    if lora is not None and not merged:
+        _export_adapter(checkpoint, lora, out_dir)
+    else:
+        loader = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+        model = loader.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
+        weights = model.state_dict()
+        adapters = _adapters(checkpoint / "actor", weights)
+        state = _load({**weights, **adapters}, checkpoint / "actor")
+        if lora is not None:  # merged: each wrapped weight W + alpha / rank * B @ A
+            scale = lora["lora_alpha"] / lora["r"]
+            for name in {key.rsplit(".lora_", 1)[0] for key in adapters}:
+                a, b = (state.pop(f"{name}.lora_{part}.weight").float() for part in "AB")
+                weight = state[f"{name}.weight"]
+                state[f"{name}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
+        model.load_state_dict(state)
+        model.save_pretrained(out_dir, safe_serialization=True)
+    # the tokenizer, and a vision-language model's processor
+    preprocessing = transformers.AutoProcessor if vision else transformers.AutoTokenizer
+    preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
     return out_dir
 
 
-def _export_adapter(checkpoint: Path, lora: dict, out_dir: Path, vision: bool) -> Path:
+def _export_adapter(checkpoint: Path, lora: dict, out_dir: Path) -> None:
     """The adapters alone, under PEFT's names (`base_model.model.<name>`), beside their PEFT config."""
     from safetensors.torch import save_file
 
@@ -155,8 +158,6 @@ def _export_adapter(checkpoint: Path, lora: dict, out_dir: Path, vision: bool) -
     tensors = {f"base_model.model.{name}": tensor.contiguous() for name, tensor in state.items()}
     save_file(tensors, out_dir / "adapter_model.safetensors")
     (out_dir / "adapter_config.json").write_text(json.dumps(lora, indent=2) + "\n")
-    _save_preprocessing(checkpoint, out_dir, vision)
-    return out_dir
 
 
 def _load(tensors: dict[str, torch.Tensor], actor_dir: Path) -> dict[str, torch.Tensor]:
@@ -168,13 +169,6 @@ def _load(tensors: dict[str, torch.Tensor], actor_dir: Path) -> dict[str, torch.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
     return state["model"]
-
-
-def _save_preprocessing(checkpoint: Path, out_dir: Path, vision: bool) -> None:
-    from transformers import AutoProcessor, AutoTokenizer
-
-    preprocessing = AutoProcessor if vision else AutoTokenizer
-    preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
 
 
 def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

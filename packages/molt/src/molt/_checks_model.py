@@ -53,10 +53,10 @@ def check_model(config: Config, model_dir: str | Path) -> None:
 
         model_dir, model_config = "(the tiny model)", dict(TINY_SHAPE)
     fsdp, algo = config.fsdp, config.algo
-    if "vision_config" in model_config and (fsdp.tp_size > 1 or fsdp.cp_size > 1):
+    if "vision_config" in model_config and fsdp.tp_size > 1:  # --fsdp.cp_size is 1 (`_check_machine`)
         raise ConfigError(
             f"--model.path {model_dir} is a vision-language model, whose actor runs data parallel only for "
-            f"now: --fsdp.tp_size 1 --fsdp.cp_size 1 (got {fsdp.tp_size}, {fsdp.cp_size})"
+            f"now: --fsdp.tp_size 1 (got {fsdp.tp_size})"
         )
     if "vision_config" in model_config and config.actor.lora.rank:
         raise ConfigError(
@@ -147,7 +147,7 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
             "--actor.lora.target_modules is empty: name at least one projection, or --actor.lora.rank 0"
         )
     hidden = int(model_config.get("hidden_size", 0))
-    head_dim = int(model_config.get("head_dim") or (hidden // heads if hidden else 0))
+    head_dim = int(model_config.get("head_dim") or hidden // heads)
     # Every projection maps the hidden size to its own size (or back): the MLP's (gate, up, down) to the
     # intermediate size. A size the config does not state is 0 (unchecked).
     own = {"q_proj": heads, "o_proj": heads, "k_proj": kv_heads, "v_proj": kv_heads}

@@ -18,8 +18,7 @@ import msgspec
 import typer
 
 from molt._flags import flag_help, parse, render_toml
-from molt._log import quiet_console
-from molt._startup import allow_bytecode
+from molt._log import allow_bytecode, quiet_console
 from molt._validate import validate
 from molt.config import Config, ConfigError, with_run_dir
 
@@ -73,10 +72,7 @@ def train(ctx: typer.Context) -> None:
     print_config = "--print-config" in args
     args = [arg for arg in args if arg != "--print-config"]
     try:
-        resume_dir = _take_resume(args)
-        if resume_dir is not None:  # the run's settings as given, then the flags given now
-            settings = _resume_settings(resume_dir, args)
-            args = ["--config", str(settings), *args, "--logger.run_dir", str(resume_dir)]
+        resume_dir, args = _resume_args(args)
         given = parse(args)
         config = validate(given)  # derived values (queue depth, on-policy settings, ...) follow `given`
         if print_config:
@@ -118,30 +114,27 @@ _GIVEN = (
 )
 
 
-def _resume_settings(run_dir: Path, flags: list[str]) -> Path:
-    """The file `--resume RUN_DIR` starts from: given.toml, or, in a run written before it was kept,
-    config.toml, whose derived values no flag given now may change, so none is taken."""
-    if (run_dir / "given.toml").is_file():
-        return run_dir / "given.toml"
-    if flags:
-        raise ConfigError(
-            f"--resume {run_dir} has no given.toml (the settings as given, before derived values), only "
-            f"config.toml, whose derived values (the queue depth, the on-policy settings, the placement) "
-            f"{flags[0]} and the other flags could not change: resume it without flags"
-        )
-    return run_dir / "config.toml"
-
-
-def _take_resume(args: list[str]) -> Path | None:
-    """Remove `--resume RUN_DIR` from `args` and return the run directory (it must hold a run)."""
+def _resume_args(args: list[str]) -> tuple[Path | None, list[str]]:
+    """`--resume RUN_DIR` taken out of `args`: the run directory (it must hold a run), and the arguments
+    that continue it, the run's settings as given, then the flags given now. The settings are given.toml,
+    or, in a run written before it was kept, config.toml, whose derived values no flag given now may
+    change, so none is taken. Without --resume: None and `args`."""
     for index, arg in enumerate(args):
         if arg == "--resume" or arg.startswith("--resume="):
             value = arg.partition("=")[2] or (args[index + 1] if index + 1 < len(args) else "")
-            del args[index : index + (1 if "=" in arg else 2)]
-            if not (Path(value) / "config.toml").is_file():
+            run_dir, flags = Path(value), args[:index] + args[index + (1 if "=" in arg else 2) :]
+            if not (run_dir / "config.toml").is_file():
                 raise ConfigError(f"--resume {value!r}: not a run directory (no config.toml)")
-            return Path(value)
-    return None
+            given = (run_dir / "given.toml").is_file()
+            if flags and not given:
+                raise ConfigError(
+                    f"--resume {run_dir} has no given.toml (the settings as given, before derived values), "
+                    f"only config.toml, whose derived values (the queue depth, the on-policy settings, the "
+                    f"placement) {flags[0]} and the other flags could not change: resume it without flags"
+                )
+            settings = run_dir / ("given.toml" if given else "config.toml")
+            return run_dir, ["--config", str(settings), *flags, "--logger.run_dir", str(run_dir)]
+    return None, args
 
 
 @app.command()

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from molt._batch import NO_INPUTS, StepInputs, TrainBatch
+from molt._batch import StepInputs, TrainBatch
 from molt._group import PolicyGroup
 from molt._rank import ModelRank
 from molt._sharding import distributed_setup, replicas
@@ -87,7 +87,7 @@ class CriticWorker(ModelRank):
 
     def _value_loss(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
-        assert inputs.old_values_BT is not None and inputs.returns_BT is not None  # train_step checked
+        assert inputs.old_values_BT is not None and inputs.returns_BT is not None  # gae's (`score`)
         mask_BT = mb.loss_mask_BT.to(self.device)
         values_BT = self._values(mb)
         loss_sum, metrics = value_loss(
@@ -126,11 +126,3 @@ class CriticGroup(PolicyGroup):
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Values of every row of `batch`, [B, T], in row order."""
         return self._rows("values", batch)
-
-    def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
-        """One critic optimizer step over the whole batch (`inputs`: the values before it and the
-        returns); returns the global metrics."""
-        if inputs.old_values_BT is None or inputs.returns_BT is None:
-            raise ValueError("the critic's step needs inputs.old_values_BT and inputs.returns_BT")
-        batch.check_step(inputs)
-        return self._each("train_step", *self._row_shards(batch, inputs)[1])[0]

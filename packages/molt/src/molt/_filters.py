@@ -56,7 +56,7 @@ class GroupFilters:
     def __init__(self, names: Sequence[str], max_groups: int) -> None:
         self.names, self.max_groups = list(names), max_groups
         self.num_dropped = collections.Counter(dict.fromkeys(self.names, 0))
-        self.dropped: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.dropped: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     @classmethod
     def of(cls, config: Config) -> GroupFilters | None:
@@ -71,7 +71,7 @@ class GroupFilters:
         for name in self.names:
             if not FILTERS[name](group):
                 self.num_dropped[name] += 1
-                self.dropped[name, _shown(group.prompt), _rewards(group)] += 1
+                self.dropped[name][_shown(group.prompt), _rewards(group)] += 1
                 return False
         return True
 
@@ -85,8 +85,7 @@ class GroupFilters:
         all_equal_rewards: Drops a group whose ...`."""
         parts = []
         for name in self.names:
-            mine = collections.Counter({key[1:]: n for key, n in self.dropped.items() if key[0] == name})
-            if not mine:
+            if not (mine := self.dropped[name]):
                 continue
             shown = [
                 f"{prompt} ({count} x, {rewards})" for (prompt, rewards), count in mine.most_common(limit)

@@ -12,6 +12,7 @@ This module imports nothing heavy: `molt train --help` runs it.
 """
 
 import difflib
+import functools
 import json
 import re
 import tomllib
@@ -78,17 +79,19 @@ def _unknown(name: str, where: str) -> ConfigError:
     """An error for an unknown flag or key, naming its new name (`_RENAMED`) or the closest known flag."""
     if name in _RENAMED:
         return ConfigError(f"{where} was renamed: pass {_RENAMED[name]}")
-    known = list(leaves())
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, leaves(), n=1, cutoff=0.6)
     if not close:  # a right field name in the wrong group: compare last segments
-        by_field = {path.rsplit(".", 1)[-1]: path for path in known}
+        by_field = {path.rsplit(".", 1)[-1]: path for path in leaves()}
         close = [by_field[m] for m in difflib.get_close_matches(name.rsplit(".", 1)[-1], by_field, n=1)]
     hint = f"; did you mean --{close[0]}?" if close else ""
     return ConfigError(f"unknown {where}{hint} (molt train --help lists every flag)")
 
 
-def _coerce(raw: str, tp: Any) -> Any:
-    """The flag-syntax conveniences msgspec does not know; msgspec converts and checks the rest."""
+def _coerce(raw: Any, tp: Any) -> Any:
+    """The flag-syntax conveniences msgspec does not know, in a flag's or a TOML string; msgspec converts
+    and checks the rest (and TOML's typed values)."""
+    if not isinstance(raw, str):
+        return raw
     if type(None) in get_args(tp) and raw.lower() == "none":
         return None
     if tp is bool:
@@ -101,10 +104,9 @@ def _coerce(raw: str, tp: Any) -> Any:
 
 def _split_args(args: Sequence[str]) -> tuple[str | None, dict[str, str]]:
     """`--config FILE` and `{dotted path: raw value}` from the command line; a repeated flag's last wins."""
-    raw_flags = {}
-    i = 0
-    while i < len(args):
-        token = args[i]
+    raw_flags, rest = {}, list(args)
+    while rest:
+        token = rest.pop(0)
         if not token.startswith("--"):
             raise ConfigError(f"unexpected argument {token!r}: options are --group.field VALUE")
         name, has_value, value = token[2:].partition("=")
@@ -112,14 +114,13 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, dict[str, str]]:
             raise _unknown(name, f"flag --{name}")
         if not has_value:
             takes_bare = name != "config" and leaves()[name].type is bool
-            if takes_bare and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            if takes_bare and (not rest or rest[0].startswith("--")):
                 value = "true"
-            elif i + 1 == len(args):
+            elif not rest:
                 raise ConfigError(f"--{name} needs a value")
             else:
-                value, i = args[i + 1], i + 1
+                value = rest.pop(0)
         raw_flags[name] = value
-        i += 1
     return raw_flags.pop("config", None), raw_flags
 
 
@@ -144,10 +145,7 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     nested: dict[str, Any] = {}
     for path, value in flat.items():
         *parents, last = path.split(".")
-        node = nested
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
+        functools.reduce(lambda node, part: node.setdefault(part, {}), parents, nested)[last] = value
     return nested
 
 
@@ -185,15 +183,11 @@ def parse(args: Sequence[str]) -> Config:
     """The `Config` the arguments give, typed but not yet validated: no derived value is filled in, so a
     file `render_toml` writes of it, read back with other flags, derives again from those."""
     config_file, raw_flags = _split_args(args)
-    values: dict[str, Any] = {}
-    sources: dict[str, tuple[str, Any]] = {}  # path -> (where it was set, the value as written)
-    if config_file is not None:
-        for path, value in _flatten_toml(_read_toml(config_file), config_file).items():
-            values[path] = _coerce(value, leaves()[path].type) if isinstance(value, str) else value
-            sources[path] = (f"{config_file}: {path} (--{path})", value)
-    for path, raw in raw_flags.items():
-        values[path] = _coerce(raw, leaves()[path].type)
-        sources[path] = (f"--{path}", raw)
+    toml = _flatten_toml(_read_toml(config_file), config_file) if config_file is not None else {}
+    # path -> (where it was set, the value as written); a flag wins over the file
+    sources = {path: (f"{config_file}: {path} (--{path})", value) for path, value in toml.items()}
+    sources |= {path: (f"--{path}", raw) for path, raw in raw_flags.items()}
+    values = {path: _coerce(raw, leaves()[path].type) for path, (_, raw) in sources.items()}
     try:
         return msgspec.convert(_nest(values), Config, strict=False)
     except msgspec.ValidationError as error:

@@ -112,10 +112,8 @@ class PolicyGroup:
         """Each data-parallel rank's micro-batches of `batch`'s rows (`molt._packing`), by the ranks'
         budget (the smallest, should their free memory differ) and whether the model packs; with
         --actor.shared_prefix, the rows that share a prefix (`molt._prefix`) kept in one micro-batch."""
-        import ray
-
         if self.layout is None:  # asked once the ranks are up
-            budgets, packs = zip(*ray.get([w.micro_batch_tokens.remote() for w in self.workers]), strict=True)
+            budgets, packs = zip(*self._each("micro_batch_tokens", *[()] * self.num_ranks), strict=True)
             self.layout = min(budgets), packs[0]
         budget, packed = self.layout
         together: Sequence[tuple[Sequence[int], int]] = ()
@@ -206,9 +204,9 @@ class PolicyGroup:
         """Restore the model, optimizer and schedule from a checkpoint written by `save`."""
         self._each("load", *[(str(path),)] * self.num_ranks)
 
-    def full_state(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """Full parameters (all, or `names`) gathered from the shards."""
-        return self._each("full_state", *[(names,)] * self.num_ranks)[0]
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full parameters gathered from the shards."""
+        return self._each("full_state", *[()] * self.num_ranks)[0]
 
     def shutdown(self) -> None:
         """Kill the workers (their process group and engine connections go with them)."""

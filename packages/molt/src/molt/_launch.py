@@ -27,14 +27,13 @@ from molt._data import RowStream, check_held_out, eval_rows, read_rows
 from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
 from molt._filters import GroupFilters
 from molt._group import PolicyGroup
-from molt._log import RunLog, progress, quiet_console
+from molt._log import RunLog, StartupClock, allow_bytecode, progress, quiet_console
 from molt._metrics import sampled_tokens
-from molt._placement import compute_dtype_name
+from molt._placement import compute_dtype_name, extra_groups
 from molt._restarts import EngineRestarts
-from molt._rollout import RolloutRunner
+from molt._rollout import RolloutRunner, sampling
 from molt._runners import launch_hosts
-from molt._startup import StartupClock, allow_bytecode
-from molt._validate import check_cluster_gpus, extra_groups, start_notes, validate
+from molt._validate import check_cluster_gpus, start_notes, validate
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config, with_run_dir
 from molt.loop import Run, run_steps
@@ -118,8 +117,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
                 compute_dtype=compute_dtype_name(config), model=ADAPTER if lora else None,
             )  # fmt: skip
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        log = run_log(config)
-        cleanup.callback(log.close)
+        log = cleanup.enter_context(contextlib.closing(run_log(config)))
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
         parts = dict(
             policy=policy,
@@ -140,26 +138,19 @@ def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, log
     """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for.
     Returns once their ranks are placed (`ready_refs` are ready once they have loaded). `logs`: the
     directory their ranks write their output into (empty: Ray's worker logs)."""
-    num_ranks, algo, groups = config.actor.num_ranks, config.algo, {}
-    frozen = dict(trainable=False, wait=False)
-    if "reference" in extra_groups(config):  # the initial weights, frozen (a resumed run reloads them)
-        progress("starting the reference policy (--algo.kl.coef)")
-        groups["reference"] = PolicyGroup(
-            model_dir, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/reference"
-        )
-    if "critic" in extra_groups(config):
-        progress("starting the critic (--algo.advantage.estimator gae)")
-        critic_dir = algo.critic.model or model_dir
-        groups["critic"] = CriticGroup(
-            critic_dir, config, num_ranks, wait=False, log_prefix=logs and f"{logs}/critic"
-        )
-    if "teacher" in extra_groups(config):
-        progress(f"starting the teacher {algo.teacher.model} (--algo.advantage.estimator opd)")
-        groups["teacher"] = PolicyGroup(
-            algo.teacher.model, config, num_ranks, **frozen, log_prefix=logs and f"{logs}/teacher"
-        )
-    for name in groups:
-        clock.begin(name)
+    algo, num_ranks, groups = config.algo, config.actor.num_ranks, {}
+    started = {  # name -> its model and what it is; the reference: the initial weights, frozen
+        "reference": (model_dir, "the reference policy (--algo.kl.coef)"),
+        "critic": (algo.critic.model or model_dir, "the critic (--algo.advantage.estimator gae)"),
+        "teacher": (algo.teacher.model, f"the teacher {algo.teacher.model} (--algo.advantage.estimator opd)"),
+    }
+    for name in extra_groups(config):  # a resumed run reloads the frozen ones from their initial weights
+        model, what = started[name]
+        progress(f"starting {what}")
+        critic, prefix = name == "critic", logs and f"{logs}/{name}"
+        kind = CriticGroup if critic else PolicyGroup  # the critic alone trains
+        groups[name] = kind(model, config, num_ranks, trainable=critic, wait=False, log_prefix=prefix)
+        clock.begin(name)  # its ranks are placed: they load from now on
     return groups
 
 
@@ -188,16 +179,14 @@ async def _serve_and_run(
     (the `Run` fields started by `train`). `actors`: the engines' actors, which restart them (none for
     attached engines)."""
 
-    rollout = config.rollout  # every turn samples as the trainer assumes, whatever an SDK agent asks
-    fixed = {"temperature": rollout.temperature, "top_p": rollout.top_p, "max_tokens": rollout.max_new_tokens}
     parts["startup"].begin("tito")
-    adapter = ADAPTER if config.actor.lora.rank else None  # every request samples from the refitted adapter
     tito = Tito(
         engine_urls,
         parts["model_dir"],
         served_model_name="policy",
-        fixed_sampling=fixed,
-        engine_model=adapter,
+        fixed_sampling=sampling(config),  # every turn, whatever an SDK agent asks
+        # every request samples from the refitted adapter
+        engine_model=ADAPTER if config.actor.lora.rank else None,
     )
     restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=config.vllm.max_restarts)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents

@@ -42,9 +42,12 @@ def _lean_class(lean: type, original: type) -> type:
     return type(f"{lean.__name__}[{original.__name__}]", (lean, original), {})
 
 
-def _swap(module: torch.nn.Module, lean: type) -> None:
-    if not isinstance(module, lean):
-        module.__class__ = _lean_class(lean, type(module))  # type: ignore[arg-type]  # a class is hashable
+def _swap(modules: list[torch.nn.Module], lean: type) -> int:
+    """Swap `lean` into each of `modules`; returns how many."""
+    for module in modules:
+        if not isinstance(module, lean):
+            module.__class__ = _lean_class(lean, type(module))  # type: ignore[arg-type]  # a class is hashable
+    return len(modules)
 
 
 class LeanRMSNorm(torch.nn.Module):
@@ -135,9 +138,7 @@ def use_lean_rms_norms(model: torch.nn.Module) -> int:
     norms = [
         m for m in model.modules() if hasattr(m, "variance_epsilon") and type(m).__name__.endswith("RMSNorm")
     ]
-    for norm in norms:
-        _swap(norm, LeanRMSNorm)
-    return len(norms)
+    return _swap(norms, LeanRMSNorm)
 
 
 def use_lean_mlps(model: torch.nn.Module) -> int:
@@ -148,9 +149,7 @@ def use_lean_mlps(model: torch.nn.Module) -> int:
         if all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj"))
         and type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
     ]
-    for mlp in mlps:
-        _swap(mlp, LeanMLP)
-    return len(mlps)
+    return _swap(mlps, LeanMLP)
 
 
 def use_logprob_head(model: torch.nn.Module, config: Config) -> LogprobHead | None:
@@ -161,7 +160,7 @@ def use_logprob_head(model: torch.nn.Module, config: Config) -> LogprobHead | No
     head = causal_lm.get_output_embeddings()
     if config.fsdp.tp_size > 1 or type(head) is not torch.nn.Linear or head.bias is not None:
         return None
-    _swap(head, LogprobHead)
+    _swap([head], LogprobHead)
     head.temperature = config.rollout.temperature
     return head
 

@@ -138,8 +138,6 @@ def plan_micro_batches(
     piece then holds the prefix once). Rows of zero length (none to compute) are left out. A row longer
     than `budget` is refused: the run checks the budget against --vllm.max_model_len before it starts.
     """
-    if num_ranks < 1 or budget < 1:
-        raise ValueError(f"num_ranks and budget must be >= 1, got {num_ranks} and {budget}")
     too_long = [length for length in lengths if length > budget]
     if too_long:
         raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")

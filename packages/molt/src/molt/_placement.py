@@ -168,18 +168,16 @@ def compiles(config: Config, *, on_gpu: bool) -> bool:
     """Whether the actor compiles its decoder layers: --actor.compile on, or auto on CUDA without
     activation checkpointing or routing replay (which compiled layers do not combine with)."""
     actor = config.actor
-    if actor.compile != "auto":
-        return actor.compile == "on"
-    return on_gpu and not actor.activation_checkpointing and not config.train.routing_replay
+    auto = on_gpu and not actor.activation_checkpointing and not config.train.routing_replay
+    return actor.compile == "on" or (actor.compile == "auto" and auto)
 
 
 def shares_prefixes(config: Config, *, on_gpu: bool) -> bool:
     """Whether the actor shares prefixes (a model that cannot pack aside): --actor.shared_prefix on, or
     auto on CUDA with packed micro-batches and without routing replay (one route per shared token)."""
     actor = config.actor
-    if actor.shared_prefix != "auto":
-        return actor.shared_prefix == "on"
-    return on_gpu and actor.pack and not config.train.routing_replay
+    auto = on_gpu and actor.pack and not config.train.routing_replay
+    return actor.shared_prefix == "on" or (actor.shared_prefix == "auto" and auto)
 
 
 def refit_backend(config: Config, *, on_gpu: bool) -> str:

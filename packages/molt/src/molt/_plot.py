@@ -25,11 +25,9 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl: is it a molt run directory?")
-    by_step = {}  # a resumed run logs again the steps after its checkpoint: the last record counts
-    for line in path.read_text().splitlines():
-        if line.strip():
-            record = json.loads(line)
-            by_step[record["step"]] = record
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # A resumed run logs again the steps after its checkpoint: the last record counts.
+    by_step = {record["step"]: record for record in records}
     if not by_step:
         raise ValueError(f"{path} has no step yet")
     return [by_step[step] for step in sorted(by_step)]

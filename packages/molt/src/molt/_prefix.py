@@ -147,23 +147,14 @@ class SharedPrefixRows:
         padding = values_BT.new_full((self.num_padding, *values_BT.shape[2:]), fill)
         return torch.cat([values_BT[rows_N, positions_N[: len(rows_N)]], padding])[None]
 
-    def position_ids(self) -> torch.Tensor:
-        """[1, N] int64: a token's column in its row (a continuation's go on from its prefix)."""
-        return self._tokens[1][None]
-
-    @property
-    def cu_seqlens(self) -> torch.Tensor:
-        """int32 [spans + 1]: where each span (a group, then the padding) starts, then N."""
-        return torch.tensor(self._tokens[3], dtype=torch.int32)
-
     def model_kwargs(self, device: torch.device) -> dict:
         """The forward's keyword arguments: positions, the spans' bounds (attention never crosses one)
         and, where a prefix is shared, the tree within each, which `packed_attention` reads: on CUDA the
         block masks of `block_masks` (FlexAttention), on a CPU the positions and branches (`tree_mask`,
         SDPA). Rows that share nothing pass the bounds alone: varlen attention on CUDA. transformers passes
         them all to the attention function unchanged."""
-        _, positions_N, branches_N, _ = self._tokens
-        cu_seqlens = self.cu_seqlens.to(device)
+        _, positions_N, branches_N, bounds = self._tokens
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)  # where each span starts, then N
         kwargs = {
             "position_ids": positions_N[None].to(device),
             "cu_seq_lens_q": cu_seqlens,

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from molt._batch import StepInputs, TrainBatch
+from molt._checkpoint import load_actor, save_actor
 from molt._lean import LogprobHead
 from molt._log import redirect_output
 from molt._packing import (
@@ -308,15 +309,11 @@ class ModelRank:
 
     def save(self, path: str) -> None:
         """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""
-        from molt._checkpoint import save_actor
-
         where = Path(path) / self.checkpoint_dir
         save_actor(self.model, self.optimizer, self.scheduler, where, rank=self.rank, lora=self.lora)
 
     def load(self, path: str) -> None:
         """Read the model, optimizer and schedule from a checkpoint (any number of ranks wrote it)."""
-        from molt._checkpoint import load_actor
-
         load_actor(self.model, self.optimizer, self.scheduler, Path(path) / self.checkpoint_dir)
 
 

@@ -30,7 +30,7 @@ from molt.agent import Context, Result
 from molt.config import Config
 from tito import EngineUnavailable, Prompt, Segment, Tito
 
-__all__ = ["Rollout", "RolloutRunner"]
+__all__ = ["Rollout", "RolloutRunner", "sampling"]
 
 
 @dataclass
@@ -52,6 +52,12 @@ class Rollout:
     @property
     def max_version(self) -> int:
         return max(v for s in self.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
+
+
+def sampling(config: Config) -> dict[str, Any]:
+    """How every turn samples (`--rollout.*`): as the trainer assumes, whatever an SDK agent asks."""
+    rollout = config.rollout
+    return {"max_tokens": rollout.max_new_tokens, "temperature": rollout.temperature, "top_p": rollout.top_p}
 
 
 def _as_messages(observation) -> list[dict]:
@@ -81,11 +87,7 @@ class RolloutRunner:
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
         self.renderer = tito.renderer
-        self.sampling: dict[str, Any] = {
-            "max_tokens": config.rollout.max_new_tokens,
-            "temperature": config.rollout.temperature,
-            "top_p": config.rollout.top_p,
-        }
+        self.sampling = sampling(config)
         # logged as agent/<kind>; engine_unavailable: rollouts lost because their engine stopped answering
         self.failures = {"raised": 0, "timed_out": 0, "nonfinite_reward": 0, "engine_unavailable": 0}
 

@@ -158,9 +158,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers.values() if isinstance(layers, torch.nn.ModuleDict) else layers)
 
 
-def compile_layers(model: torch.nn.Module) -> int:
+def compile_layers(model: torch.nn.Module) -> None:
     """--actor.compile: each decoder layer through torch.compile (`Module.compile`, torch's own in-place
-    form: names and hooks stay); returns how many.
+    form: names and hooks stay).
 
     Only the layer's own computation is compiled: Dynamo skips FSDP2's hooks (gathering the weights,
     reducing the gradients; `torch._dynamo.config.skip_fsdp_hooks`), which run around it as before. The
@@ -171,7 +171,6 @@ def compile_layers(model: torch.nn.Module) -> int:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
     for layer in layers:
         layer.compile()
-    return len(layers)
 
 
 def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> None:

@@ -25,23 +25,11 @@ import functools
 
 from molt._bounds import check_bounds, field_value
 from molt._checks import check_agent, check_algorithm, check_pairs, check_paths, loss_denominator, on_policy
-from molt._checks_model import check_companions, check_model, num_experts, why_not_packed
-from molt._placement import (
-    compiles,
-    compute_dtype_name,
-    engine_memory_utilization,
-    extra_groups,
-    resolve_placement,
-)
+from molt._checks_model import check_companions, check_model, why_not_packed
+from molt._placement import compiles, compute_dtype_name, engine_memory_utilization, resolve_placement
 from molt.config import Config, ConfigError
 
-__all__ = [
-    "check_cluster_gpus",
-    "extra_groups",
-    "num_experts",
-    "start_notes",
-    "validate",
-]
+__all__ = ["check_cluster_gpus", "start_notes", "validate"]
 
 
 # What needs CUDA, by flag, at a value other than its default: on a CPU each would do nothing (or cannot
@@ -135,10 +123,10 @@ def _check_machine(config: Config) -> None:
             "pass --actor.compute_dtype bfloat16 (float32 master weights stay) or --model.dtype bfloat16"
         )
     fsdp, ranks = config.fsdp, config.actor.num_ranks
-    if ranks % (fsdp.tp_size * fsdp.cp_size):
+    if ranks % fsdp.tp_size:  # --fsdp.cp_size is 1 (above)
         raise ConfigError(
-            f"--actor.num_ranks {ranks} must be a multiple of --fsdp.tp_size {fsdp.tp_size} x --fsdp.cp_size "
-            f"{fsdp.cp_size}: the data-parallel size is num_ranks / (tp_size x cp_size)"
+            f"--actor.num_ranks {ranks} must be a multiple of --fsdp.tp_size {fsdp.tp_size}: the "
+            "data-parallel size is num_ranks / tp_size"
         )
     if ranks % fsdp.ep_size:
         raise ConfigError(

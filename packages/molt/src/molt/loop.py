@@ -23,15 +23,13 @@ from molt._checkpoint import step_dir, write_loop_state
 from molt._critic import CriticGroup
 from molt._data import RowStream
 from molt._dumps import write_rollouts
-from molt._eval import evaluate
 from molt._filters import GroupFilters
 from molt._group import EnginesLost, PolicyGroup
-from molt._log import RunLog, progress
-from molt._metrics import pool_metrics, rollout_metrics, staleness_mean
+from molt._log import RunLog, StartupClock, progress
+from molt._metrics import evaluate, pool_metrics, rollout_metrics, staleness_mean
 from molt._objective import score
 from molt._restarts import EngineRestarts
 from molt._rollout import Rollout, RolloutRunner
-from molt._startup import StartupClock
 from molt.config import Config
 from tito import Tito
 

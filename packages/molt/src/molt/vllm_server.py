@@ -65,35 +65,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free TCP port found on {host} in 20000-32767")
 
 
-def engine_args(
-    model: str | Path,
-    *,
-    port: int,
-    max_model_len: int = 2048,
-    extra: Sequence[str] = (),
-    on_cpu: bool | None = None,
-) -> list[str]:
-    """The command line of one engine (see the module docstring for why each flag is there). `on_cpu`:
-    None asks torch (which then loads in this process)."""
+def engine_args(model: str | Path, *, port: int, extra: Sequence[str], on_cpu: bool) -> list[str]:
+    """The command line of one engine (see the module docstring for why each flag is there); `extra`
+    flags come last, so they override these (`--max-model-len`)."""
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--max-model-len", str(max_model_len),
+        "--max-model-len", "2048",
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    if _on_cpu() if on_cpu is None else on_cpu:
+    if on_cpu:
         # Fast start on CPU (about 40 s instead of 200 s): no engine subprocess, no graph capture.
         args += ["--enforce-eager", "--distributed-executor-backend", "uni", "--dtype", "float32"]
     return args + list(extra)
-
-
-def _on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def _die_with_parent() -> None:
@@ -125,10 +112,13 @@ class VLLMServer:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.on_cpu = _on_cpu() if on_cpu is None else on_cpu
-        self.args = engine_args(model, port=self.port, extra=extra_args, on_cpu=self.on_cpu)
+        if on_cpu is None:
+            import torch
+
+            on_cpu = not torch.cuda.is_available()
+        self.args = engine_args(model, port=self.port, extra=extra_args, on_cpu=on_cpu)
         self.log_path = Path(log_path or f"/tmp/molt-vllm-{self.port}.log")
-        self.env = {**_ENV, **(_CPU_ENV if self.on_cpu else {}), **os.environ, **(env or {})}
+        self.env = {**_ENV, **(_CPU_ENV if on_cpu else {}), **os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> VLLMServer:
