@@ -26,13 +26,11 @@ from pydantic import AfterValidator, BaseModel, Field, field_validator, model_va
 from ._chat import ParsedReply, message_text
 from ._fields import extra_fields
 from ._protocol import Asked, ChatBody, ToolName, check_json_schema, structured_outputs
-from ._routes import stream, whole
+from ._routes import sse, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["MessagesRequest", "message_reply", "messages", "sse", "to_messages"]
-
-STOP = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
+__all__ = ["MessagesRequest", "message_reply", "messages", "to_messages"]
 
 
 class Tool(BaseModel):
@@ -211,7 +209,7 @@ def stop_reason(
         return "stop_sequence", stop
     if parsed.tool_calls and engine_reason != "length":
         return "tool_use", None
-    return STOP.get(engine_reason or "stop", "end_turn"), None
+    return ("max_tokens" if engine_reason == "length" else "end_turn"), None  # an aborted reply ends too
 
 
 def content_blocks(parsed: ParsedReply) -> list[dict]:
@@ -238,37 +236,31 @@ def message_reply(
     }
 
 
-def sse(event: str, data: dict) -> str:
-    return f"event: {event}\ndata: {json.dumps({'type': event, **data})}\n\n"
-
-
 async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
     """The events of one streamed turn; the turn is committed after the last was sent."""
     message = message_reply(model, turn.parsed, ("end_turn", None), (turn.counts[0], 0))
-    yield sse("message_start", {"message": {**message, "content": [], "stop_reason": None}})
+    yield sse("message_start", message={**message, "content": [], "stop_reason": None})
     index = 0  # the text block, if any, is block 0; tool_use blocks follow
     async for delta in turn.deltas():
         if index == 0:
-            yield sse("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            yield sse("content_block_start", index=0, content_block={"type": "text", "text": ""})
             index = 1
-        yield sse("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": delta}})
+        yield sse("content_block_delta", index=0, delta={"type": "text_delta", "text": delta})
     if index == 1:
-        yield sse("content_block_stop", {"index": 0})
-    for block in content_blocks(turn.parsed):
-        if block["type"] != "tool_use":
-            continue
-        yield sse("content_block_start", {"index": index, "content_block": {**block, "input": {}}})
+        yield sse("content_block_stop", index=0)
+    for block in [block for block in content_blocks(turn.parsed) if block["type"] == "tool_use"]:
+        yield sse("content_block_start", index=index, content_block={**block, "input": {}})
         partial = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
-        yield sse("content_block_delta", {"index": index, "delta": partial})
-        yield sse("content_block_stop", {"index": index})
+        yield sse("content_block_delta", index=index, delta=partial)
+        yield sse("content_block_stop", index=index)
         index += 1
     reason, sequence = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed)
     stop = {"stop_reason": reason, "stop_sequence": sequence}
-    yield sse("message_delta", {"delta": stop, "usage": {"output_tokens": turn.counts[1]}})
-    yield sse("message_stop", {})
+    yield sse("message_delta", delta=stop, usage={"output_tokens": turn.counts[1]})
+    yield sse("message_stop")
     turn.commit(turn.parsed.message())
 
 
 def error_event(message: str) -> str:
     """A stream's error event, as the Anthropic SDK reads it (it raises `APIStatusError`)."""
-    return sse("error", {"error": {"type": "api_error", "message": message}})
+    return sse("error", error={"type": "api_error", "message": message})

@@ -118,22 +118,7 @@ class _Reply(msgspec.Struct):
     choices: list[_Choice] = []
 
 
-class _Placeholder(msgspec.Struct):
-    length: int
-
-
-class _Features(msgspec.Struct):
-    mm_hashes: dict[str, list[str]]
-    mm_placeholders: dict[str, list[_Placeholder]]
-    kwargs_data: dict[str, list[str]]
-
-
-class _Rendered(msgspec.Struct):
-    features: _Features
-
-
 _decode_reply = msgspec.json.Decoder(_Reply).decode
-_decode_rendered = msgspec.json.Decoder(_Rendered).decode
 _MAX_KEPT_IMAGES = 64  # processed images an engine client keeps, by hash (each up to a few MB)
 
 
@@ -234,9 +219,10 @@ class Engine:
         """Have the engine process `images` (alone, in one user turn) and keep what it made of each."""
         content = [{"type": "image_url", "image_url": {"url": image.data_url}} for image in images]
         body = {"messages": [{"role": "user", "content": content}]}
-        made = _decode_rendered(await self._request(f"{self.url}/v1/chat/completions/render", body)).features
-        lengths = [place.length for place in made.mm_placeholders["image"]]
-        kept = zip(made.mm_hashes["image"], lengths, made.kwargs_data["image"], strict=True)
+        made = msgspec.json.decode(await self._request(f"{self.url}/v1/chat/completions/render", body))
+        features = made["features"]
+        lengths = [place["length"] for place in features["mm_placeholders"]["image"]]
+        kept = zip(features["mm_hashes"]["image"], lengths, features["kwargs_data"]["image"], strict=True)
         for image, features in zip(images, kept, strict=True):
             self._features[image.sha256] = features
         while len(self._features) > _MAX_KEPT_IMAGES:

@@ -32,8 +32,6 @@ from ._turn import ChatTurn
 
 __all__ = ["ChatRequest", "chat_chunk", "chat_completion", "chat_completions", "to_messages"]
 
-FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
-
 
 class FunctionCall(BaseModel):
     name: str
@@ -145,9 +143,6 @@ class ChatRequest(ChatBody):
         thinking = None if effort is None else effort not in ("none", "minimal")
         return Asked(sampling, constraints, fields, notes, thinking, f"reasoning_effort {effort!r}")
 
-    def parse_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
 
 async def chat_completions(tito: Tito, session: Session, body: ChatRequest, request: Request) -> Response:
     """`POST /s/{id}/v1/chat/completions`: one turn, answered in one body or streamed as chunks."""
@@ -195,7 +190,7 @@ def reply_message(parsed: ParsedReply) -> dict:
 def finish_reason(engine_reason: str | None, parsed: ParsedReply) -> str:
     if parsed.tool_calls and engine_reason != "length":
         return "tool_calls"
-    return FINISH.get(engine_reason or "stop", "stop")
+    return "length" if engine_reason == "length" else "stop"  # an aborted reply ends too
 
 
 def usage(num_prompt: int, num_completion: int) -> dict:

@@ -52,10 +52,12 @@ class ChatBody(BaseModel):
 
     model: str
     stream: bool = False
+    tools: list[Any] | None = None  # each route's own tool schema
+    tool_choice: Any = None
 
     def parse_tools(self) -> bool:
         """Whether the reply is parsed for tool calls: tools are offered, and tool_choice allows them."""
-        raise NotImplementedError
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class ProtocolError(Exception):

@@ -27,7 +27,7 @@ from pydantic import Field, field_validator
 from ._chat import ParsedReply, message_text, parse_arguments
 from ._fields import extra_fields
 from ._protocol import Asked, ChatBody, ProtocolError, check_json_schema, check_tool_name, structured_outputs
-from ._routes import stream, whole
+from ._routes import sse, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
@@ -92,9 +92,6 @@ class ResponsesRequest(ChatBody):
             "structured_outputs": structured,
         }
         return Asked(sampling, constraints, fields, notes, thinking, f"reasoning.effort {effort!r}")
-
-    def parse_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
 
 
 async def create_response(tito: Tito, session: Session, body: ResponsesRequest, request: Request) -> Response:
@@ -270,7 +267,7 @@ async def stream_events(
     numbers = itertools.count()
 
     def event(kind: str, **data) -> str:  # numbered in order
-        return _event(kind, sequence_number=next(numbers), **data)
+        return sse(kind, sequence_number=next(numbers), **data)
 
     started = response_body(request, response_id, model, [], None, None)
     yield event("response.created", response=started)
@@ -310,9 +307,4 @@ async def stream_events(
 
 def error_event(message: str) -> str:
     """A stream's error, as the OpenAI SDK reads a Responses stream's `error` event."""
-    return _event("error", code="engine_unavailable", message=message, param=None, sequence_number=0)
-
-
-def _event(kind: str, **data) -> str:
-    """One SSE event of a Responses stream."""
-    return f"event: {kind}\ndata: {msgspec.json.encode({'type': kind, **data}).decode()}\n\n"
+    return sse("error", code="engine_unavailable", message=message, param=None, sequence_number=0)

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -25,7 +26,7 @@ from ._protocol import ChatBody, ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["Handler", "chat_route", "session_of", "stream", "whole"]
+__all__ = ["Handler", "chat_route", "session_of", "sse", "stream", "whole"]
 
 # A route's handler; its body (Any here) is the route's own request model, a `ChatBody`.
 Handler = Callable[[Tito, Session, Any, Request], Awaitable[Response | dict]]
@@ -111,3 +112,8 @@ async def stream(turn: ChatTurn, events: AsyncIterator[str], error_event) -> Str
             lock.release()
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def sse(kind: str, **data) -> str:
+    """One named SSE event, its data an object whose `type` is the name (the Anthropic and Responses form)."""
+    return f"event: {kind}\ndata: {msgspec.json.encode({'type': kind, **data}).decode()}\n\n"
