@@ -226,11 +226,11 @@ def test_an_engine_of_any_backend_whose_check_failed_is_retried_once_then_fails_
         run.fail(engine, "transfer", RuntimeError("update_weights answered 500"))
     retry = run.verify_failures()
     assert retry == [ipc, nccl, gloo]
-    assert run.live == [fine, ipc, nccl, gloo] and list(run.failures) == ["http://died"]
+    assert run.live == [fine, ipc, nccl, gloo] and list(run.failures) == [died]
     for engine in (ipc, nccl):  # their retries fail the check again; gloo's passes
         run.fail(engine, "transfer", RuntimeError("update_weights answered 500"))
     assert run.verify_failures(retry=False) == [ipc, nccl]
-    assert {url: phase for url, (phase, _) in run.failures.items()} == {
+    assert {engine.url: phase for engine, (phase, _) in run.failures.items()} == {
         "http://died": "transfer",
         "http://ipc": "verify",
         "http://nccl": "verify",

@@ -55,10 +55,7 @@ def diff_into(base_N: torch.Tensor, new_N: torch.Tensor, unit: int) -> torch.Ten
     index = np.flatnonzero(changed).astype(np.int32)
     values = new[index]
     base[index] = values
-    patch = np.empty(num_changed * (_INDEX_BYTES + unit), dtype=np.uint8)
-    patch[: index.nbytes] = index.view(np.uint8)
-    patch[index.nbytes :] = values.view(np.uint8)
-    return torch.from_numpy(patch)
+    return torch.from_numpy(np.concatenate([index.view(np.uint8), values.view(np.uint8)]))
 
 
 def apply_patch(index: int, buffer_N: torch.Tensor, patch_N: torch.Tensor, unit: int) -> None:

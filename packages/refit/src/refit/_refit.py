@@ -143,7 +143,7 @@ def update_weights(
     for engine in engines:
         engine.delta_base = token if engine in run.live else None
     if run.failures:
-        raise RefitError(run.failures, [e.url for e in run.live])
+        raise RefitError({e.url: failure for e, failure in run.failures.items()}, [e.url for e in run.live])
     verify_failed = tuple(e.url for e in retry)
     return RefitStats(
         str(version), sum(s.nbytes for s in specs), len(plan), run.seconds, run.bytes_sent, verify_failed

@@ -19,7 +19,7 @@ import torch
 
 from refit._buckets import ParamSpec, bucket_nbytes, packed_buckets
 from refit._delta import ABORTED, FULL, SPARSE, bucket_unit, diff_into
-from refit._engine import GLOO_BACKEND, IPC_BACKEND, NCCL_BACKEND, Engine
+from refit._engine import IPC_BACKEND, NCCL_BACKEND, Engine
 from refit._gather import FullParams
 from refit._transport import IpcChannel, NcclChannel, ReceiveBuffers, checksum, device_checksum
 
@@ -32,21 +32,21 @@ class Run:
     def __init__(self, engines: list[Engine], *, lora: dict | None = None) -> None:
         self.live = engines
         self.lora = lora  # a LoRA adapter's PEFT config: the transfer is that adapter
-        self.failures: dict[str, tuple[str, BaseException]] = {}
+        self.failures: dict[Engine, tuple[str, BaseException]] = {}
         self.seconds: dict[str, float] = {}
         self.bytes_sent = 0
-        self._by_url = {engine.url: engine for engine in engines}
         self.buckets_sent = 0  # by `_send`: where a failed transfer's aborted rest begins
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(engines)), thread_name_prefix="refit")
 
     def fail(self, engine: Engine, phase: str, error: BaseException) -> None:
-        self.failures.setdefault(engine.url, (phase, error))
+        self.failures.setdefault(engine, (phase, error))
         self.live = [e for e in self.live if e is not engine]
 
-    def phase(self, name: str, fn: Callable[[Engine], object], engines: list[Engine] | None = None) -> list:
+    def phase(self, name: str, fn: Callable[[Engine], object], engines: list[Engine] | None = None) -> dict:
+        """`fn` on every live engine (or `engines`) in parallel: each engine's result (None: it failed)."""
         began = time.perf_counter()
         futures = [(e, self.pool.submit(fn, e)) for e in (self.live if engines is None else engines)]
-        results = [self._result(e, name, f) for e, f in futures]
+        results = {e: self._result(e, name, f) for e, f in futures}
         self.seconds[name] = time.perf_counter() - began
         return results
 
@@ -58,12 +58,9 @@ class Run:
 
     def check(self, specs: list[ParamSpec]) -> str | None:
         """Compare `specs` with each engine's checkpoint (read-only); the first mismatch refuses the refit."""
-        for engine, expected in zip(
-            list(self.live),
-            self.phase("check", lambda e: e.checkpoint_specs([s.name for s in specs])),
-            strict=True,
-        ):
-            if expected is not None and (problem := _mismatch(expected, specs)):
+        expected = self.phase("check", lambda e: e.checkpoint_specs([s.name for s in specs]))
+        for engine, want in expected.items():
+            if want is not None and (problem := _mismatch(want, specs)):
                 return f"refit refused, the parameters do not match {engine.url}'s checkpoint: {problem}"
         return None
 
@@ -71,13 +68,9 @@ class Run:
         """The engines whose transfer failed because a bucket failed the engine's check, on any backend
         (asked only of engines that failed it). `retry`: they are live again, for a retry; else they fail
         in `verify`."""
-        failed = [
-            self._by_url[url]
-            for url, (phase, _) in self.failures.items()
-            if phase == "transfer" and _verify_failed(self._by_url[url])
-        ]
+        failed = [e for e, (phase, _) in self.failures.items() if phase == "transfer" and _verify_failed(e)]
         for engine in failed:
-            _, error = self.failures.pop(engine.url)
+            _, error = self.failures.pop(engine)
             if retry:
                 self.live.append(engine)
             else:
@@ -102,9 +95,8 @@ class Run:
         receivers = {  # an IPC engine takes each bucket in a call of its own, made by its channel
             e: self.pool.submit(e.update_weights, infos[e]) for e in engines if e.backend != IPC_BACKEND
         }
-        for engine in engines:
-            if engine.backend != GLOO_BACKEND:  # the GPU channels need the plan (IPC's calls, NCCL's end)
-                assert isinstance(engine.channel, IpcChannel | NcclChannel)
+        for engine in engines:  # the GPU channels need the plan (IPC's calls, NCCL's end)
+            if isinstance(engine.channel, IpcChannel | NcclChannel):
                 engine.channel.begin(specs, plan)
         self.buckets_sent = 0
         try:
@@ -145,9 +137,9 @@ class Run:
         self._receipts(receivers)
         self.seconds["transfer"] = time.perf_counter() - began
 
-    def _diff(self, params, specs, plan, base_N) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def _diff(self, params, specs, plan, base_N) -> tuple[list[list[int]], list[torch.Tensor]]:
         """Gather and pack each bucket, take its CRC, and diff it into the shadow: the delta table's rows
-        and each bucket's patch (None: whole)."""
+        and each bucket's payload (its patch, or the whole bucket as the shadow now holds it)."""
         rows, payloads = [], []
         self.seconds.update(gather_pack=0.0, checksum=0.0, diff=0.0)
         began = time.perf_counter()
@@ -161,18 +153,17 @@ class Run:
             patch = diff_into(base_N[index], new_N, bucket_unit([specs[i] for i in plan[index]]))
             self.seconds["diff"] += time.perf_counter() - began
             rows.append([FULL, new_N.numel(), crc] if patch is None else [SPARSE, patch.numel(), crc])
-            payloads.append(patch)
+            payloads.append(base_N[index] if patch is None else patch)
             began = time.perf_counter()
         return rows, payloads
 
     def _send_delta(self, engines, patched, rows, payloads, base_N) -> None:
         began = time.perf_counter()
         table_N3 = torch.tensor(rows, dtype=torch.int64)
+        stream = [payload for payload in payloads if payload.numel()]  # an empty patch stays home
         pending = {}
         for engine in engines:
             if engine in patched:
-                stream = [base if p is None else p for p, base in zip(payloads, base_N, strict=True)]
-                stream = [payload for payload in stream if payload.numel()]  # an empty patch stays home
                 pending[engine] = self._try(engine, "send_all", [table_N3, *stream])
                 self.bytes_sent += sum(t.numel() for t in stream)
             else:
@@ -267,8 +258,7 @@ def _verify_failed(engine: Engine) -> bool:
 
 
 _SHADOW = ReceiveBuffers()  # rank 0's copy of the bytes its delta engines hold (kept between refits)
-
-_HOST_BUFFERS: list[torch.Tensor] = []
+_HOST_SEND = ReceiveBuffers()  # rank 0's two host bucket buffers (kept between refits)
 
 
 def _send_buffers(device: str, num_bytes: int) -> list[torch.Tensor]:
@@ -276,6 +266,4 @@ def _send_buffers(device: str, num_bytes: int) -> list[torch.Tensor]:
     page faults on every first write (~25K faults for two 50 MiB buffers), GPU memory is not kept."""
     if device != "cpu":
         return [torch.empty(num_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-    if not _HOST_BUFFERS or _HOST_BUFFERS[0].numel() < num_bytes:
-        _HOST_BUFFERS[:] = [torch.empty(num_bytes, dtype=torch.uint8) for _ in range(2)]
-    return _HOST_BUFFERS
+    return _HOST_SEND.carve([num_bytes] * 2)

@@ -197,7 +197,8 @@ class ReceiveBuffers:
     refits (one copy of the weights): fresh memory costs a page fault per 4 KiB on every refit (a raw
     gloo broadcast into fresh memory takes 2-3x as long as into a warm buffer, bench/refit_cpu.py).
     Reusing the block is safe only while no weight lives in it: `forget_if_used_by` checks that.
-    The trainer keeps one too, as the shadow of its delta engines' bytes (`refit._delta`)."""
+    The trainer keeps two: the shadow of its delta engines' bytes (`refit._delta`) and its host send
+    buffers."""
 
     def __init__(self) -> None:
         self.block_N: torch.Tensor | None = None

@@ -97,10 +97,9 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
     The batch mean of group-centred values is exactly 0, so the global normalisation only divides. With
     B == 1 (or only singleton groups) every centred value is 0, the std is taken as 0, and advantages are 0.
     """
-    centered_B, _, _ = _centered(rewards, group_ids)
-    num_samples = centered_B.numel()
+    centered_B = _centered(rewards, group_ids)[0]
     # Written out rather than `.std()`, which warns and returns NaN when B == 1.
-    std = (centered_B.square().sum() / max(num_samples - 1, 1)).sqrt()
+    std = (centered_B.square().sum() / max(centered_B.numel() - 1, 1)).sqrt()
     return centered_B / (std + _STD_EPS)
 
 

@@ -156,8 +156,7 @@ def entropy_from_logits(logits: torch.Tensor, *, temperature: float = 1.0) -> to
     as a logged metric and as an entropy bonus. Reduce it with `masked_sum`.
     """
     _check_logits(logits, temperature)
-    vocab = logits.shape[-1]
-    entropy_N = _Entropy.apply(logits.reshape(-1, vocab), float(temperature))
+    entropy_N = _Entropy.apply(logits.reshape(-1, logits.shape[-1]), float(temperature))
     return entropy_N.view(logits.shape[:-1])
 
 

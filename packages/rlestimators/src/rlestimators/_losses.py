@@ -76,25 +76,6 @@ def _gspo_ratio(logp_BT, log_ratio_BT, trainable_BT):
     return seq_ratio_B[:, None] * token_term_BT.exp()
 
 
-def _check_policy_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, dual_clip, weights):
-    check_bt("mask", mask, logp=logp, old_logp=old_logp)
-    check_floating(logp=logp, old_logp=old_logp, advantages=advantages)
-    if advantages.shape not in (mask.shape, mask.shape[:1]):
-        raise ValueError(
-            f"advantages must be [B] or [B, T] = {tuple(mask.shape)}, got shape {tuple(advantages.shape)}"
-        )
-    if weights is not None:
-        check_bt("mask", mask, weights=weights)
-        check_floating(weights=weights)
-    check_choice("policy loss kind", kind, get_args(PolicyLossKind))
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
-    if dual_clip is not None and (kind not in ("ppo", "gspo") or dual_clip <= 1.0):
-        raise ValueError(
-            f"dual_clip must be None or > 1 and needs kind 'ppo' or 'gspo'; got {dual_clip}, {kind}"
-        )
-
-
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -130,7 +111,23 @@ def policy_loss(
     whose IS weight was clipped), `dual_clip_frac`, `ratio_mean`, `approx_kl` (k3 estimate of
     KL(old || new)). Returns `(loss_sum, metrics)`.
     """
-    _check_policy_inputs(logp, old_logp, advantages, mask, kind, clip_low, clip_high, dual_clip, weights)
+    check_bt("mask", mask, logp=logp, old_logp=old_logp)
+    check_floating(logp=logp, old_logp=old_logp, advantages=advantages)
+    if advantages.shape not in (mask.shape, mask.shape[:1]):
+        raise ValueError(
+            f"advantages must be [B] or [B, T] = {tuple(mask.shape)}, got shape {tuple(advantages.shape)}"
+        )
+    if weights is not None:
+        check_bt("mask", mask, weights=weights)
+        check_floating(weights=weights)
+    check_choice("policy loss kind", kind, get_args(PolicyLossKind))
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
+    if dual_clip is not None and (kind not in ("ppo", "gspo") or dual_clip <= 1.0):
+        raise ValueError(
+            f"dual_clip must be None or > 1 and needs kind 'ppo' or 'gspo'; got {dual_clip}, {kind}"
+        )
+
     trainable_BT = mask != 0
     logp_BT = logp.float()
     adv_BT = (advantages[:, None] if advantages.dim() == 1 else advantages).detach().float()
