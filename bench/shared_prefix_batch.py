@@ -11,7 +11,7 @@ alike, laid out as Molt's actor gets them, with random token ids (seeded).
   agent that returns tool outputs as user messages, as bench/agentic_batch.py's does, puts one after
   every reply). Each turn's prompt then rewrites the reply before it, so tito opens a new segment per
   turn (`tito._trajectory`: a prompt that extends no segment starts one), and Molt trains each segment
-  as a row (`molt.loop.segment_rows`): row t of an episode is the system prompt, the task, turns 1..t-1
+  as a row (`molt.loop.run_steps`): row t of an episode is the system prompt, the task, turns 1..t-1
   as their answers and tool outputs, then reply t whole. An episode's 8 rows share its history, one
   turn more each; an episode whose tool outputs came back as tool messages would be one row instead.
   About 128 rows and 480k tokens.

@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import httpx
+import msgspec
 import torch
 
 import molt._log
@@ -29,7 +30,7 @@ from molt._batch import NO_INPUTS, StepInputs, collate
 from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import launch_engines
 from molt._filters import GroupFilters
-from molt._launch import _model_dir, _start_ray, prompt_pool, run_log, start_extra_groups
+from molt._launch import _model_dir, _start_ray, prompt_pool, start_extra_groups
 from molt._log import RunLog, StartupClock
 from molt._metrics import evaluate
 from molt._objective import step_loss
@@ -171,7 +172,7 @@ def log_files(config: Config, where: Path) -> dict:
     with mock.patch.object(molt._log, "start_wandb", lambda run_dir, project, cfg: projects.append(project)):
         config = with_run_dir(config, now=NOW)
         Path(config.logger.run_dir).mkdir(parents=True)
-        log = run_log(config)
+        log = RunLog(config)
         log.step(1, {name: 0.5 for name in _CONSOLE})
         log.close()
     return {"files": files(where), "wandb": projects}
@@ -430,7 +431,8 @@ def loop_run(config: Config, where: Path) -> dict:
     engine = SimpleNamespace(url="http://engine", alive=True)
     tito = SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0), renderer=SimpleNamespace(images=None),
                            router=SimpleNamespace(engines=[engine]))  # fmt: skip
-    log = RunLog(run_dir, num_steps=config.train.num_steps, tensorboard=False)
+    no_events = msgspec.structs.replace(config.logger, tensorboard=False)
+    log = RunLog(msgspec.structs.replace(config, logger=no_events))
     parts = dict(policy=policy, tito=tito, runner=rollouts, rows=rows, log=log, model_dir=where / "model",
                  eval_rows=eval_rows(config, agent) if config.eval.every else [], **extra)  # fmt: skip
 

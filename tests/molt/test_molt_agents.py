@@ -12,7 +12,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import torch
 
 from asyncpool import GroupPool
 from molt._batch import collate
@@ -20,7 +19,7 @@ from molt._rollout import RolloutRunner
 from molt._runners import AgentHost, launch_hosts
 from molt._validate import validate
 from molt.config import Agent, Config, Data, Rollout
-from molt.loop import check_token_identity, segment_rows
+from molt.loop import check_token_identity
 from tito import Tito, create_app, serve_on_loop
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
@@ -103,11 +102,8 @@ def test_a_compacting_agent_trains_as_one_rollout_with_several_segments(tiny_mod
     assert len(first.segments) == 3  # every compaction rewrote the prefix: a new segment per turn
     trained = [t for s in first.segments for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
     assert first.sampled == trained
-    advantages_R = torch.tensor([0.5, -0.5])
-    rows_out = segment_rows([first, second], advantages_R)
-    assert len(rows_out) == len(first.segments) + len(second.segments)
-    assert [advantage for *_, advantage in rows_out] == [0.5] * 3 + [-0.5] * len(second.segments)
-    check_token_identity(collate(rows_out, pad_id=0), [first, second])
+    rows_out = [(s.token_ids, s.loss_mask, s.logprobs, 0.0) for r in (first, second) for s in r.segments]
+    check_token_identity(collate(rows_out, pad_id=0), [first, second])  # the loop's batch: a row per segment
 
 
 AGENTS = """

@@ -9,7 +9,7 @@ import pytest
 import wandb_records
 
 from molt._validate import validate
-from molt.config import Config, ConfigError, Logger
+from molt.config import Config, ConfigError, Logger, Train
 
 
 def step_metrics(step: int) -> dict[str, float]:
@@ -25,8 +25,8 @@ def test_wandb_receives_every_step_offline_in_the_run_dir(tmp_path, monkeypatch)
     from molt._log import RunLog
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    log = RunLog(tmp_path, num_steps=3, tensorboard=False, wandb_project="molt-test",
-                 config={"train": {"num_steps": 3}, "logger": {"wandb_project": "molt-test"}})  # fmt: skip
+    logger = Logger(run_dir=str(tmp_path), tensorboard=False, wandb_project="molt-test")
+    log = RunLog(Config(train=Train(num_steps=3), logger=logger))
     for step in (1, 2, 3):
         log.step(step, step_metrics(step))
     log.close()
@@ -38,7 +38,7 @@ def test_wandb_receives_every_step_offline_in_the_run_dir(tmp_path, monkeypatch)
         assert {name: logged[name] for name in expected} == pytest.approx(expected)
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in jsonl] == [1, 2, 3]
-    assert wandb_records.config(tmp_path)["train"] == {"num_steps": 3}
+    assert wandb_records.config(tmp_path)["train"]["num_steps"] == 3  # the run's whole config
 
 
 def test_wandb_project_without_wandb_installed_is_refused_at_config_time(monkeypatch):

@@ -52,11 +52,10 @@ class RolloutRecord(msgspec.Struct):
     segments: list[Segment]
 
 
-def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
-    """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts); returns the file."""
+def write_rollouts(dump_dir: Path, step: int, groups: list) -> None:
+    """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts) into its file."""
     dump_dir.mkdir(parents=True, exist_ok=True)
-    path = dump_dir / f"step_{step:06d}.jsonl"
-    with path.open("wb") as out:
+    with (dump_dir / f"step_{step:06d}.jsonl").open("wb") as out:
         for group in groups:
             for index, rollout in enumerate(group.samples):
                 segments = [msgspec.convert(msgspec.to_builtins(s), Segment) for s in rollout.segments]
@@ -64,7 +63,6 @@ def write_rollouts(dump_dir: Path, step: int, groups: list) -> Path:
                     step, group.prompt_index, index, rollout.reward, rollout.truncated, rollout.info, segments
                 )
                 out.write(msgspec.json.encode(record) + b"\n")
-    return path
 
 
 def read_rollouts(dump_dir: str | Path) -> Iterator[RolloutRecord]:

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from asyncpool import GroupPool, PoolExhausted
@@ -39,7 +38,7 @@ from molt.config import Config, with_run_dir
 from molt.loop import Run, run_steps
 from tito import Tito, create_app, serve_on_loop
 
-__all__ = ["launch", "prompt_pool", "run_log", "start_extra_groups", "train"]
+__all__ = ["launch", "prompt_pool", "start_extra_groups", "train"]
 
 
 def train(config: Config, *, resume: bool = False) -> None:
@@ -82,8 +81,9 @@ def launch(config: Config, *, resume: bool = False) -> None:
         clock.begin("engines")
         engines = launch_engines(model_dir, config, run_dir)  # none for --vllm.urls; they load meanwhile
         cleanup.callback(stop_engines, engines)
+        engine_urls = [engine.url.remote() for engine in engines]  # each ready once its server answers
         if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
-            ray.get([engine.url.remote() for engine in engines])
+            ray.get(engine_urls)
         clock.begin("actor")
         policy = PolicyGroup(
             model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor"
@@ -96,7 +96,6 @@ def launch(config: Config, *, resume: bool = False) -> None:
         hosts, hosts_ready = launch_hosts(
             config.agent.module, config.agent.num_runners, log_prefix=logs and f"{logs}/agents"
         )
-        engine_urls = [engine.url.remote() for engine in engines]
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
         clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
         first_step = 1
@@ -117,7 +116,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
                 compute_dtype=compute_dtype_name(config), model=ADAPTER if lora else None,
             )  # fmt: skip
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        log = cleanup.enter_context(contextlib.closing(run_log(config)))
+        log = cleanup.enter_context(contextlib.closing(RunLog(config)))
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
         parts = dict(
             policy=policy,
@@ -224,18 +223,6 @@ def prompt_pool(config: Config, runner, rows, *, keep: GroupFilters | None = Non
         stale=rollout.stale,
         max_requeues=rollout.max_stale_requeues,
         cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
-    )
-
-
-def run_log(config: Config) -> RunLog:
-    """The metric sinks of `--logger.*` in the run directory; W&B gets the resolved config."""
-    logger = config.logger
-    return RunLog(
-        Path(logger.run_dir),
-        num_steps=config.train.num_steps,
-        tensorboard=logger.tensorboard,
-        wandb_project=logger.wandb_project,
-        config=msgspec.to_builtins(config),
     )
 
 

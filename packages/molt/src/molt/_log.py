@@ -26,6 +26,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+import msgspec
+
+from molt.config import Config
+
 __all__ = ["RunLog", "StartupClock", "allow_bytecode", "progress", "quiet_console", "redirect_output"]
 
 # The terminal's stderr: molt's own lines go here, also while `quiet_console` points fd 2 at a file.
@@ -97,26 +101,20 @@ def start_wandb(run_dir: Path, project: str, config: dict):
 
 
 class RunLog:
-    """Every step's metrics into each sink asked for. `wandb_project`: also a W&B run of that project
-    (`config`, the resolved run's, is its config)."""
+    """Every step's metrics into each sink of `--logger.*`, in the run directory; a W&B run (with
+    --logger.wandb_project) gets the resolved config."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        *,
-        num_steps: int,
-        tensorboard: bool,
-        wandb_project: str = "",
-        config: dict | None = None,
-    ) -> None:
-        self.num_steps = num_steps
+    def __init__(self, config: Config) -> None:
+        logger, run_dir = config.logger, Path(config.logger.run_dir)
+        self.num_steps = config.train.num_steps
         self.jsonl = (run_dir / "metrics.jsonl").open("a")
         self.writer = None
-        if tensorboard:
+        if logger.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.wandb = start_wandb(run_dir, wandb_project, config or {}) if wandb_project else None
+        project = logger.wandb_project
+        self.wandb = start_wandb(run_dir, project, msgspec.to_builtins(config)) if project else None
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")

@@ -45,13 +45,7 @@ def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float
 
 def staleness_mean(rollouts: list[Rollout], trainer_version: int) -> float:
     """Mean over trained tokens of how many versions behind the trainer the weights that sampled them were."""
-    lags = [
-        trainer_version - v
-        for r in rollouts
-        for s in r.segments
-        for v, m in zip(s.versions, s.loss_mask, strict=True)
-        if m
-    ]
+    lags = [trainer_version - v for rollout in rollouts for v in rollout.trained_versions]
     return sum(lags) / len(lags)
 
 

@@ -46,12 +46,17 @@ class Rollout:
     info: dict[str, float] = field(default_factory=dict)
 
     @property
+    def trained_versions(self) -> list[int]:
+        """The weight version that sampled each trained token, segment by segment."""
+        return [v for s in self.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m]
+
+    @property
     def min_version(self) -> int:
-        return min(v for s in self.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
+        return min(self.trained_versions)
 
     @property
     def max_version(self) -> int:
-        return max(v for s in self.segments for v, m in zip(s.versions, s.loss_mask, strict=True) if m)
+        return max(self.trained_versions)
 
 
 def sampling(config: Config) -> dict[str, Any]:

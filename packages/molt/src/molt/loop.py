@@ -76,9 +76,10 @@ async def run_steps(config: Config, run: Run) -> None:
             write_rollouts(Path(config.train.rollout_dump_dir), step, groups)
 
         rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
-        batch = collate(segment_rows(rollouts, torch.zeros(len(rollouts))), pad_id=pad_id)  # advantages below
+        # The batch's rows: one per segment (a compacted episode has several); advantages come from `score`.
+        rows = [segment for rollout in rollouts for segment in rollout.segments]
+        batch = collate([(row.token_ids, row.loss_mask, row.logprobs, 0.0) for row in rows], pad_id=pad_id)
         check_token_identity(batch, rollouts)  # invariant 1: we train exactly the tokens the engine sampled
-        rows = [segment for rollout in rollouts for segment in rollout.segments]  # the batch's rows
         # each token's lag behind the weights that score it: train/mismatch_kl keeps lag 0 (step_loss)
         batch = with_lags(batch, [row.versions for row in rows], trainer_version=step - 1)
         if (images := run.tito.renderer.images) is not None:  # a vision-language policy: the rows' pixels
@@ -251,16 +252,6 @@ async def refit_engines(
         back = " while the dead ones restart" if restarts is not None and restarts.coming_back else ""
         progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s){back}")
         return {}
-
-
-def segment_rows(rollouts: list[Rollout], advantages_R: torch.Tensor) -> list[tuple]:
-    """Training rows: one per segment (a compacted episode has several); a rollout's segments share its
-    advantage, so a rollout counts once in its group's baseline whatever its number of segments."""
-    return [
-        (s.token_ids, s.loss_mask, s.logprobs, advantage)
-        for rollout, advantage in zip(rollouts, advantages_R.tolist(), strict=True)
-        for s in rollout.segments
-    ]
 
 
 def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
