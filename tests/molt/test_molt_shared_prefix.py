@@ -240,6 +240,24 @@ def test_the_budget_counts_a_shared_prefix_once():
     assert [100 + (len(mb) - 1) * 20 for mb in split] == [160, 160]  # 4 rows a micro-batch
 
 
+def test_sharing_fills_no_micro_batch_fuller_than_packing_alone_where_that_costs_none():
+    """Rows 3-5 share 40 tokens. Packed alone (budget 100) they take 4 micro-batches, the fullest 90
+    tokens; shared, 3, and the group laid out whole would fill one to 100 (40 + 3 x 20): placed as if the
+    budget were 90, they still take 3, none fuller than 90, so sharing raises no peak. Where the lower
+    bound would cost micro-batches (the test above: 8 rows of 100 sharing 80), the budget stands."""
+    lengths, group = [50, 40, 20, 60, 60, 60], [([3, 4, 5], 40)]
+
+    def slots(rows):
+        shared = len(set(rows) & {3, 4, 5})
+        return sum(lengths[r] for r in rows) - max(shared - 1, 0) * 40
+
+    (alone,) = plan_micro_batches(lengths, num_ranks=1, budget=100)
+    assert len(alone) == 4 and max(sum(lengths[r] for r in mb) for mb in alone) == 90
+    (shared,) = plan_micro_batches(lengths, num_ranks=1, budget=100, together=group)
+    assert len(shared) == 3 and max(map(slots, shared)) == 90
+    assert sorted(row for mb in shared for row in mb) == list(range(6))
+
+
 # --- a real model's logprobs ---
 
 

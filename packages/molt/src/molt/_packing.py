@@ -118,6 +118,22 @@ def _units(lengths: Sequence[int], together: Sequence[tuple[Sequence[int], int]]
     return sorted(units, key=lambda unit: -unit.tokens)
 
 
+def _fewest_bins(
+    lengths: Sequence[int],
+    together: Sequence[tuple[Sequence[int], int]],
+    num_ranks: int,
+    budget: int,
+    packed: bool,
+) -> list[tuple[list[int], float]]:
+    """The rows in the fewest micro-batches per rank (a multiple of `num_ranks` in all) that `_fill`
+    places them in within `budget`: each micro-batch's rows and cost."""
+    units = _units(lengths, together, budget)
+    per_rank = max(1, -(-sum(unit.tokens for unit in units) // (budget * num_ranks)))  # the fewest possible
+    while (bins := _fill(units, lengths, per_rank * num_ranks, budget, packed)) is None:
+        per_rank += 1
+    return bins
+
+
 def plan_micro_batches(
     lengths: Sequence[int],
     *,
@@ -135,17 +151,22 @@ def plan_micro_batches(
     snake order (0, 1, .., R-1, R-1, .., 0), so the i-th micro-batches of the ranks are neighbours by cost.
     Each group of rows in `together` (rows, S: rows that share a prefix of S tokens, `molt._prefix`) is
     placed as one, its prefix's tokens counted once, and split only where it passes the budget (each
-    piece then holds the prefix once). Rows of zero length (none to compute) are left out. A row longer
-    than `budget` is refused: the run checks the budget against --vllm.max_model_len before it starts.
+    piece then holds the prefix once). Peak memory follows the fullest micro-batch's token slots, so where
+    it takes no more micro-batches, the rows are placed as if the budget were the fullest micro-batch that
+    packing them without sharing would fill: sharing then never raises the peak. Rows of zero length (none
+    to compute) are left out. A row longer than `budget` is refused: the run checks the budget against
+    --vllm.max_model_len before it starts.
     """
     too_long = [length for length in lengths if length > budget]
     if too_long:
         raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")
-    units = _units(lengths, together, budget)
-    total = sum(unit.tokens for unit in units)
-    per_rank = max(1, -(-total // (budget * num_ranks)))  # the fewest the tokens allow
-    while (bins := _fill(units, lengths, per_rank * num_ranks, budget, packed)) is None:
-        per_rank += 1
+    bins = _fewest_bins(lengths, together, num_ranks, budget, packed)
+    if together:
+        alone = _fewest_bins(lengths, (), num_ranks, budget, packed)
+        fullest = max(sum(lengths[row] for row in rows) for rows, _ in alone)
+        if 0 < fullest < budget:
+            capped = _fewest_bins(lengths, together, num_ranks, fullest, packed)
+            bins = capped if len(capped) <= len(bins) else bins
     bins.sort(key=lambda placed: -placed[1])
     plan: list[list[list[int]]] = [[] for _ in range(num_ranks)]
     for index, (rows, _) in enumerate(bins):
