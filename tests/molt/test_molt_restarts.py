@@ -149,6 +149,35 @@ def test_take_waits_for_the_restart_and_brings_the_engine_back_at_the_pools_vers
     asyncio.run(main())
 
 
+def test_an_engine_that_dies_again_while_it_is_brought_back_is_restarted_again(ray_local):
+    """The restarted engine dies during the refit that would bring it back (the second kill of
+    tests/e2e/test_engine_restarts.py, when the steps ran on groups already sampled): `take` restarts it
+    again, within --vllm.max_restarts, instead of stopping with "no vLLM engine is answering"."""
+
+    async def main():
+        restarts = restarts_of(ray_local)
+        restarts.router.engines[0].alive = False
+        restarts.policy.dead.add("http://engine-0-restart-1")
+
+        async def rollout(prompt, index):
+            if not any(engine.alive for engine in restarts.router.engines):
+                await restarts.serving()
+                raise ConnectionError("the engine died")
+            return _Sample()
+
+        pool = GroupPool(rollout, itertools.cycle([{"p": 1}]), group_size=2, depth=2, retry_delay=0.01)
+        tito = type("Tito", (), {"router": restarts.router})
+        async with pool:
+            groups = await asyncio.wait_for(take(pool, 2, tito, None, restarts), timeout=60)
+        assert len(groups) == 2 and restarts.num_restarts == 2
+        assert [urls for urls, _ in restarts.policy.refits] == [
+            ["http://engine-0-restart-1"],
+            ["http://engine-0-restart-2"],
+        ]
+
+    asyncio.run(main())
+
+
 def test_a_crash_loop_stops_the_run_with_the_engine_logs_first_error(ray_local):
     async def main():
         restarts = restarts_of(ray_local, max_restarts=1)

@@ -196,8 +196,10 @@ async def take(
         while not (await asyncio.wait({taking}, timeout=1.0))[0]:
             problem = None
             if restarts is not None:
-                restarts.check()  # a restart past --vllm.max_restarts, or one that failed, stops the run
                 await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
+                # then restart what is dead (one that died again while brought back too): a restart past
+                # --vllm.max_restarts, or one that failed, stops the run
+                restarts.check()
             coming_back = restarts is not None and restarts.coming_back
             stats = pool.stats
             if not any(engine.alive for engine in tito.router.engines) and not coming_back:
