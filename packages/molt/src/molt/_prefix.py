@@ -113,22 +113,22 @@ class SharedPrefixRows:
         N - num_padding of them), its position (its column in that row; 0.. on the padding), its branch
         (-1 on a prefix and on the padding, a prefix of its own; the row on a continuation); and where
         each span (a group, then the padding) starts, then N."""
-        positions_N: list[int]
-        rows_N, positions_N, branches_N, bounds = [], [], [], [0]
+        # Runs of consecutive packed tokens, (row, first column, column past the last, branch) each: a
+        # group's prefix, each of its rows' continuations, then the padding (row -1, dropped below). Built
+        # per run, not per token: a micro-batch holds tens of thousands of tokens, packed every step.
+        runs, bounds = [], [0]
         for members, shared in self.groups:
-            rows_N += [members[0]] * shared
-            positions_N += range(shared)
-            branches_N += [-1] * shared
-            for b in members:
-                rows_N += [b] * (self.lengths[b] - shared)
-                positions_N += range(shared, self.lengths[b])
-                branches_N += [b] * (self.lengths[b] - shared)
-            bounds.append(len(rows_N))
+            runs += [(members[0], 0, shared, -1), *((b, shared, self.lengths[b], b) for b in members)]
+            bounds.append(bounds[-1] + shared + sum(self.lengths[b] - shared for b in members))
         if self.num_padding:
-            positions_N += range(self.num_padding)
-            branches_N += [-1] * self.num_padding
+            runs.append((-1, 0, self.num_padding, -1))
             bounds.append(bounds[-1] + self.num_padding)
-        return torch.tensor(rows_N), torch.tensor(positions_N), torch.tensor(branches_N), bounds
+        row_R, start_R, stop_R, branch_R = torch.tensor(runs, dtype=torch.int64).reshape(-1, 4).unbind(1)
+        sizes_R = stop_R - start_R
+        offsets_R = torch.cumsum(sizes_R, 0) - sizes_R  # where each run begins in the packed row
+        positions_N = torch.arange(bounds[-1]) - (offsets_R - start_R).repeat_interleave(sizes_R)
+        rows_N = row_R.repeat_interleave(sizes_R)[: bounds[-1] - self.num_padding]
+        return rows_N, positions_N, branch_R.repeat_interleave(sizes_R), bounds
 
     @property
     def num_packed(self) -> int:
