@@ -10,7 +10,7 @@ import pytest
 import molt._validate
 from molt._engines import engine_extra_args
 from molt._flags import resolve
-from molt._placement import kv_bytes_per_token, kv_cache_bytes
+from molt._placement import engine_starts_first, kv_bytes_per_token, kv_cache_bytes
 from molt.config import Config
 
 QWEN3_1_7B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -106,3 +106,23 @@ def test_a_size_the_model_cannot_be_given_or_below_one_sequence_is_refused(tmp_p
         _config("--model.path", str(tmp_path), "--vllm.kv_cache_tokens", "50000")
     with pytest.raises(ConfigError, match="--vllm.kv_cache_tokens 1000 cannot hold one sequence of"):
         _config("--vllm.kv_cache_tokens", "1000")
+
+
+def test_a_shared_engine_starts_before_the_actor_only_where_vllm_sizes_its_cache_from_free_memory(
+    tmp_path, monkeypatch
+):
+    """With the cache's size given, vLLM reads nothing from the memory it finds free but the check that its
+    share is free, so the actor starts beside it; without, memory the actor took would be counted as the
+    engine's."""
+    import torch
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: type("P", (), {"total_memory": H200})
+    )
+    model = _model(tmp_path)
+    shared = ("--vllm.placement", "shared")
+    assert not engine_starts_first(_config(*shared, "--vllm.max_model_len", "1024"), model)  # 29 GiB fits
+    assert engine_starts_first(_config(*shared), model)  # 56 GiB does not: vLLM sizes it
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_7B | {"kv_lora_rank": 512}))
+    assert engine_starts_first(_config(*shared, "--vllm.max_model_len", "1024"), model)  # MLA: vLLM sizes it
+    assert not engine_starts_first(_config("--vllm.placement", "separate"), model)  # GPUs of their own

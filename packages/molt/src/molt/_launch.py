@@ -28,7 +28,7 @@ from molt._filters import GroupFilters
 from molt._group import PolicyGroup
 from molt._log import RunLog, StartupClock, allow_bytecode, progress, quiet_console
 from molt._metrics import sampled_tokens
-from molt._placement import compute_dtype_name, extra_groups
+from molt._placement import compute_dtype_name, engine_starts_first, extra_groups
 from molt._restarts import EngineRestarts
 from molt._rollout import RolloutRunner, sampling
 from molt._runners import launch_hosts
@@ -82,7 +82,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
         engines = launch_engines(model_dir, config, run_dir)  # none for --vllm.urls; they load meanwhile
         cleanup.callback(stop_engines, engines)
         engine_urls = [engine.url.remote() for engine in engines]  # each ready once its server answers
-        if config.vllm.placement == "shared":  # vLLM sizes its KV cache from the GPU memory it finds free
+        if engine_starts_first(config, model_dir):  # vLLM sizes its KV cache from the memory it finds free
             ray.get(engine_urls)
         clock.begin("actor")
         policy = PolicyGroup(

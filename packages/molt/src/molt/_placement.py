@@ -4,10 +4,11 @@
   TP x DP; the refit goes over NCCL (refit's `refit_nccl`: vLLM's NCCL weight transfer, every bucket
   checked). The paper's disaggregated layout.
 - shared: one GPU holds the engine and every actor group, one process each. The engine takes
-  `--vllm.gpu_memory_utilization` of the GPU's memory (0.4 unless set) and starts first, since vLLM sizes
-  its KV cache from the memory it finds free; the actor groups use the rest. The refit hands the engine
-  CUDA IPC handles of the trainer's bucket buffers (refit's `refit_ipc`: vLLM's CUDA IPC weight transfer,
-  every bucket checked): NCCL refuses two ranks on one device.
+  `--vllm.gpu_memory_utilization` of the GPU's memory (0.4 unless set); the actor groups use the rest.
+  Where vLLM sizes its KV cache from the memory it finds free, the engine starts first
+  (`engine_starts_first`); where the run gives the cache's size (`kv_cache_bytes`), both start side by
+  side. The refit hands the engine CUDA IPC handles of the trainer's bucket buffers (refit's `refit_ipc`:
+  vLLM's CUDA IPC weight transfer, every bucket checked): NCCL refuses two ranks on one device.
 - auto: shared when a local Ray would have fewer GPUs than separate needs and the run fits on one GPU;
   separate otherwise (and always on a joined cluster, whose GPUs are counted once joined).
 
@@ -31,6 +32,7 @@ __all__ = [
     "compute_dtype_name",
     "engine_gpus",
     "engine_memory_utilization",
+    "engine_starts_first",
     "extra_groups",
     "gpus_needed",
     "gpu_share",
@@ -155,6 +157,18 @@ def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | Non
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // vllm.tensor_parallel_size
     room = engine_memory_utilization(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs
     return wanted if wanted <= room else None
+
+
+def engine_starts_first(config: Config, model_dir: Path) -> bool:
+    """Whether a shared GPU's engine must be up before the actor groups start: where vLLM sizes its KV cache
+    from the memory it finds free (no `kv_cache_bytes`), memory the actors took meanwhile would be counted
+    as the engine's. Given the cache's size, vLLM only checks at its start that its share of the GPU is
+    free, which the actors' weights leave wherever the run fits, and the two start side by side."""
+    if config.vllm.placement != "shared":
+        return False
+    import torch
+
+    return kv_cache_bytes(config, model_dir, torch.cuda.get_device_properties(0).total_memory) is None
 
 
 def compute_dtype_name(config: Config) -> str:
