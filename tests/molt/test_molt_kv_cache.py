@@ -91,6 +91,12 @@ def test_a_cuda_engine_is_started_with_the_size(tmp_path, monkeypatch):
     args = engine_extra_args(_config(), _model(tmp_path))
     per_token = 2 * 28 * 8 * 128 * 2
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(32 * 8 * (2048 + 16) * per_token)
+    # as many sequences at once as the run keeps in flight (vLLM's default, 1024, sizes its CUDA graphs)
+    assert args[args.index("--max-num-seqs") + 1] == str(32 * 8)
+    small = engine_extra_args(_config("--rollout.prompts_per_step", "4", "--eval.every", "5"), tmp_path)
+    assert small[small.index("--max-num-seqs") + 1] == str(8 * 8 + 32 * 4)  # and the evaluation's
+    unvalidated = engine_extra_args(Config(), tmp_path)  # --rollout.queue_depth 0: its default, 2 x prompts
+    assert unvalidated[unvalidated.index("--max-num-seqs") + 1] == str(32 * 8)
     assert "--kv-cache-memory-bytes" not in engine_extra_args(
         _config("--vllm.max_model_len", "4096"), tmp_path
     )

@@ -41,6 +41,7 @@ __all__ = [
     "plain_kv_layout",
     "refit_backend",
     "resolve_placement",
+    "sequences_in_flight",
     "shares_prefixes",
 ]
 
@@ -139,11 +140,20 @@ def kv_bytes_per_token(model_config: dict, tp_size: int, dtype_bytes: int) -> in
     return 2 * model_config["num_hidden_layers"] * math.ceil(kv_heads / tp_size) * head_dim * dtype_bytes
 
 
+def sequences_in_flight(config: Config) -> int:
+    """The most sequences the engines serve at once: every group the pool keeps in flight
+    (--rollout.queue_depth), each of --rollout.group_size samples, and an evaluation's beside them."""
+    rollout, evaluation = config.rollout, config.eval
+    evaluated = evaluation.num_prompts * evaluation.n if evaluation.every else 0
+    depth = rollout.queue_depth or 2 * rollout.prompts_per_step  # 0 before `validate` fills its default
+    return depth * rollout.group_size + evaluated
+
+
 def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | None:
     """`--kv-cache-memory-bytes` for each engine GPU of `gpu_bytes` memory: --vllm.kv_cache_tokens, or the
     tokens every sequence in flight can take (a partly filled 16-token block each) where that fits beside
     the weights in the engine's memory share; None leaves the sizing to vLLM (--gpu-memory-utilization)."""
-    vllm, rollout, evaluation = config.vllm, config.rollout, config.eval
+    vllm = config.vllm
     model_config = json.loads((model_dir / "config.json").read_text())
     dtype_bytes = 4 if compute_dtype_name(config) == "float32" else 2
     per_token = kv_bytes_per_token(model_config, vllm.tensor_parallel_size, dtype_bytes)
@@ -151,9 +161,7 @@ def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | Non
         return None
     if vllm.kv_cache_tokens:
         return vllm.kv_cache_tokens * per_token
-    evaluated = evaluation.num_prompts * evaluation.n if evaluation.every else 0
-    sequences = rollout.queue_depth * rollout.group_size + evaluated
-    wanted = sequences * (vllm.max_model_len + 16) * per_token
+    wanted = sequences_in_flight(config) * (vllm.max_model_len + 16) * per_token
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // vllm.tensor_parallel_size
     room = engine_memory_utilization(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs
     return wanted if wanted <= room else None
