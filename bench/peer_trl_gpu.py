@@ -49,6 +49,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -91,6 +92,7 @@ def row_settings(number: int, args: argparse.Namespace) -> dict:
             row[name] = getattr(args, name)
     row["max_model_len"] = row["max_model_len"] or Config().vllm.max_model_len
     row["cuda"] = number > 0 or args.cuda  # rows 1 and 2 run on CUDA only
+    row["molt_flags"] = shlex.split(args.molt_flags)  # kept in every record's settings
     return row
 
 
@@ -129,7 +131,7 @@ def molt_command(row: dict, model: Path, run_dir: Path, seed: int) -> list[str]:
         "--rollout.group_size", str(row["group_size"]),
         "--rollout.max_new_tokens", str(row["max_new_tokens"]), "--actor.lr", str(row["lr"]),
         "--vllm.max_model_len", str(row["max_model_len"]), "--logger.tensorboard", "false",
-        "--logger.run_dir", str(run_dir), *PRECISION[row["precision"]]["molt"],
+        "--logger.run_dir", str(run_dir), *PRECISION[row["precision"]]["molt"], *row.get("molt_flags", []),
     ]  # fmt: skip
 
 
@@ -316,6 +318,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps of every run (each row's own by default)")
     parser.add_argument("--threshold", type=float, help="the reward whose time is reported (row's own)")
     parser.add_argument("--trl-micro-batch", type=int, help="TRL's rows a micro-batch (row's own)")
+    parser.add_argument("--molt-flags", default="", help="more `molt train` flags (A/B runs: use --out)")
     parser.add_argument("--run-timeout", type=float, default=250, help="s; a run past it is stopped, kept")
     parser.add_argument("--seed", type=int, default=0, help="run k is seeded seed + k - 1")
     parser.add_argument("--work-dir", default="/tmp/peer-trl-gpu", help="models, runs and their logs")

@@ -66,8 +66,9 @@ def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
          f"{t['max_completion_length']}, {t.get('vllm_max_model_length', '-')}"),
         ("optimizer steps a step", f"{m.train.mini_batches} (--train.mini_batches)",
          f"{spg // accumulation} (steps_per_generation {spg} / accumulation {accumulation})"),
-        ("micro-batch", f"{m.actor.micro_batch_tokens or 'auto'} tokens, packed {m.actor.pack}",
-         f"{t['per_device_train_batch_size']} rows, padded"),
+        ("micro-batch", f"{m.actor.micro_batch_tokens or 'auto'} tokens, packed {m.actor.pack}, compile "
+         f"{m.actor.compile} (auto: on with CUDA)",
+         f"{t['per_device_train_batch_size']} rows, padded, eager"),
         ("AdamW lr, warm-up, decay, clip",
          f"{m.actor.lr}, {m.actor.warmup_steps}, {m.actor.weight_decay}, {m.actor.grad_clip}",
          f"{t['learning_rate']} {t['lr_scheduler_type']}, {t['warmup_steps']}, {t['weight_decay']}, "
