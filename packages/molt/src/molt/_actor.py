@@ -31,8 +31,6 @@ from rlestimators import entropy_from_logits
 if TYPE_CHECKING:
     from refit import RoutingReplay
 
-__all__ = ["PolicyWorker"]
-
 
 class PolicyWorker(ModelRank):
     """One rank of the policy actor (`molt._rank.ModelRank` plus the policy's passes, step and refit).

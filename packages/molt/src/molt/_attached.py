@@ -22,8 +22,6 @@ import torch
 
 from molt._batch import TrainBatch, collate
 
-__all__ = ["PROBE_PROMPT", "check_attached_serving"]
-
 PROBE_PROMPT = list(range(10, 26))  # any ids every vocabulary has; what matters is that both score them
 PROBE_TOKENS = 16
 # The largest mean |engine - trainer| logprob difference over the probe that is still the same function:

@@ -42,19 +42,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "RowImages",
-    "TrainBatch",
-    "collate",
-    "NO_INPUTS",
-    "StepInputs",
-    "row_images",
-    "shifted_logprobs",
-    "with_images",
-    "with_lags",
-    "with_routes",
-]
-
 
 @dataclass(frozen=True)
 class RowImages:

@@ -30,8 +30,6 @@ from molt import _config_algo
 from molt import config as config_module
 from molt.config import Config, ConfigError
 
-__all__ = ["Leaf", "bound_error", "check_bounds", "field_value", "help_bound", "leaves"]
-
 Number = FloatType | IntType
 
 

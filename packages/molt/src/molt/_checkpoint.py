@@ -26,8 +26,6 @@ from typing import Any
 import msgspec
 import torch
 
-__all__ = ["LoopState", "export", "latest", "load_actor", "save_actor", "write_loop_state"]
-
 LATEST = "latest"
 LORA = "adapter_config.json"  # in <step>/actor of a LoRA policy: its PEFT config
 

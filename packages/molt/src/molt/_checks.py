@@ -21,8 +21,6 @@ from molt._bounds import field_value
 from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Config, ConfigError, OutcomeEstimator
 
-__all__ = ["check_agent", "check_algorithm", "check_pairs", "check_paths", "loss_denominator", "on_policy"]
-
 
 def check_pairs(config: Config) -> None:
     """The bounds that tie one numeric field to another (each one's own: `molt._bounds`)."""

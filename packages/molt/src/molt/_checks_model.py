@@ -16,8 +16,6 @@ from molt._config_algo import estimator_needs
 from molt._placement import plain_kv_layout
 from molt.config import Config, ConfigError
 
-__all__ = ["LORA_RANKS", "check_companions", "check_model", "num_experts", "why_not_packed"]
-
 # Where Hugging Face configs keep the number of routed experts: Qwen-MoE, DeepSeek, Mixtral.
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.26's --max-lora-rank choices (MaxLoRARanks)

@@ -22,8 +22,6 @@ from molt._log import allow_bytecode, quiet_console
 from molt._validate import validate
 from molt.config import Config, ConfigError, with_run_dir
 
-__all__ = ["app"]
-
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None)
 
 _USAGE = (

@@ -31,8 +31,6 @@ from molt._sharding import distributed_setup, replicas
 from molt.config import Config
 from rlestimators import masked_sum, value_loss
 
-__all__ = ["CriticGroup", "CriticWorker", "data_parallel_only"]
-
 
 def data_parallel_only(config: Config) -> Config:
     """`config` with the actor's tensor, context and expert parallel sizes set to 1."""

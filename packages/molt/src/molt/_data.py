@@ -18,8 +18,6 @@ from pathlib import Path
 
 from molt.config import Config
 
-__all__ = ["RowStream", "check_held_out", "eval_rows", "read_rows"]
-
 EVAL_SEED_OFFSET = 7_919  # a generated dataset's evaluation rows come from another seed
 
 

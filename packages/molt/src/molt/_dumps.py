@@ -19,8 +19,6 @@ from pathlib import Path
 
 import msgspec
 
-__all__ = ["RolloutRecord", "read_rollouts", "write_rollouts"]
-
 
 class ImageSpan(msgspec.Struct, frozen=True):
     """tito's `ImageSpan`: an image on `token_ids[offset : offset + length]`."""

@@ -29,8 +29,6 @@ from molt._placement import (
 from molt.config import Config
 from molt.vllm_server import VLLMServer
 
-__all__ = ["ADAPTER", "EngineActor", "check_attached", "launch_engines", "lora_flags", "stop_engines"]
-
 ADAPTER = "policy"  # the LoRA adapter's name on the engines, and the model each tito request names
 
 

@@ -19,8 +19,6 @@ import torch
 from molt.config import Config
 from rlestimators import dynamic_filter
 
-__all__ = ["FILTERS", "GroupFilters", "all_equal_rewards", "truncated"]
-
 
 def all_equal_rewards(group) -> bool:
     """Drops a group whose rewards are all equal: under a group baseline every advantage is 0, so it adds no

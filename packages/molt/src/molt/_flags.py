@@ -26,8 +26,6 @@ from molt._bounds import bound_error, field_value, help_bound, leaves
 from molt._validate import validate
 from molt.config import Config, ConfigError
 
-__all__ = ["flag_help", "parse", "render_toml", "resolve", "type_name"]
-
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 

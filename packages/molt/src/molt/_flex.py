@@ -18,7 +18,5 @@ from __future__ import annotations
 import torch
 from torch.nn.attention import flex_attention as _flex
 
-__all__ = ["create_block_mask", "flex_attention"]
-
 flex_attention = torch.compile(_flex.flex_attention)
 create_block_mask = torch.compile(_flex.create_block_mask)

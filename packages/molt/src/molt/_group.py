@@ -29,8 +29,6 @@ from molt._sharding import replicas
 from molt.config import Config
 from molt.vllm_server import free_port
 
-__all__ = ["EnginesLost", "PolicyGroup"]
-
 
 class EnginesLost(RuntimeError):
     """A refit failed on some engines. `failed`: url -> what went wrong; `updated`: the engines that

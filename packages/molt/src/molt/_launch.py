@@ -38,8 +38,6 @@ from molt.config import Config, with_run_dir
 from molt.loop import Run, run_steps
 from tito import Tito, create_app, serve_on_loop
 
-__all__ = ["launch", "prompt_pool", "start_extra_groups", "train"]
-
 
 def train(config: Config, *, resume: bool = False) -> None:
     """A run from Python (`molt.train`): every refusal before anything starts (`validate`), then `launch`."""

@@ -25,16 +25,6 @@ import torch
 
 from molt.config import Config
 
-__all__ = [
-    "LeanMLP",
-    "LeanRMSNorm",
-    "LogprobHead",
-    "use_lean_mlps",
-    "use_lean_modules",
-    "use_lean_rms_norms",
-    "use_logprob_head",
-]
-
 
 @functools.cache
 def _lean_class(lean: type, original: type) -> type:

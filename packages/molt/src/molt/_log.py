@@ -30,8 +30,6 @@ import msgspec
 
 from molt.config import Config
 
-__all__ = ["RunLog", "StartupClock", "allow_bytecode", "progress", "quiet_console", "redirect_output"]
-
 # The terminal's stderr: molt's own lines go here, also while `quiet_console` points fd 2 at a file.
 _console: TextIO | None = None
 # The libraries of this project: their warnings and errors (a failing agent's first traceback) always

@@ -21,8 +21,6 @@ from molt._rollout import Rollout, RolloutRunner
 from molt.config import Config
 from rlestimators import pass_at_k
 
-__all__ = ["evaluate", "pool_metrics", "rollout_metrics", "sampled_tokens", "staleness_mean"]
-
 
 def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float]:
     """`rollout/*`: the reward's mean and spread within groups, lengths, truncation, segments per

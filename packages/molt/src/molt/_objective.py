@@ -55,19 +55,6 @@ from molt._config_algo import estimator_needs, loss_agg
 from molt.config import Algo, Config
 from rlestimators import ESTIMATORS, gae, kl, masked_sum, opd, policy_loss, rollout_correction
 
-__all__ = [
-    "ADVANTAGES",
-    "Advantages",
-    "Scored",
-    "explained_variance",
-    "last_token_rewards",
-    "outcome_advantages",
-    "rollout_sums",
-    "score",
-    "step_loss",
-    "whitened",
-]
-
 
 @dataclass(frozen=True)
 class Scored:

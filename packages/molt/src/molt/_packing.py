@@ -38,21 +38,6 @@ import torch
 
 from molt._prefix import SharedPrefixRows, tree_mask
 
-__all__ = [
-    "ATTENTION",
-    "BF16_PEAK",
-    "CUDA_PACK_MULTIPLE",
-    "attention_windows",
-    "auto_micro_batch_tokens",
-    "model_flops",
-    "packed_attention",
-    "packed_rows",
-    "packing_refusal",
-    "plan_micro_batches",
-    "row_cost",
-    "use_packed_attention",
-]
-
 ATTENTION = "molt_packed"  # its name in transformers' AttentionInterface
 CUDA_PACK_MULTIPLE = 256
 ATTENTION_TOKENS = 8192

@@ -27,24 +27,6 @@ import msgspec
 from molt._config_algo import estimator_needs
 from molt.config import Config, ConfigError
 
-__all__ = [
-    "compiles",
-    "compute_dtype_name",
-    "engine_gpus",
-    "engine_memory_utilization",
-    "engine_starts_first",
-    "extra_groups",
-    "gpus_needed",
-    "gpu_share",
-    "kv_bytes_per_token",
-    "kv_cache_bytes",
-    "plain_kv_layout",
-    "refit_backend",
-    "resolve_placement",
-    "sequences_in_flight",
-    "shares_prefixes",
-]
-
 
 def extra_groups(config: Config) -> list[str]:
     """The optional groups a run starts beside the policy (each with --actor.num_ranks ranks)."""

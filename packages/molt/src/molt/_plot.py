@@ -9,8 +9,6 @@ import itertools
 import json
 from pathlib import Path
 
-__all__ = ["plot_run"]
-
 PANELS = (
     ("reward", ["rollout/reward_mean", "eval/reward_mean"]),
     ("response length (tokens)", ["rollout/response_len_mean"]),

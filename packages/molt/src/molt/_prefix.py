@@ -45,8 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MIN_SHARED_TOKENS", "SharedPrefixRows", "prefix_groups", "tree_mask", "visible"]
-
 MIN_SHARED_TOKENS = 16
 """Rows share a prefix only when it saves at least this many tokens a row: shorter common beginnings (a
 chat template's first tokens) are not worth a tree mask."""

@@ -56,8 +56,6 @@ from molt._prefix import SharedPrefixRows
 from molt._sharding import compute_dtype, freeze_moe_routers, params_by_mesh, sum_gradients_over_ranks
 from molt.config import Config, LoRA
 
-__all__ = ["ModelRank"]
-
 
 class ModelRank:
     """One rank of an FSDP2 model group; a plain class (its group wraps a kind of it with `ray.remote`).

@@ -22,8 +22,6 @@ import asyncio
 
 from molt._log import progress
 
-__all__ = ["EngineRestarts"]
-
 
 class EngineRestarts:
     """The restarts of the engines in `router` (tito's) that molt started: `actors[i]` owns

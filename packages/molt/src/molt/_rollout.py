@@ -30,8 +30,6 @@ from molt.agent import Context, Result
 from molt.config import Config
 from tito import EngineUnavailable, Prompt, Segment, Tito
 
-__all__ = ["Rollout", "RolloutRunner", "sampling"]
-
 
 @dataclass
 class Rollout:

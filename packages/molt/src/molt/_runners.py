@@ -22,8 +22,6 @@ import ray
 from molt._log import redirect_output
 from molt.agent import Context, Env, Result, load_agent
 
-__all__ = ["AgentHost", "RemoteHost", "launch_hosts"]
-
 MAX_AGENT_THREADS = 256  # plain (blocking) agents running at once in one host
 
 

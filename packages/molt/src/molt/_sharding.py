@@ -12,20 +12,6 @@ from molt._lean import use_lean_modules
 from molt._placement import compiles, compute_dtype_name
 from molt.config import Config, LoRA
 
-__all__ = [
-    "adapter_config",
-    "compile_layers",
-    "compute_dtype",
-    "distributed_settings",
-    "distributed_setup",
-    "freeze_moe_routers",
-    "load_model",
-    "peft_config",
-    "params_by_mesh",
-    "replicas",
-    "sum_gradients_over_ranks",
-]
-
 
 def replicas(config: Config) -> int:
     """Ranks that share one data-parallel coordinate, hence the same rows (module docstring)."""

@@ -29,9 +29,6 @@ from molt._checks_model import check_companions, check_model, why_not_packed
 from molt._placement import compiles, compute_dtype_name, engine_memory_utilization, resolve_placement
 from molt.config import Config, ConfigError
 
-__all__ = ["check_cluster_gpus", "start_notes", "validate"]
-
-
 # What needs CUDA, by flag, at a value other than its default: on a CPU each would do nothing (or cannot
 # run), so it is refused rather than ignored.
 _CUDA_ONLY = {

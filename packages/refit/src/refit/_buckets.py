@@ -22,8 +22,6 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ParamSpec", "plan_buckets", "pack_bucket", "packed_buckets", "unpack_bucket", "bucket_nbytes"]
-
 
 class ParamSpec(NamedTuple):
     """One full (unsharded) parameter as it travels: Hugging Face name, wire dtype, full shape."""

@@ -27,8 +27,6 @@ import torch.distributed as dist
 from refit._buckets import ParamSpec
 from refit._transport import Incoming, VerifyError, broadcast
 
-__all__ = ["FULL", "SPARSE", "ABORTED", "DeltaIncoming", "bucket_unit", "diff_into", "apply_patch"]
-
 FULL, SPARSE, ABORTED = 0, 1, -1
 _INDEX_BYTES = 4  # int32 element indices: a bucket holds fewer than 2**31 elements
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

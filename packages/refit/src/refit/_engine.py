@@ -21,16 +21,6 @@ from functools import partial
 from refit._buckets import ParamSpec
 from refit._transport import GlooChannel, IpcChannel, NcclChannel, host_store, join_gloo_group
 
-__all__ = [
-    "Engine",
-    "EngineCallError",
-    "GLOO_BACKEND",
-    "IPC_BACKEND",
-    "NCCL_BACKEND",
-    "engine_env",
-    "engine_flags",
-]
-
 # Our weight-transfer backends, registered into vLLM by refit.vllm_worker; every one checks each bucket.
 GLOO_BACKEND = "refit_gloo"  # CPU, over gloo
 NCCL_BACKEND = "refit_nccl"  # vLLM's NCCL engine plus the check: engine and trainer on GPUs of their own

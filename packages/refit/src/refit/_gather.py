@@ -30,8 +30,6 @@ import torch
 
 from refit._buckets import ParamSpec
 
-__all__ = ["FullParams", "adapter_params", "full_params"]
-
 
 class FullParams:
     """Re-iterable stream of `(name, full tensor)`; `specs` describes it without gathering."""

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-__all__ = ["in_trainer_names"]
-
 
 def in_trainer_names(specs: list[list], trainer_names: list[str], mapper) -> list[list]:
     """The checkpoint's `[name, shape]` specs, each name the trainer spells differently replaced by the

@@ -38,8 +38,6 @@ from refit._engine import GLOO_BACKEND, IPC_BACKEND, Engine
 from refit._gather import FullParams
 from refit._run import Run
 
-__all__ = ["update_weights", "RefitError", "RefitStats", "DEFAULT_BUCKET_BYTES", "IPC_BUCKET_BYTES"]
-
 DEFAULT_BUCKET_BYTES = 256 << 20
 IPC_BUCKET_BYTES = 1 << 30
 """refit_ipc's buckets: each is an `/update_weights` call of its own, about 17 ms besides its bytes on one

@@ -33,8 +33,6 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-__all__ = ["decode_routed_experts", "RoutingReplay"]
-
 
 def decode_routed_experts(
     encoded: str, *, num_tokens: int | None = None, prompt_start: int = 0

@@ -23,8 +23,6 @@ from refit._engine import IPC_BACKEND, NCCL_BACKEND, Engine
 from refit._gather import FullParams
 from refit._transport import IpcChannel, NcclChannel, ReceiveBuffers, checksum, device_checksum
 
-__all__ = ["Run"]
-
 
 class Run:
     """The engines of one refit: which are still live, which failed in which phase, phase timings."""

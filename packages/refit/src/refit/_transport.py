@@ -41,20 +41,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "join_gloo_group",
-    "Incoming",
-    "ReceiveBuffers",
-    "GlooChannel",
-    "IpcChannel",
-    "NcclChannel",
-    "ABORT",
-    "VerifyError",
-    "checksum",
-    "device_checksum",
-    "verify_checksums",
-]
-
 ABORT = -1  # header value that tells a gloo engine to roll back
 
 

@@ -30,8 +30,6 @@ from ._routes import sse, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["MessagesRequest", "message_reply", "messages", "to_messages"]
-
 
 class Tool(BaseModel):
     name: ToolName

@@ -31,8 +31,6 @@ from typing import Any
 from ._images import ImageLayout, image_parts, load_image, part_url
 from ._trajectory import ImageSpan
 
-__all__ = ["ChatRenderer", "ChatState", "ParsedReply", "Prompt", "message_text", "parse_reply"]
-
 _PROBE = "\x00tito-probe\x00"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

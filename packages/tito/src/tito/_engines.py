@@ -36,8 +36,6 @@ from ._wire import Http1Wire
 if TYPE_CHECKING:
     from ._trajectory import ImageSpan
 
-__all__ = ["Engine", "EngineRejected", "EngineUnavailable", "ExpansionMismatch", "Generation", "Router"]
-
 # What a request that broke off raises, from either client (`TimeoutError` is an `OSError`).
 _BROKEN = (OSError, EOFError, httpx.TransportError)
 _JSON = {"content-type": "application/json"}

@@ -18,8 +18,6 @@ from typing import Any
 
 from ._protocol import ProtocolError
 
-__all__ = ["NEUTRAL", "REFUSED", "check_constraints", "extra_fields"]
-
 # Accepted and recorded: they do not change the tokens the engine samples.
 NEUTRAL = {
     "chat.completions": {

@@ -9,8 +9,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-__all__ = ["MAX_BODY_BYTES", "Guard", "error_response"]
-
 MAX_BODY_BYTES = 16 * 1024 * 1024
 _ANTHROPIC_KINDS = {
     400: "invalid_request_error",

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ImageLayout", "LoadedImage", "image_parts", "load_image"]
-
 
 @dataclass(frozen=True)
 class LoadedImage:

@@ -20,8 +20,6 @@ from ._server import create_app
 from ._service import Tito
 from ._workers import Workers
 
-__all__ = ["serve_workers"]
-
 
 def serve_workers(num_workers: int, host: str, port: int, tito_args: dict, api_key: str | None) -> None:
     """Bind every socket here (a port in use fails before anything loads), start the workers, and run

@@ -19,8 +19,6 @@ from collections.abc import AsyncIterator
 
 import uvicorn
 
-__all__ = ["KEEP_ALIVE_S", "freeze_startup_objects", "serve_on_loop"]
-
 # How long the server keeps an idle client connection open. Well past the 5 s after which httpx's pool
 # (under the openai and anthropic SDKs) drops an idle connection, so the client always closes first:
 # at uvicorn's default of 5 s the server could close a connection just as a busy client, whose clock

@@ -30,8 +30,6 @@ from ._routes import stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["ChatRequest", "chat_chunk", "chat_completion", "chat_completions", "to_messages"]
-
 
 class FunctionCall(BaseModel):
     name: str

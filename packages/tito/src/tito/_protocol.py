@@ -13,19 +13,6 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-__all__ = [
-    "Asked",
-    "ChatBody",
-    "ProtocolError",
-    "TextStream",
-    "ToolFunction",
-    "ToolName",
-    "check_json_schema",
-    "check_role_order",
-    "forced_tool_call",
-    "structured_outputs",
-]
-
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _TOOL_OPEN = "<tool_call>"
 

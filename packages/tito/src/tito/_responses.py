@@ -31,8 +31,6 @@ from ._routes import sse, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["ResponsesRequest", "create_response", "response_body", "stream_events", "to_messages"]
-
 
 class ResponsesRequest(ChatBody):
     route, id_prefix = "responses", "call_"

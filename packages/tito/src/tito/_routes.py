@@ -26,8 +26,6 @@ from ._protocol import ChatBody, ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
-__all__ = ["Handler", "chat_route", "session_of", "sse", "stream", "whole"]
-
 # A route's handler; its body (Any here) is the route's own request model, a `ChatBody`.
 Handler = Callable[[Tito, Session, Any, Request], Awaitable[Response | dict]]
 

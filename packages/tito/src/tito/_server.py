@@ -28,8 +28,6 @@ from ._routes import Handler, chat_route, session_of
 from ._service import Tito, TooManySessions
 from ._workers import Forward, Workers
 
-__all__ = ["create_app"]
-
 # The chat routes under `/s/{session_id}/v1/`: each protocol's body schema and handler (`_routes`).
 CHAT_ROUTES: dict[str, tuple[type[ChatBody], Handler]] = {
     "chat/completions": (openai.ChatRequest, openai.chat_completions),

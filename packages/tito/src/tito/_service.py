@@ -29,8 +29,6 @@ from ._tools import ToolCalls
 from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 from ._workers import session_owner
 
-__all__ = ["Session", "Tito", "TooManySessions"]
-
 NUM_ENDED_REMEMBERED = 10_000  # ended sessions whose reason a late request is told
 NUM_RESPONSES_REMEMBERED = 32  # a session's recent responses that `previous_response_id` may name
 

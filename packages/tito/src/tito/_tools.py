@@ -19,8 +19,6 @@ import warnings
 
 from ._chat import ParsedReply, parse_arguments, parse_reply
 
-__all__ = ["ToolCalls", "tool_family"]
-
 # Text that begins a tool call, per family (named as vLLM names its tool parsers): what a stream holds
 # back, and what counts a parse failure.
 MARKERS = {

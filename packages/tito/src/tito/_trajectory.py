@@ -38,8 +38,6 @@ import numpy as np
 if TYPE_CHECKING:
     from ._engines import Generation
 
-__all__ = ["Capture", "ImageSpan", "Segment", "Trajectory", "Turn"]
-
 
 class ImageSpan(msgspec.Struct, frozen=True):
     """An image and the placeholder tokens it fills: `token_ids[offset : offset + length]`."""

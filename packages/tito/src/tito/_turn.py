@@ -14,8 +14,6 @@ from ._protocol import Asked, ChatBody, ProtocolError, TextStream
 from ._service import Session, Tito
 from ._trajectory import Turn
 
-__all__ = ["ChatTurn"]
-
 
 class ChatTurn:
     """Render the prompt (only new tokens for a continuation), sample, parse, remember the reply.

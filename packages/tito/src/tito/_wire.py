@@ -20,8 +20,6 @@ from collections.abc import AsyncIterator
 from functools import lru_cache
 from urllib.parse import urlsplit
 
-__all__ = ["Http1Wire"]
-
 KEEP_IDLE_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 

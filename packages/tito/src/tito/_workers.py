@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import httpx
 
-__all__ = ["Forward", "Workers", "session_owner"]
-
 # Headers that describe one connection, not the request or reply: never passed on (and those the
 # relaying server writes itself).
 _HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"upgrade", b"date", b"server"}
