@@ -309,7 +309,7 @@ def policy_step(config: Config, where: Path) -> dict:
             worker.refit(["http://127.0.0.1:1"], refit.GLOO_BACKEND, 1, "127.0.0.1")
         weights = {name: _full(param) for name, param in worker.model.named_parameters()}
         trained = [name for name, param in worker.model.named_parameters() if param.requires_grad]
-    return {"budget": worker.micro_batch_tokens(), "trained": trained, "steps": steps, "weights": weights,
+    return {"budget": worker.micro_batch_layout()[:2], "trained": trained, "steps": steps, "weights": weights,
             "refit": sent}  # fmt: skip
 
 
@@ -440,7 +440,8 @@ def loop_run(config: Config, where: Path) -> dict:
         keep = GroupFilters.of(config)
         rollouts.pool = prompt_pool(config, rollouts, rows, keep=keep)
         async with rollouts.pool:
-            await run_steps(config, Run(pool=rollouts.pool, filters=keep, **parts))
+            restarts = EngineRestarts(tito.router, [], policy, max_restarts=0)  # none to restart
+            await run_steps(config, Run(pool=rollouts.pool, filters=keep, restarts=restarts, **parts))
 
     asyncio.run(run())
     log.close()

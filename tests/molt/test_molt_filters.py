@@ -18,6 +18,7 @@ from asyncpool import GroupPool
 from molt._config_algo import FilterName
 from molt._filters import FILTERS, GroupFilters
 from molt._flags import resolve
+from molt._restarts import EngineRestarts
 from molt.config import ConfigError
 from molt.loop import take
 
@@ -110,7 +111,8 @@ def _take_from(rows: list[dict], max_groups: int, names=("all_equal_rewards",), 
         pool = GroupPool(_equal_rewards, itertools.cycle(rows), group_size=4, depth=4, keep=keep)
         tito = SimpleNamespace(router=SimpleNamespace(engines=[SimpleNamespace(alive=True)]))
         async with pool:
-            return await asyncio.wait_for(take(pool, num_groups, tito, keep), timeout=10)
+            attached = EngineRestarts(tito.router, [], None, max_restarts=0)  # none to restart
+            return await asyncio.wait_for(take(pool, num_groups, tito, attached, keep), timeout=10)
 
     return asyncio.run(main())
 

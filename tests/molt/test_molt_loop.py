@@ -18,10 +18,16 @@ from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
 from molt._metrics import rollout_metrics, staleness_mean
 from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
+from molt._restarts import EngineRestarts
 from molt._rollout import Rollout
 from molt.config import Config, Data
 from molt.loop import check_token_identity, refit_engines, take, train_windows
 from tito import Segment
+
+
+def _attached(tito) -> EngineRestarts:
+    """The restarts of engines molt did not start (`--vllm.urls`): none."""
+    return EngineRestarts(tito.router, [], None, max_restarts=0)
 
 
 def rollout(tokens, mask, versions, reward=1.0, sampled=None) -> Rollout:
@@ -89,7 +95,7 @@ def test_a_steps_groups_come_in_prompt_order_whichever_finished_first():
         pool = GroupPool(later_prompts_first, iter(range(4)), group_size=2, depth=4)
         tito = SimpleNamespace(router=SimpleNamespace(engines=[SimpleNamespace(alive=True)]))
         async with pool:
-            return await asyncio.wait_for(take(pool, 4, tito), timeout=10)
+            return await asyncio.wait_for(take(pool, 4, tito, _attached(tito)), timeout=10)
 
     assert [group.prompt for group in asyncio.run(main())] == [0, 1, 2, 3]
 
@@ -237,12 +243,12 @@ class _LosingPolicy:
 def test_an_engine_that_fails_a_refit_is_dropped_and_the_run_goes_on():
     engines = [SimpleNamespace(url=url, alive=True) for url in ("http://a", "http://b")]
     tito = SimpleNamespace(router=SimpleNamespace(engines=engines))
-    policy = _LosingPolicy(dead={"http://b"})
-    asyncio.run(refit_engines(policy, tito, 3))
+    policy, restarts = _LosingPolicy(dead={"http://b"}), _attached(tito)
+    asyncio.run(refit_engines(policy, tito, 3, restarts))
     assert [e.alive for e in engines] == [True, False]
-    asyncio.run(refit_engines(policy, tito, 4))  # the dropped engine is not asked again
+    asyncio.run(refit_engines(policy, tito, 4, restarts))  # the dropped engine is not asked again
     assert policy.asked == [["http://a", "http://b"], ["http://a"]]
 
     policy.dead.add("http://a")
     with pytest.raises(RuntimeError, match="no vLLM engine took the weights of step 5"):
-        asyncio.run(refit_engines(policy, tito, 5))
+        asyncio.run(refit_engines(policy, tito, 5, restarts))

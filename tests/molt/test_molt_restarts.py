@@ -141,7 +141,7 @@ def test_take_waits_for_the_restart_and_brings_the_engine_back_at_the_pools_vers
         pool.version = 4
         tito = type("Tito", (), {"router": restarts.router})
         async with pool:
-            groups = await asyncio.wait_for(take(pool, 2, tito, None, restarts), timeout=60)
+            groups = await asyncio.wait_for(take(pool, 2, tito, restarts), timeout=60)
         assert len(groups) == 2 and pool.stats.failed == 0
         assert restarts.policy.refits == [(["http://engine-0-restart-1"], 4)]
         assert set(served_by) == {"http://engine-0-restart-1"}
@@ -168,7 +168,7 @@ def test_an_engine_that_dies_again_while_it_is_brought_back_is_restarted_again(r
         pool = GroupPool(rollout, itertools.cycle([{"p": 1}]), group_size=2, depth=2, retry_delay=0.01)
         tito = type("Tito", (), {"router": restarts.router})
         async with pool:
-            groups = await asyncio.wait_for(take(pool, 2, tito, None, restarts), timeout=60)
+            groups = await asyncio.wait_for(take(pool, 2, tito, restarts), timeout=60)
         assert len(groups) == 2 and restarts.num_restarts == 2
         assert [urls for urls, _ in restarts.policy.refits] == [
             ["http://engine-0-restart-1"],

@@ -16,6 +16,7 @@ import pytest
 from asyncpool import GroupPool, PoolStats
 from molt._flags import resolve
 from molt._metrics import pool_metrics, sampled_tokens
+from molt._restarts import EngineRestarts
 from molt.config import ConfigError
 from molt.loop import take
 
@@ -98,7 +99,7 @@ def test_a_prompt_past_the_stale_cap_stops_the_run_naming_it_and_the_flags():
         tito = SimpleNamespace(router=SimpleNamespace(engines=[SimpleNamespace(alive=True)]))
         async with pool:
             with pytest.raises(RuntimeError) as error:
-                await take(pool, 1, tito)
+                await take(pool, 1, tito, EngineRestarts(tito.router, [], None, max_restarts=0))
         return str(error.value)
 
     message = asyncio.run(main())

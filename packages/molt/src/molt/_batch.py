@@ -71,12 +71,12 @@ class TrainBatch:
     """Trainable tokens in the whole optimizer-step window (all ranks): token-mean's denominator."""
     num_seqs: int
     """Rows with a trainable token in the whole window (all ranks): the sequence means' denominator."""
+    lengths_B: torch.Tensor
+    """int64, each row's tokens (the rest of its columns are padding)."""
     images: tuple[RowImages | None, ...] = ()
     """Per row, its images (None: a row without any); empty for a text-only batch."""
     experts_BTLK: torch.Tensor | None = None
     """int16, the engine's MoE route of each token (module docstring); None without routing replay."""
-    lengths_B: torch.Tensor | None = None
-    """int64, each row's tokens (the rest of its columns are padding); None: every column is a token."""
     plan: tuple[tuple[int, ...], ...] = ()
     """This rank's micro-batches as row indices (`molt._packing.plan_micro_batches`, made by the group
     for all ranks at once); empty: planned by `micro_batches` for one rank."""
@@ -100,8 +100,7 @@ class TrainBatch:
             raise ValueError(
                 f"experts_BTLK must be [{shape[0]}, {shape[1]}, L, K], got {tuple(experts.shape)}"
             )
-        lengths = self.lengths_B
-        if lengths is not None and (lengths.shape != (shape[0],) or bool((lengths > shape[1]).any())):
+        if self.lengths_B.shape != (shape[0],) or bool((self.lengths_B > shape[1]).any()):
             raise ValueError(f"lengths_B must hold one length <= {shape[1]} per row ({shape[0]})")
 
     @property
@@ -111,15 +110,13 @@ class TrainBatch:
     @property
     def row_lengths(self) -> list[int]:
         """Each row's number of tokens."""
-        if self.lengths_B is None:
-            return [self.tokens_BT.shape[1]] * self.num_rows
         return self.lengths_B.tolist()
 
     def select(self, rows: Sequence[int]) -> TrainBatch:
         """Rows `rows`, in that order, with the columns their longest needs (no plan, the same
         `num_tokens` and `num_seqs`). No rows: one row of one all-masked token 0, which adds nothing to any
         loss or metric, for a rank or micro-batch that must run a forward in lock-step with the others."""
-        lengths = [self.row_lengths[row] for row in rows] or [1]
+        lengths = self.lengths_B[list(rows)].tolist() or [1]
         index, num_cols = torch.tensor(list(rows), dtype=torch.int64), max(lengths)
 
         def cut(tensor: torch.Tensor, fill: int = 0) -> torch.Tensor:
@@ -257,7 +254,7 @@ def collate(sequences: Sequence[tuple[list[int], list[int], list[float], float]]
         adv_BT[row, :num] = float(advantage) * mask_BT[row, :num]
     lengths_B = torch.tensor([len(token_ids) for token_ids, *_ in sequences], dtype=torch.int64)
     num_tokens, num_seqs = int(mask_BT.sum()), int((mask_BT != 0).any(dim=1).sum())
-    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens, num_seqs, lengths_B=lengths_B)
+    return TrainBatch(tokens_BT, mask_BT, logp_BT, adv_BT, num_tokens, num_seqs, lengths_B)
 
 
 def row_images(spans: list, processor) -> RowImages | None:
@@ -277,8 +274,7 @@ def row_images(spans: list, processor) -> RowImages | None:
     pictures = [Image.open(io.BytesIO(image)).convert("RGB") for image in data]
     processed = processor.image_processor(images=pictures, return_tensors="pt")
     grid_thw_I3 = processed["image_grid_thw"].to(torch.int64)
-    merged = processor.image_processor.merge_size**2
-    ours = (grid_thw_I3.prod(dim=-1) // merged).tolist()
+    ours = (grid_thw_I3.prod(dim=-1) // processor.image_processor.merge_size**2).tolist()
     engines = [span.length for span in spans]
     if ours != engines:
         raise RuntimeError(

@@ -95,8 +95,7 @@ def latest(ckpt_dir: str | Path) -> tuple[Path, LoopState]:
     if not pointer.is_file():
         raise ValueError(f"{ckpt_dir} holds no complete checkpoint: was the run started with --ckpt.every?")
     path = Path(ckpt_dir) / pointer.read_text().strip()
-    state = msgspec.json.decode((path / "loop.json").read_bytes(), type=LoopState)
-    return path, state
+    return path, msgspec.json.decode((path / "loop.json").read_bytes(), type=LoopState)
 
 
 def restore_rng(state: LoopState) -> None:

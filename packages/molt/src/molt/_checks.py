@@ -76,9 +76,8 @@ def loss_denominator(config: Config) -> Config:
             f"--algo.loss.agg_constant {loss.agg_constant} divides only under --algo.loss.agg "
             f"seq-mean-token-sum-norm, and this run's is {agg}: pass that, or drop the constant"
         )
-    # Dr. GRPO's constant is the generation budget (Liu et al. 2025, §3.2).
-    budget = loss.agg_constant or config.rollout.max_new_tokens
-    constant = budget if agg == "seq-mean-token-sum-norm" else 0
+    # Dr. GRPO's constant is the generation budget (Liu et al. 2025, §3.2); no other aggregation has one.
+    constant = (loss.agg_constant or config.rollout.max_new_tokens) if agg == "seq-mean-token-sum-norm" else 0
     loss = msgspec.structs.replace(loss, agg=agg, agg_constant=constant)
     return msgspec.structs.replace(config, algo=msgspec.structs.replace(config.algo, loss=loss))
 

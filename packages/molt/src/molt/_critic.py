@@ -56,9 +56,8 @@ def load_value_model(model_dir: str, config: Config, world_size: int, device: to
     finally:
         transformers.logging.set_verbosity(verbosity)
     head_name = "score" if hasattr(model, "score") else "classifier"  # transformers' two names for it
-    head = getattr(model, head_name)
     if any(key.startswith(f"{head_name}.") for key in loading["missing_keys"]):  # new: values start at 0
-        for param in head.parameters():  # the weight and any bias
+        for param in getattr(model, head_name).parameters():  # the weight and any bias
             torch.nn.init.zeros_(param)
     return parallelize_model(model.to(device), setup.mesh_context)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,8 @@ import torch
 
 from molt._actor import PolicyWorker
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch
-from molt._packing import plan_micro_batches
-from molt._placement import gpu_share, refit_backend, shares_prefixes
+from molt._packing import Together, plan_micro_batches
+from molt._placement import gpu_share, refit_backend
 from molt._prefix import prefix_groups
 from molt._sharding import replicas
 from molt.config import Config
@@ -68,8 +67,7 @@ class PolicyGroup:
         self.backend = refit_backend(config, on_gpu=self.on_gpu)  # how its refits reach the engines
         self.num_ranks = num_ranks
         self.replicas = replicas(config)  # rank r holds data-parallel shard r // replicas
-        self.layout: tuple[int, bool] | None = None  # the ranks' micro-batch budget and packing (`_plan`)
-        self.shared_prefix = shares_prefixes(config, on_gpu=self.on_gpu)
+        self.layout: tuple[int, bool, bool] | None = None  # the ranks' micro-batch layout (`_plan`)
         self.master_addr = ray.util.get_node_ip_address()
         port = free_port(self.master_addr)
         # The driver's own interpreter: under `uv run`, Ray's uv hook would start workers with `uv run` in
@@ -108,14 +106,15 @@ class PolicyGroup:
 
     def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
         """Each data-parallel rank's micro-batches of `batch`'s rows (`molt._packing`), by the ranks'
-        budget (the smallest, should their free memory differ) and whether the model packs; with
-        --actor.shared_prefix, the rows that share a prefix (`molt._prefix`) kept in one micro-batch."""
-        if self.layout is None:  # asked once the ranks are up
-            budgets, packs = zip(*self._each("micro_batch_tokens", *[()] * self.num_ranks), strict=True)
-            self.layout = min(budgets), packs[0]
-        budget, packed = self.layout
-        together: Sequence[tuple[Sequence[int], int]] = ()
-        if self.shared_prefix and packed:
+        budget (the smallest, should their free memory differ) and whether the model packs; where they
+        share prefixes (--actor.shared_prefix), the rows that share one (`molt._prefix`) kept in one
+        micro-batch."""
+        if self.layout is None:  # asked once the ranks are up; each rank's (budget, packs, shares)
+            layouts = self._each("micro_batch_layout", *[()] * self.num_ranks)
+            self.layout = min(budget for budget, _, _ in layouts), *layouts[0][1:]
+        budget, packed, shared_prefix = self.layout
+        together: Together = ()
+        if shared_prefix:
             groups = prefix_groups(batch.tokens_BT, batch.row_lengths)
             together = [(rows, shared) for rows, shared in groups if shared]
         num_ranks = self.num_ranks // self.replicas  # the data-parallel ranks

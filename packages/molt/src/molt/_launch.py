@@ -73,11 +73,10 @@ def launch(config: Config, *, resume: bool = False) -> None:
             model_dir = building.result()
         lora = bool(config.actor.lora.rank)  # attached engines must serve the adapter refits swap in
         attached = check_attached(config.vllm.urls, lora=lora)  # --vllm.urls: servers running already
-        num_new = 0 if attached else config.vllm.num_engines
-        progress(f"starting {num_new} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
         clock.begin("engines")
         engines = launch_engines(model_dir, config, run_dir)  # none for --vllm.urls; they load meanwhile
+        progress(f"starting {len(engines)} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         cleanup.callback(stop_engines, engines)
         engine_urls = [engine.url.remote() for engine in engines]  # each ready once its server answers
         if engine_starts_first(config, model_dir):  # vLLM sizes its KV cache from the memory it finds free
@@ -114,12 +113,11 @@ def launch(config: Config, *, resume: bool = False) -> None:
                 compute_dtype=compute_dtype_name(config), model=ADAPTER if lora else None,
             )  # fmt: skip
         progress(f"engines ready at {', '.join(urls)}; training to step {config.train.num_steps}")
-        log = cleanup.enter_context(contextlib.closing(RunLog(config)))
         chat = issubclass(agent_module.AgentRunner, ChatAgent)
         parts = dict(
             policy=policy,
             rows=rows,
-            log=log,
+            log=cleanup.enter_context(contextlib.closing(RunLog(config))),  # closed on any exit
             model_dir=model_dir,
             eval_rows=evaluation,
             first_step=first_step,

@@ -12,7 +12,6 @@ sample that fails (the agent raised or timed out) counts as not passing and is c
 from __future__ import annotations
 
 import asyncio
-import math
 
 import torch
 
@@ -26,14 +25,14 @@ def rollout_metrics(rollouts: list[Rollout], group_size: int) -> dict[str, float
     """`rollout/*`: the reward's mean and spread within groups, lengths, truncation, segments per
     rollout, and the mean of each number the agents returned in their `info`."""
     rewards_GS = torch.tensor([r.reward for r in rollouts], dtype=torch.float64).view(-1, group_size)
-    std_in_group = rewards_GS.std(dim=1, unbiased=False).mean() if group_size > 1 else torch.tensor(0.0)
     infos: dict[str, list[float]] = {}
     for rollout in rollouts:
         for key, value in rollout.info.items():
             infos.setdefault(f"rollout/{key}", []).append(float(value))
     return {
         "rollout/reward_mean": rewards_GS.mean().item(),
-        "rollout/reward_std_in_group": std_in_group.item(),
+        # 0 in groups of one
+        "rollout/reward_std_in_group": rewards_GS.std(dim=1, unbiased=False).mean().item(),
         "rollout/response_len_mean": sum(len(r.sampled) for r in rollouts) / len(rollouts),
         "rollout/truncated_frac": sum(r.truncated for r in rollouts) / len(rollouts),
         "rollout/segments_mean": sum(len(r.segments) for r in rollouts) / len(rollouts),  # >1: compaction
@@ -82,7 +81,7 @@ async def evaluate(runner: RolloutRunner, rows: list[dict], config: Config) -> d
     passed_PN = torch.tensor(
         [isinstance(r, Rollout) and r.reward >= config.eval.pass_reward for r in results]
     ).view(len(rows), n)
-    rewards = [r.reward for r in results if isinstance(r, Rollout) and math.isfinite(r.reward)]
+    rewards = [r.reward for r in results if isinstance(r, Rollout)]  # finite: `RolloutRunner` refuses others
     correct_P = passed_PN.sum(dim=1)
     return {
         "eval/pass@1": pass_at_k(n, correct_P, 1).mean().item(),

@@ -231,12 +231,22 @@ def step_loss(
         weights=weights_BT * scale_BT,
     )
     total = pg_sum - algo.entropy_coef * masked_sum(entropy_BT * scale_BT, mask_BT)
-    has_tokens_B = (mask_BT != 0).any(dim=1)  # shard padding rows are not sequences
+    trainable_BT = mask_BT != 0
+    # k3 of KL(rollout || old) per token (`rlestimators.rollout_correction`'s `mismatch_kl`), summed over
+    # the lag-0 and the lagged trainable tokens apart
+    log_ratio_BT = (old_logp_BT.detach() - rollout_logp_BT) * trainable_BT
+    k3_BT = torch.expm1(log_ratio_BT) - log_ratio_BT
+    lagged_BT = trainable_BT & (lag_BT != 0) if lag_BT is not None else torch.zeros_like(trainable_BT)
+    lag0_BT = trainable_BT & ~lagged_BT
+    has_tokens_B = trainable_BT.any(dim=1)  # shard padding rows are not sequences
     sums = {
         "train/policy_loss": pg_sum.detach() * num_tokens / denominator,  # / num_tokens: as trained
         "train/entropy": masked_sum(entropy_BT, mask_BT).detach(),
-        "train/clip_frac": pg_metrics["clip_frac"] * (mask_BT != 0).sum(),
-        **_mismatch_sums(old_logp_BT, rollout_logp_BT, mask_BT, lag_BT),
+        "train/clip_frac": pg_metrics["clip_frac"] * trainable_BT.sum(),
+        "train/mismatch_kl": (k3_BT * lag0_BT).sum(),
+        "train/staleness_kl": (k3_BT * lagged_BT).sum(),
+        "lag0_tokens": lag0_BT.sum(),
+        "lagged_tokens": lagged_BT.sum(),
         "train/correction_weight_mean": masked_sum(weights_BT, mask_BT),
         "train/correction_weight_dev": masked_sum((weights_BT - 1).abs(), mask_BT),  # 0: all weigh 1
         "rows_rejected": (has_tokens_B & ~keep_B).sum(),
@@ -259,19 +269,3 @@ def _aggregation(mask_BT: torch.Tensor, algo: Algo, *, num_tokens: int, num_seqs
         return ones_BT / row_tokens_B1, num_seqs
     assert algo.loss.agg_constant > 0, "validation fills --algo.loss.agg_constant"
     return ones_BT, num_seqs * algo.loss.agg_constant
-
-
-def _mismatch_sums(old_logp_BT, rollout_logp_BT, mask_BT, lag_BT) -> dict[str, torch.Tensor]:
-    """k3 of KL(rollout || old) (`rlestimators.rollout_correction`'s `mismatch_kl`, per token) summed over
-    the lag-0 and the lagged trainable tokens, and their counts."""
-    trainable_BT = mask_BT != 0
-    log_ratio_BT = (old_logp_BT.detach() - rollout_logp_BT) * trainable_BT
-    k3_BT = torch.expm1(log_ratio_BT) - log_ratio_BT
-    lagged_BT = trainable_BT & (lag_BT != 0) if lag_BT is not None else torch.zeros_like(trainable_BT)
-    lag0_BT = trainable_BT & ~lagged_BT
-    return {
-        "train/mismatch_kl": (k3_BT * lag0_BT).sum(),
-        "train/staleness_kl": (k3_BT * lagged_BT).sum(),
-        "lag0_tokens": lag0_BT.sum(),
-        "lagged_tokens": lagged_BT.sum(),
-    }

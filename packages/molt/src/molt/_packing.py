@@ -40,6 +40,9 @@ from molt._prefix import SharedPrefixRows, tree_mask
 
 ATTENTION = "molt_packed"  # its name in transformers' AttentionInterface
 CUDA_PACK_MULTIPLE = 256
+Together = Sequence[tuple[Sequence[int], int]]
+"""Groups of rows that share a prefix, each with the tokens its prefix holds: (rows, S)
+(`molt._prefix.prefix_groups`)."""
 ATTENTION_TOKENS = 8192
 """`row_cost`'s quadratic scale: at about this length a row's attention costs what its linear layers do
 (a 1-2B model: 2 x layers x hidden x n attention FLOPs per token against 2 x parameters)."""
@@ -86,10 +89,15 @@ def _fill(units: list[_Unit], lengths: Sequence[int], num_bins: int, budget: int
     return list(zip(bins, costs, strict=True))
 
 
-def _units(lengths: Sequence[int], together: Sequence[tuple[Sequence[int], int]], budget: int) -> list[_Unit]:
-    """The rows as units a micro-batch takes whole, largest first: each of `together` (rows, the prefix
-    tokens they share) in pieces that fit the budget, each piece with its prefix once, and every other
-    row alone; rows of zero length left out."""
+def _fewest_bins(
+    lengths: Sequence[int], together: Together, num_ranks: int, budget: int, packed: bool
+) -> list[tuple[list[int], float]]:
+    """The rows in the fewest micro-batches per rank (a multiple of `num_ranks` in all) that `_fill`
+    places them in within `budget`: each micro-batch's rows and cost.
+
+    `_fill` takes the rows as units a micro-batch takes whole, largest first: each of `together` (rows,
+    the prefix tokens they share) in pieces that fit the budget, each piece with its prefix once, and
+    every other row alone; rows of zero length left out."""
     grouped = {row for rows, _ in together for row in rows}
     units = [_unit([row], lengths) for row, n in enumerate(lengths) if n > 0 and row not in grouped]
     for rows, shared in together:
@@ -100,19 +108,7 @@ def _units(lengths: Sequence[int], together: Sequence[tuple[Sequence[int], int]]
                 piece = []
             piece.append(row)
         units += [_unit(piece, lengths, shared)] if piece else []
-    return sorted(units, key=lambda unit: -unit.tokens)
-
-
-def _fewest_bins(
-    lengths: Sequence[int],
-    together: Sequence[tuple[Sequence[int], int]],
-    num_ranks: int,
-    budget: int,
-    packed: bool,
-) -> list[tuple[list[int], float]]:
-    """The rows in the fewest micro-batches per rank (a multiple of `num_ranks` in all) that `_fill`
-    places them in within `budget`: each micro-batch's rows and cost."""
-    units = _units(lengths, together, budget)
+    units.sort(key=lambda unit: -unit.tokens)
     per_rank = max(1, -(-sum(unit.tokens for unit in units) // (budget * num_ranks)))  # the fewest possible
     while (bins := _fill(units, lengths, per_rank * num_ranks, budget, packed)) is None:
         per_rank += 1
@@ -125,7 +121,7 @@ def plan_micro_batches(
     num_ranks: int,
     budget: int,
     packed: bool = True,
-    together: Sequence[tuple[Sequence[int], int]] = (),
+    together: Together = (),
 ) -> list[list[list[int]]]:
     """Row indices per rank, per micro-batch: every rank the same number of micro-batches (some may be
     empty), each within `budget` (packed: the rows' tokens; padded: rows x the longest), as few as the
@@ -142,9 +138,8 @@ def plan_micro_batches(
     to compute) are left out. A row longer than `budget` is refused: the run checks the budget against
     --vllm.max_model_len before it starts.
     """
-    too_long = [length for length in lengths if length > budget]
-    if too_long:
-        raise ValueError(f"rows of {max(too_long)} tokens do not fit a micro-batch budget of {budget} tokens")
+    if max(lengths, default=0) > budget:
+        raise ValueError(f"rows of {max(lengths)} tokens do not fit a micro-batch budget of {budget} tokens")
     bins = _fewest_bins(lengths, together, num_ranks, budget, packed)
     if together:
         alone = _fewest_bins(lengths, (), num_ranks, budget, packed)

@@ -9,14 +9,11 @@ import itertools
 import json
 from pathlib import Path
 
-PANELS = (
-    ("reward", ["rollout/reward_mean", "eval/reward_mean"]),
-    ("response length (tokens)", ["rollout/response_len_mean"]),
-    (
-        "seconds per step",
-        ["timing/generation", "timing/policy_train", "timing/broadcast", "timing/step_total"],
-    ),
-)
+PANELS = {  # title -> its curves
+    "reward": ["rollout/reward_mean", "eval/reward_mean"],
+    "response length (tokens)": ["rollout/response_len_mean"],
+    "seconds per step": ["timing/generation", "timing/policy_train", "timing/broadcast", "timing/step_total"],
+}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -50,7 +47,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     run_dir = Path(run_dir)
     steps = read_metrics(run_dir)
     figure, axes = plt.subplots(len(PANELS), 1, figsize=(8, 9), sharex=True)
-    for axis, (title, names) in zip(axes, PANELS, strict=True):
+    for axis, (title, names) in zip(axes, PANELS.items(), strict=True):
         for name in names:
             points = [(s["step"], s[name]) for s in steps if name in s]
             if not points:

@@ -196,10 +196,9 @@ class SharedPrefixRows:
         for members, shared in self.groups:
             index_BT[list(members[1:]), :shared] = index_BT[members[0], :shared]
         valid_BT = torch.arange(num_cols) < torch.tensor(self.lengths)[:, None]
-        index_BT, valid_BT = index_BT.to(values_1N.device), valid_BT.to(values_1N.device)
-        gathered = values_1N[0][index_BT]
-        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2)))
-        return torch.where(valid, gathered, torch.zeros((), dtype=gathered.dtype, device=gathered.device))
+        gathered = values_1N[0][index_BT.to(values_1N.device)]
+        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2))).to(values_1N.device)
+        return torch.where(valid, gathered, 0)
 
 
 def visible(

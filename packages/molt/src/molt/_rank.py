@@ -105,8 +105,7 @@ class ModelRank:
         self._logprob_head = head if isinstance(head, LogprobHead) else None
         self.optimizer = self.scheduler = None
         if not trainable:
-            self.model.requires_grad_(False)
-            self.model.eval()
+            self.model.requires_grad_(False).eval()
             return
         self.model.train()
         sum_gradients_over_ranks(self.model)
@@ -149,9 +148,10 @@ class ModelRank:
             at_least=self.config.vllm.max_model_len,
         )
 
-    def micro_batch_tokens(self) -> tuple[int, bool]:
-        """This rank's micro-batch budget in tokens, and whether it packs rows (the group plans by both)."""
-        return self.budget, self.packed
+    def micro_batch_layout(self) -> tuple[int, bool, bool]:
+        """This rank's micro-batch budget in tokens, whether it packs rows and whether it shares prefixes
+        (the group plans by all three)."""
+        return self.budget, self.packed, self.shared_prefix
 
     def _layout(self, mb: TrainBatch) -> SharedPrefixRows | None:
         """How `mb`'s rows go into the model: as shared-prefix trees where --actor.shared_prefix finds rows
@@ -215,12 +215,11 @@ class ModelRank:
         tokens_BT[0, -1] = self.model.config.image_token_id
         token_type_BT = torch.zeros_like(tokens_BT)
         token_type_BT[0, -1] = 1
-        images = {
+        return tokens_BT, {
             "pixel_values": torch.zeros(merge * merge, num_values, device=self.device),
             "image_grid_thw": torch.tensor([[1, merge, merge]], device=self.device),
             "mm_token_type_ids": token_type_BT,
         }
-        return tokens_BT, images
 
     def _per_micro_batch(self, batch: TrainBatch, compute) -> torch.Tensor:
         """`compute(micro-batch)` [b, t] over each planned micro-batch, back in `batch`'s rows [B, T] on
@@ -231,7 +230,6 @@ class ModelRank:
             values_BT = compute(mb).float().cpu()
             if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
                 num_cols = values_BT.shape[1]
-                assert mb.lengths_B is not None  # `TrainBatch.select` sets it
                 inside_BT = torch.arange(num_cols) < mb.lengths_B[:, None]
                 out_BT[rows, :num_cols] = values_BT * inside_BT
         self._count_pass(batch, started, backward=False)
@@ -239,11 +237,9 @@ class ModelRank:
 
     def _micro_batches(self, batch: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
         """`batch`'s planned micro-batches, each as its rows and their `TrainBatch`; their tokens counted."""
-        micro_batches = []
-        for rows in batch.micro_batches(self.budget, packed=self.packed):
-            self.passes["tokens"] += sum(batch.row_lengths[row] for row in rows)
-            micro_batches.append((rows, batch.select(rows)))
-        return micro_batches
+        plan, lengths = batch.micro_batches(self.budget, packed=self.packed), batch.row_lengths
+        self.passes["tokens"] += sum(lengths[row] for rows in plan for row in rows)
+        return [(rows, batch.select(rows)) for rows in plan]
 
     def _count_pass(self, batch: TrainBatch, started: float, *, backward: bool) -> None:
         if self.device.type == "cuda":

@@ -28,7 +28,6 @@ class EngineRestarts:
     `router.engines[i]` (none for attached engines). `policy` refits the ones that come back."""
 
     def __init__(self, router, actors: list, policy, *, max_restarts: int) -> None:
-        assert not actors or len(actors) == len(router.engines), "one actor per engine, in order"
         self.router, self.actors, self.policy, self.max_restarts = router, actors, policy, max_restarts
         self.restarts = [0] * len(actors)  # per engine; `engines/restarts` is their sum
         self.restarting: dict[int, asyncio.Task] = {}  # engine index -> its restart, until it is up

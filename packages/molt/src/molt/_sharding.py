@@ -172,9 +172,8 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
 
     mesh = init_device_mesh(device.type, (1,))
     policies = {"mp_policy": strategy.mp_policy, "offload_policy": strategy.offload_policy or OffloadPolicy()}
-    for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, **policies)
-    fully_shard(model, mesh=mesh, **policies)
+    for module in [*decoder_layers(model), model]:  # each layer, then the root
+        fully_shard(module, mesh=mesh, **policies)
 
 
 def freeze_moe_routers(model: torch.nn.Module) -> int:

@@ -48,13 +48,13 @@ class Run:
     log: RunLog
     model_dir: Path
     eval_rows: list[dict]
+    restarts: EngineRestarts  # the engines molt started, restarted when they die (none attached)
     first_step: int = 1  # > 1 when resuming from a checkpoint
     startup: StartupClock | None = None  # the start-up stages, logged with the first step
     reference: PolicyGroup | None = None  # --algo.kl.coef != 0: the frozen initial policy
     critic: CriticGroup | None = None  # --algo.advantage.estimator gae: the value model
     teacher: PolicyGroup | None = None  # --algo.advantage.estimator opd: the frozen teacher
     filters: GroupFilters | None = None  # --algo.filters: the pool's keep
-    restarts: EngineRestarts | None = None  # the engines molt started, restarted when they die
 
 
 async def run_steps(config: Config, run: Run) -> None:
@@ -65,7 +65,7 @@ async def run_steps(config: Config, run: Run) -> None:
     pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
-        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.filters, run.restarts)
+        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.restarts, run.filters)
         generation_s = time.monotonic() - started
         startup = run.startup if step == run.first_step else None  # timing/startup_* with this step
         if startup is not None:
@@ -93,8 +93,8 @@ async def run_steps(config: Config, run: Run) -> None:
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
         rows_R = torch.tensor([len(rollout.segments) for rollout in rollouts])  # training rows per rollout
         scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config)
-        seed = (config.train.seed, step)  # windows of whole rollouts, in a seeded random order
-        parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), seed)
+        # windows of whole rollouts, in a random order seeded by the run's seed and the step
+        parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), (config.train.seed, step))
         windows = [(w, rows) for w, rows in parts if w.num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, scored.policy)]
         if scored.critic is not None:  # the critic's steps run beside the policy's
@@ -129,7 +129,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 **(run.filters.metrics() if run.filters else {}),  # pool/filtered/<name>
                 **{f"agent/{kind}": float(count) for kind, count in runner.failures.items()},
                 "engines/alive": float(sum(engine.alive for engine in run.tito.router.engines)),
-                "engines/restarts": float(run.restarts.num_restarts if run.restarts else 0),
+                "engines/restarts": float(run.restarts.num_restarts),
                 "timing/generation": generation_s,
                 "timing/policy_train": train_s,
                 "timing/broadcast": broadcast_s,
@@ -176,8 +176,8 @@ async def take(
     pool: GroupPool,
     num_groups: int,
     tito: Tito,
+    restarts: EngineRestarts,
     filters: GroupFilters | None = None,
-    restarts: EngineRestarts | None = None,
 ) -> list:
     """`pool.take`, in prompt order (a step's batch, and so its windows, must not depend on which group
     finished first: a resumed or repeated run trains what the first one did), but a run fails instead of
@@ -195,14 +195,12 @@ async def take(
     try:
         while not (await asyncio.wait({taking}, timeout=1.0))[0]:
             problem = None
-            if restarts is not None:
-                await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
-                # then restart what is dead (one that died again while brought back too): a restart past
-                # --vllm.max_restarts, or one that failed, stops the run
-                restarts.check()
-            coming_back = restarts is not None and restarts.coming_back
+            await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
+            # then restart what is dead (one that died again while brought back too): a restart past
+            # --vllm.max_restarts, or one that failed, stops the run
+            restarts.check()
             stats = pool.stats
-            if not any(engine.alive for engine in tito.router.engines) and not coming_back:
+            if not any(engine.alive for engine in tito.router.engines) and not restarts.coming_back:
                 problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
             elif (failed := stats.failed - before.failed) >= max(8, 2 * num_groups):
                 problem = (
@@ -233,7 +231,7 @@ async def take(
 
 
 async def refit_engines(
-    policy: PolicyGroup, tito: Tito, version: int, restarts: EngineRestarts | None = None
+    policy: PolicyGroup, tito: Tito, version: int, restarts: EngineRestarts
 ) -> dict[str, float]:
     """Refit every live engine; returns the refit's seconds by phase (none when an engine failed). One
     that fails is dead: restarted if molt started it (`restarts`; it gets the weights once it is up,
@@ -247,11 +245,10 @@ async def refit_engines(
     except EnginesLost as lost:
         for engine in live:
             engine.alive = engine.alive and engine.url not in lost.failed
-        if restarts is not None:
-            restarts.check()
-        if not lost.updated and not (restarts is not None and restarts.coming_back):
+        restarts.check()
+        if not lost.updated and not restarts.coming_back:
             raise RuntimeError(f"no vLLM engine took the weights of step {version}; stopping") from lost
-        back = " while the dead ones restart" if restarts is not None and restarts.coming_back else ""
+        back = " while the dead ones restart" if restarts.coming_back else ""
         progress(f"{lost}\ntraining on with {len(lost.updated)} engine(s){back}")
         return {}
 

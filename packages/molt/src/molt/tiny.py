@@ -117,8 +117,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     tokenizer = _build_tokenizer(tuple(words))
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id  # <|im_end|>, <|endoftext|>
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -49,12 +49,6 @@ class EngineCallError(RuntimeError):
     """An engine answered an RL endpoint with an error status."""
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 class Engine:
     """Handle on one vLLM server at `url` that serves with `backend` (one of `BACKENDS`).
 
@@ -73,9 +67,7 @@ class Engine:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.url = url.rstrip("/")
-        self.backend = backend
-        self.trainer_host = trainer_host
-        self.timeout_s = timeout_s
+        self.backend, self.trainer_host, self.timeout_s = backend, trainer_host, timeout_s
         self.channel: GlooChannel | NcclChannel | IpcChannel | None = None
         self.delta_base: str | None = None  # token of the delta refit whose bytes it holds (refit._delta)
         self._checkpoint_specs: dict[str, tuple[int, ...]] | None = None
@@ -191,7 +183,9 @@ class Engine:
         host, world_size = self.trainer_host, 1 + self.world_size()
         opener: Callable[[], GlooChannel | NcclChannel]
         if self.backend == NCCL_BACKEND:  # vLLM's NCCL group binds the port itself: find a free one
-            port = _free_port(host)
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
             init_info = {"master_address": host, "master_port": port, "rank_offset": 1}
             init_info["world_size"] = world_size
             opener = partial(NcclChannel, host, port, world_size)

@@ -37,9 +37,7 @@ class FullParams:
     def __init__(
         self, module: torch.nn.Module, *, dtype: torch.dtype | None = None, adapters: bool = False
     ) -> None:
-        self.module = module
-        self.dtype = dtype
-        self.adapters = adapters
+        self.module, self.dtype, self.adapters = module, dtype, adapters
         self.specs = [
             ParamSpec(name, dtype or param.dtype, tuple(param.shape)) for name, param, _ in self._sources()
         ]
@@ -55,24 +53,21 @@ class FullParams:
         """(checkpoint name, parameter, the LoRA layer whose merge it is or None), in `named_parameters`
         order, a shared (tied) parameter once, the adapters' own parameters left out; with `adapters`,
         only those, under PEFT's names."""
-        modules = list(self.module.named_modules())
+        modules = dict(self.module.named_modules())
         if self.adapters:
-            for prefix, module in modules:
+            for prefix, module in modules.items():
                 for part in ("lora_A", "lora_B") if _is_lora(module) else ():
                     name = f"base_model.model.{checkpoint_name(prefix)}.{part}.weight"
                     yield name, getattr(module, part).weight, None
             return
-        adapters = {id(child) for _, m in modules if _is_lora(m) for child in (m.lora_A, m.lora_B)}
-        seen = set()
-        for prefix, module in modules:
-            if id(module) in adapters:
+        adapters = {id(child) for m in modules.values() if _is_lora(m) for child in (m.lora_A, m.lora_B)}
+        for name, param in self.module.named_parameters():  # a shared parameter once, as torch gives it
+            prefix, _, leaf = name.rpartition(".")
+            owner = modules[prefix]
+            if id(owner) in adapters:
                 continue
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                lora = module if name == "weight" and _is_lora(module) else None
-                yield checkpoint_name(f"{prefix}.{name}" if prefix else name), param, lora
+            lora = owner if leaf == "weight" and _is_lora(owner) else None
+            yield checkpoint_name(name), param, lora
 
 
 def _is_lora(module: torch.nn.Module) -> bool:

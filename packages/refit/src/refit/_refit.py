@@ -51,8 +51,7 @@ class RefitError(RuntimeError):
     engines that got the new weights and were resumed; `paused` those left paused on purpose."""
 
     def __init__(self, failures: dict[str, tuple[str, BaseException]], updated: list[str]) -> None:
-        self.failures = failures
-        self.updated = updated
+        self.failures, self.updated = failures, updated
         self.paused = [url for url, (phase, _) in failures.items() if phase in PAST_START]
         lines = [f"refit failed on {len(failures)} engine(s):"]
         lines += [

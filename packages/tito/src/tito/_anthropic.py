@@ -200,9 +200,7 @@ def image_url_part(block: dict) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def stop_reason(
-    engine_reason: str | None, stop: int | str | None, parsed: ParsedReply
-) -> tuple[str, str | None]:
+def stop_reason(engine_reason: str | None, stop: str | None, parsed: ParsedReply) -> tuple[str, str | None]:
     if isinstance(stop, str):
         return "stop_sequence", stop
     if parsed.tool_calls and engine_reason != "length":

@@ -63,6 +63,11 @@ def parse_arguments(arguments: Any) -> Any:
     return arguments
 
 
+def tool_call(call_id: str | None, name: str | None, arguments: Any) -> dict:
+    """A tool call of an assistant message in the internal form (`arguments` as `parse_arguments` gives)."""
+    return {"type": "function", "id": call_id, "function": {"name": name, "arguments": arguments}}
+
+
 @dataclass
 class Prompt:
     """A turn's prompt: token ids with each image's placeholders expanded, and the images on them."""
@@ -289,10 +294,7 @@ class ParsedReply:
 
     def message(self) -> dict:
         """The assistant message in the internal form (tool-call arguments as objects)."""
-        calls = [
-            {"type": "function", "id": c["id"], "function": {"name": c["name"], "arguments": c["arguments"]}}
-            for c in self.tool_calls
-        ]
+        calls = [tool_call(c["id"], c["name"], c["arguments"]) for c in self.tool_calls]
         return {"role": "assistant", "content": self.content, **({"tool_calls": calls} if calls else {})}
 
 
@@ -305,8 +307,7 @@ def parse_reply(text: str, *, id_prefix: str = "call_") -> ParsedReply:
     """
     calls: list[dict] = []
     kept: list[str] = []
-    position = 0
-    failures, last_end = 0, 0
+    position = failures = last_end = 0
     for match in _TOOL_CALL.finditer(text):
         call = _parse_call(match.group(1))
         last_end = match.end()
@@ -322,10 +323,7 @@ def parse_reply(text: str, *, id_prefix: str = "call_") -> ParsedReply:
 
 
 def _parse_call(body: str) -> dict | None:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+    call = parse_arguments(body)  # the block's JSON, or its text where that does not parse
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = parse_arguments(call.get("arguments", {}))

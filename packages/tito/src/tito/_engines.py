@@ -174,27 +174,31 @@ class Engine:
             body["model"] = self.model
         if images:
             body["features"] = await self._image_features(images)
-        return self._stream(body) if stream else await self._whole(body)
-
-    async def _whole(self, body: dict) -> Generation:
-        with self._serving():
+        if stream:
+            return self._stream(body)
+        self.num_in_flight += 1  # while the engine serves it (`Router.assign` weighs this first)
+        try:
             generation = _generation(_decode_reply(await self._request(self.generate_url, body)))
-            assert generation is not None, "the engine's reply has no choices"
-            return generation
+        finally:
+            self.num_in_flight -= 1
+        assert generation is not None, "the engine's reply has no choices"
+        return generation
 
     async def _stream(self, body: dict) -> AsyncIterator[Generation]:
-        with self._serving():
-            try:
-                async with self.wire.stream(self.generate_url, msgspec.json.encode(body)) as (status, lines):
-                    if status != 200:
-                        self._check(status, b"".join([line async for line in lines]))
-                    async for line in lines:
-                        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                            continue
-                        if (chunk := _generation(_decode_reply(line[len(b"data: ") :]))) is not None:
-                            yield chunk
-            except _BROKEN as error:
-                raise await self._failed(error) from error
+        self.num_in_flight += 1
+        try:
+            async with self.wire.stream(self.generate_url, msgspec.json.encode(body)) as (status, lines):
+                if status != 200:
+                    self._check(status, b"".join([line async for line in lines]))
+                async for line in lines:
+                    if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                        continue
+                    if (chunk := _generation(_decode_reply(line[len(b"data: ") :]))) is not None:
+                        yield chunk
+        except _BROKEN as error:
+            raise await self._failed(error) from error
+        finally:
+            self.num_in_flight -= 1
 
     async def _image_features(self, images: Sequence[ImageSpan]) -> dict:
         """`features` for the prompt's images (module docstring), their placeholders where tito's are."""
@@ -225,14 +229,6 @@ class Engine:
             self._features[image.sha256] = features
         while len(self._features) > _MAX_KEPT_IMAGES:
             del self._features[next(iter(self._features))]  # the oldest first
-
-    @contextlib.contextmanager
-    def _serving(self):
-        self.num_in_flight += 1
-        try:
-            yield
-        finally:
-            self.num_in_flight -= 1
 
     async def _failed(self, error: Exception) -> EngineUnavailable:
         """A request broke off. The engine counts as dead only if `/health` does not answer either: a

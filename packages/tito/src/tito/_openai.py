@@ -22,7 +22,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from ._chat import ParsedReply, parse_arguments
+from ._chat import ParsedReply, parse_arguments, tool_call
 from ._fields import extra_fields
 from ._images import part_url
 from ._protocol import Asked, ChatBody, ToolFunction, check_role_order, logit_bias, structured_outputs
@@ -160,15 +160,11 @@ def to_messages(request: ChatRequest) -> tuple[list[dict], list[dict] | None]:
     """Internal messages and tools for the chat template (tool-call arguments as objects)."""
     messages = []
     for message in request.messages:
-        entry: dict[str, Any] = {
-            "role": "system" if message.role == "developer" else message.role,
-            "content": message.content,
-        }
+        role = "system" if message.role == "developer" else message.role
+        entry: dict[str, Any] = {"role": role, "content": message.content}
         for call in message.tool_calls or ():
-            function = {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)}
-            entry.setdefault("tool_calls", []).append(
-                {"type": "function", "id": call.id, "function": function}
-            )
+            arguments = parse_arguments(call.function.arguments)
+            entry.setdefault("tool_calls", []).append(tool_call(call.id, call.function.name, arguments))
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, field_validator
 
-from ._chat import ParsedReply, message_text, parse_arguments
+from ._chat import ParsedReply, message_text, parse_arguments, tool_call
 from ._fields import extra_fields
 from ._protocol import Asked, ChatBody, ProtocolError, check_json_schema, check_tool_name, structured_outputs
 from ._routes import sse, stream, whole
@@ -138,11 +138,7 @@ def _add_item(conversation: list[dict], item: dict, where: str) -> None:
         content = _content(item.get("content"), where)
         conversation.append({"role": "system" if role == "developer" else role, "content": content})
     elif kind == "function_call":
-        call = {
-            "type": "function",
-            "id": item.get("call_id"),
-            "function": {"name": item.get("name"), "arguments": parse_arguments(item.get("arguments", "{}"))},
-        }
+        call = tool_call(item.get("call_id"), item.get("name"), parse_arguments(item.get("arguments", "{}")))
         last = conversation[-1] if conversation else None
         if last is not None and last["role"] == "assistant":  # a copy: `history` stays as it was
             conversation[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or []), call]}

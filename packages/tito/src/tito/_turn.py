@@ -52,7 +52,7 @@ class ChatTurn:
         self._chunks: AsyncIterator[Generation] | None = None
         self._first: Generation | None = None
         self.committed = False
-        self._switches_used: dict = {}
+        self.switches = self._switches(asked)
         self.record = Turn(0, 0, 0)
 
     async def start(self, *, stream: bool) -> None:
@@ -70,20 +70,16 @@ class ChatTurn:
                 f"model's template writes {family} tool calls; use tool_choice auto",
                 param="tool_choice",
             )
-        switches, notes = self._switches(asked)
         try:
             capture = self.session.capture
             prompt = self.prompt = self.session.chat.prompt(
-                self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images, switches
+                self.tito.renderer, capture.tokens, self.messages, self.tools, capture.images, self.switches
             )
             params = await self.tito.sampling(self.session, len(prompt.token_ids), **asked.sampling)
         except ValueError as error:
             raise ProtocolError(400, str(error)) from error
-        self._switches_used = switches
         differs = {k: v for k, v in asked.sampling.items() if v is not None and params.get(k) != v}
-        self.record = Turn(
-            0, 0, 0, self.body.route, params, differs, fields=asked.fields, notes=[*asked.notes, *notes]
-        )
+        self.record = Turn(0, 0, 0, self.body.route, params, differs, fields=asked.fields, notes=asked.notes)
         routes_from = capture.routes_known_after(prompt.token_ids, prompt.images, retry=self.retry)
         sampled = await self.session.engine.generate(
             prompt.token_ids, params, images=prompt.images, stream=stream, routes_from=routes_from
@@ -91,9 +87,9 @@ class ChatTurn:
         self._chunks = sampled if stream else None
         self._first = await anext(sampled, None) if stream else sampled
 
-    def _switches(self, asked: Asked) -> tuple[dict, list[str]]:
-        """The chat template's switches for this request, and notes on what was mapped how."""
-        renderer, notes, switches = self.tito.renderer, [], {}
+    def _switches(self, asked: Asked) -> dict:
+        """The chat template's switches for this request; what was mapped how goes to `asked.notes`."""
+        renderer, notes, switches = self.tito.renderer, asked.notes, {}
         if asked.thinking is not None:
             if renderer.thinking_switch:
                 switches[renderer.thinking_switch] = asked.thinking
@@ -103,7 +99,7 @@ class ChatTurn:
         roles = [message["role"] for message in self.messages]
         if "system" in roles[1:] and not renderer.system_in_place:
             notes.append("a system message among the turns was merged into the first system message")
-        return switches, notes
+        return switches
 
     async def deltas(self) -> AsyncIterator[str]:
         """Text that may be shown as it arrives; `parsed` holds the whole reply once this ends."""
@@ -137,9 +133,7 @@ class ChatTurn:
         )
         self.committed = self.session.committed = True
         closing = self.tito.renderer.closing_ids(self.generation.token_ids)
-        self.session.chat.record(
-            self.messages, self.tools, self.prompt, reply_message, closing, self._switches_used
-        )
+        self.session.chat.record(self.messages, self.tools, prompt, reply_message, closing, self.switches)
 
     @property
     def counts(self) -> tuple[int, int]:

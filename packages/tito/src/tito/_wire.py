@@ -95,10 +95,7 @@ class Http1Wire:
         except BaseException:
             connection.close()
             raise
-        if done:
-            self._release(host, port, connection, keep)
-        else:
-            connection.close()
+        self._release(host, port, connection, keep and bool(done))
 
     async def aclose(self) -> None:
         for pool in self._idle.values():

@@ -62,21 +62,19 @@ class Forward:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":  # the forwarding connections close with the server
-            await self.app(scope, receive, self._closing(send))
+
+            async def closing(message) -> None:
+                if message["type"] == "lifespan.shutdown.complete" and self.client is not None:
+                    await self.client.aclose()
+                await send(message)
+
+            await self.app(scope, receive, closing)
             return
         owner = self._owner(scope)
         if owner is None or owner == self.workers.index:
             await self.app(scope, receive, send)
         else:
             await self._forward(owner, scope, receive, send)
-
-    def _closing(self, send):
-        async def closing(message) -> None:
-            if message["type"] == "lifespan.shutdown.complete" and self.client is not None:
-                await self.client.aclose()
-            await send(message)
-
-        return closing
 
     def _owner(self, scope) -> int | None:
         if scope["type"] != "http":
