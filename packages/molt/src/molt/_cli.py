@@ -2,8 +2,9 @@
 `molt export CHECKPOINT OUT_DIR`, `molt plot RUN_DIR`.
 
 Typer parses only the command name. The dotted flags are one per config field, which click cannot know, so
-`train` takes its arguments raw, `molt._flags.resolve` turns them into a validated Config (every error before
-anything starts, exit code 2), and `--help` is printed here from the fields' docstrings.
+`train` takes its arguments raw, `molt._flags.parse` turns them into a Config and `molt._validate.validate`
+checks it and fills the derived values (every error before anything starts, exit code 2), and `--help` is
+printed here from the fields' docstrings.
 
 Importing this module imports no torch, vLLM or Ray, so `molt --help` is instant; the training loop is
 imported only once a run starts.
