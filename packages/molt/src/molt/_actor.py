@@ -21,15 +21,39 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from molt._batch import NO_INPUTS, StepInputs, TrainBatch, shifted_logprobs
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs
 from molt._objective import step_loss
-from molt._rank import ModelRank
+from molt._placement import compiles
+from molt._rank import ModelRank, compiled_graphs
 from molt._sharding import adapter_config, compute_dtype, load_model, replicas
 from molt.config import Config
 from rlestimators import entropy_from_logits
 
 if TYPE_CHECKING:
     from refit import RoutingReplay
+
+
+def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> list[TrainBatch]:
+    """`PolicyWorker._warm_up`'s rows: rows of their own (packed end to end) and, with `trees`, rows that
+    begin alike (shared-prefix trees, `molt._prefix`), each at two sizes whose packed lengths, row counts
+    and longest rows all differ; seeded random tokens, every row within the micro-batch budget. Advantages
+    0: the loss, and so every gradient, is 0."""
+    gen, cap = torch.Generator().manual_seed(0), min(budget, 1024)
+
+    def batch(rows: list[list[int]]) -> TrainBatch:
+        return collate([(row, [0] + [1] * (len(row) - 1), [0.0] * len(row), 0.0) for row in rows], pad_id=0)
+
+    def rows(*lengths: int) -> list[list[int]]:  # distinct first tokens: these rows share no prefix
+        draw = [torch.randint(vocab_size, (max(1, n - 1),), generator=gen).tolist() for n in lengths]
+        return [[b, *row] for b, row in enumerate(draw)]
+
+    sizes = [(cap // 8, cap // 4, cap // 6), (cap // 2, cap // 3, cap // 5, cap // 7)]
+    batches = [batch(rows(*lengths)) for lengths in sizes]
+    if trees:  # the same rows after a prefix they share, of 1/8 and then 1/4 of the cap
+        for prefix, lengths in zip((cap // 8, cap // 4), sizes, strict=True):
+            shared = rows(prefix)[0]
+            batches.append(batch([shared + row for row in rows(*lengths)]))
+    return batches
 
 
 class PolicyWorker(ModelRank):
@@ -58,6 +82,23 @@ class PolicyWorker(ModelRank):
             from refit import RoutingReplay
 
             self.replay = RoutingReplay(self.model)
+        if compiles(config, on_gpu=self.device.type == "cuda"):
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compiled layers (--actor.compile) build their graphs here, while the engines start, not in the
+        first steps (on one H200 a 135M model's first step spent 28 s compiling, a 1.7B model's first two
+        about 24 s): the passes a step runs (the logprobs' and, trainable, the train step's forward and
+        backward) over dummy rows (`_warm_up_batches`) of each layout a step may use, at two sizes, so
+        that the second builds the graph with dynamic shapes that torch.compile keeps for later sizes.
+        Its gradients are dropped and nothing steps: the weights and the optimizer are as loaded."""
+        for batch in _warm_up_batches(self.model.config.vocab_size, self.budget, trees=self.shared_prefix):
+            self.logprobs(batch)
+            if self.optimizer is not None:
+                self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
+                self.optimizer.zero_grad(set_to_none=True)
+        self.passes = dict.fromkeys(self.passes, 0.0)  # the steps' counts start at the first step
+        self.graphs_seen = compiled_graphs()  # `actor/compiles`: what the steps still compile
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)

@@ -1,0 +1,80 @@
+"""Compiled layers warm up at start-up (`molt._actor.PolicyWorker._warm_up`): their graphs are built before
+the first step, from dummy rows of each layout at two sizes, and nothing of it stays behind: the weights as
+loaded, no optimizer state, no gradient, no pass counted, and the first step the same as without it.
+
+The CPU runs the compiled layers too (torch.compile's CPU backend, with graph breaks around the CPU's
+per-row attention), which is enough to see what the warm-up leaves; what it saves is measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from molt._actor import _warm_up_batches
+from molt._batch import collate
+from molt._prefix import MIN_SHARED_TOKENS, SharedPrefixRows
+from molt.config import Actor, Config, Rollout
+from molt.vllm_server import free_port
+
+
+@pytest.mark.parametrize("budget", [64, 512, 2048, 49152])
+def test_the_warm_up_rows_take_each_layout_at_two_sizes_within_the_budget(budget):
+    batches = _warm_up_batches(1000, budget, trees=True)
+    assert len(batches) == 4 and len(_warm_up_batches(1000, budget, trees=False)) == 2
+    layouts = [SharedPrefixRows.of(batch.tokens_BT, batch.row_lengths) for batch in batches]
+    assert all(max(batch.row_lengths) <= budget for batch in batches)
+    assert [layout.num_saved for layout in layouts[:2]] == [0, 0]  # rows of their own: packed end to end
+    if min(budget, 1024) // 8 > MIN_SHARED_TOKENS:  # a prefix long enough to share
+        assert all(layout.num_saved > 0 for layout in layouts[2:])
+    for first, second in (batches[0:2], batches[2:4]):  # the second size differs in every dimension
+        assert first.num_rows != second.num_rows
+        assert max(first.row_lengths) != max(second.row_lengths)
+        packed = [-(-sum(batch.row_lengths) // 256) for batch in (first, second)]  # CUDA's rounding
+        assert packed[0] != packed[1] or budget < 1024
+
+
+# AutoModel's imports in this process (a Ray worker's would not reach the test) and Dynamo as it traces
+# torch's and AutoModel's internals (a non-leaf's .grad read, an autograd Function instantiated) warn about
+# code that is not this project's: shown, not raised.
+@pytest.mark.slow
+@pytest.mark.filterwarnings("default")
+def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(tiny_model_dir):
+    from molt._actor import PolicyWorker
+    from molt._rank import compiled_graphs
+
+    batch = collate(
+        [
+            ([1, 5, 9, 11, 12], [0, 0, 0, 1, 1], [-4.0] * 5, 1.0),
+            ([1, 6, 7, 13], [0, 0, 1, 1], [-4.0] * 4, -1.0),
+        ],
+        pad_id=0,
+    )
+    results = []
+    for compiled in ("off", "on"):  # --actor.compile on is refused on a CPU run; the worker takes it here
+        actor = Actor(lr=1e-2, micro_batch_tokens=256, compile=compiled, shared_prefix="off")
+        config = msgspec.structs.replace(Config(), actor=actor, rollout=Rollout(temperature=0.7))
+        before = compiled_graphs()
+        try:
+            worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+            built = compiled_graphs() - before
+            counts = worker.take_pass_counts()
+            assert worker.optimizer is not None and worker.scheduler is not None
+            left = (len(worker.optimizer.state), sum(p.grad is not None for p in worker.model.parameters()))
+            loaded = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
+            results.append(
+                (built, counts, left, loaded, worker.scheduler.last_epoch, worker.train_step(batch))
+            )
+        finally:
+            torch.distributed.destroy_process_group()
+            torch._dynamo.reset()
+    (eager_built, _, eager_left, eager_loaded, eager_epoch, eager_metrics), compiled = results
+    built, counts, left, loaded, epoch, metrics = compiled
+    assert eager_built == 0 and built > 0  # the graphs exist before the first step
+    assert counts["tokens"] == counts["slots"] == counts["compiles"] == 0  # the warm-up is no step's work
+    assert left == eager_left == (0, 0) and epoch == eager_epoch  # no optimizer state, gradient or step
+    for name, value in eager_loaded.items():
+        torch.testing.assert_close(loaded[name], value, atol=0, rtol=0)  # the weights as loaded
+    for name, value in eager_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-3, abs=1e-5), name
