@@ -40,8 +40,9 @@ ASYMMETRIES = [
     "rows: TRL's step k trains exactly the stream's next prompts; molt's takes the first of its groups in "
     "flight to finish. Sampling: TRL seeds its LLM with 0 every run; molt's requests are unseeded",
     "logging: molt writes metrics.jsonl (TensorBoard off); TRL logs to memory. Neither checkpoints",
-    "start-up: molt's clock holds Ray, the engine (CUDA graphs) and the actor; TRL's its imports, the model "
-    "and its LLM (CUDA graphs); both compile or capture more in their first steps",
+    "start-up: molt's clock holds Ray, the engine (CUDA graphs) and the actor (its compiled layers' graphs, "
+    "over dummy rows); TRL's its imports, the model and its LLM (CUDA graphs); both may compile more in "
+    "their first steps",
     "on a CPU (row 0): TRL samples with transformers' generate in its process and corrects nothing; molt "
     "runs the vLLM CPU engine",
 ]
