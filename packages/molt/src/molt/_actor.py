@@ -92,7 +92,8 @@ class PolicyWorker(ModelRank):
         backward) over dummy rows (`_warm_up_batches`) of each layout a step may use, at two sizes, so
         that the second builds the graph with dynamic shapes that torch.compile keeps for later sizes.
         Its gradients are dropped and nothing steps: the weights and the optimizer are as loaded."""
-        for batch in _warm_up_batches(self.model.config.vocab_size, self.budget, trees=self.shared_prefix):
+        vocab_size = self.model.get_input_embeddings().weight.shape[0]  # a vision-language model's LLM's too
+        for batch in _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix):
             self.logprobs(batch)
             if self.optimizer is not None:
                 self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
