@@ -17,8 +17,8 @@ ESTIMATES = {
 ASYMMETRIES = [
     "engine: molt's vLLM runs in processes of its own (API server, engine core) behind tito's HTTP; TRL's is "
     "an in-process `LLM` (external launcher) with TRL's fixed max_num_batched_tokens 4096 and max_num_seqs = "
-    "the generation batch; molt's max_num_seqs and KV cache are sized to the sequences it keeps in flight "
-    "(2 x a step's), max_num_batched_tokens is vLLM's",
+    "the generation batch; molt's KV cache is sized to the sequences it keeps in flight (2 x a step's), and "
+    "so is max_num_seqs where they are fewer than 256 (else vLLM's default); max_num_batched_tokens: vLLM's",
     "weight sync, once a step in both: molt refits its engine over CUDA IPC (pause, load, resume); TRL loads "
     "each parameter into its LLM before the step's generation (`load_weights`, one tensor at a time)",
     "synchrony: molt keeps 2 x prompts per step groups in flight (max lag 1, partial rollout), so generation "
@@ -52,7 +52,7 @@ def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
     """Both trainers' settings of a row, side by side: molt's resolved from its flags, TRL's GRPOConfig
     arguments (`t`)."""
     from molt._flags import parse
-    from molt._placement import sequences_in_flight
+    from molt._placement import engine_max_num_seqs
 
     m = parse(molt_flags)
     loss, spg, accumulation = m.algo.loss, t["steps_per_generation"], t["gradient_accumulation_steps"]
@@ -86,7 +86,7 @@ def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
          f"{t.get('vllm_importance_sampling_mode', 'none')}, "
          f"cap {t.get('vllm_importance_sampling_clip_max', '-')}"),
         ("engine", f"vLLM server, placement {m.vllm.placement}, memory {engine_memory}, max_num_seqs "
-         f"{sequences_in_flight(m)} (on CUDA), max_num_batched_tokens vLLM's",
+         f"{engine_max_num_seqs(m) or 'vLLM default'}, max_num_batched_tokens vLLM's",
          f"vLLM colocate in-process, memory {t['vllm_gpu_memory_utilization']}, max_num_seqs "
          f"{t['per_device_train_batch_size'] * spg}, max_num_batched_tokens 4096" if t.get("use_vllm")
          else "generate"),

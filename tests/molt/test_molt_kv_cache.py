@@ -10,8 +10,8 @@ import pytest
 import molt._validate
 from molt._engines import engine_extra_args
 from molt._flags import resolve
-from molt._placement import engine_starts_first, kv_bytes_per_token, kv_cache_bytes
-from molt.config import Config
+from molt._placement import engine_max_num_seqs, engine_starts_first, kv_bytes_per_token, kv_cache_bytes
+from molt.config import Config, Rollout
 
 QWEN3_1_7B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
               "hidden_size": 2048, "layer_types": ["full_attention"] * 28}  # fmt: skip
@@ -91,12 +91,15 @@ def test_a_cuda_engine_is_started_with_the_size(tmp_path, monkeypatch):
     args = engine_extra_args(_config(), _model(tmp_path))
     per_token = 2 * 28 * 8 * 128 * 2
     assert args[args.index("--kv-cache-memory-bytes") + 1] == str(32 * 8 * (2048 + 16) * per_token)
-    # as many sequences at once as the run keeps in flight (vLLM's default, 1024, sizes its CUDA graphs)
-    assert args[args.index("--max-num-seqs") + 1] == str(32 * 8)
-    small = engine_extra_args(_config("--rollout.prompts_per_step", "4", "--eval.every", "5"), tmp_path)
-    assert small[small.index("--max-num-seqs") + 1] == str(8 * 8 + 32 * 4)  # and the evaluation's
-    unvalidated = engine_extra_args(Config(), tmp_path)  # --rollout.queue_depth 0: its default, 2 x prompts
-    assert unvalidated[unvalidated.index("--max-num-seqs") + 1] == str(32 * 8)
+    # 256 sequences in flight: vLLM's own batch limit (256, 1024 on a large GPU) is kept
+    assert "--max-num-seqs" not in args
+    # fewer: the engine's batches, and the CUDA graphs it captures for them, stop at what is in flight
+    small = engine_extra_args(_config("--rollout.prompts_per_step", "4"), tmp_path)
+    assert small[small.index("--max-num-seqs") + 1] == str(8 * 8)
+    with_eval = engine_extra_args(_config("--rollout.prompts_per_step", "4", "--eval.every", "5"), tmp_path)
+    assert with_eval[with_eval.index("--max-num-seqs") + 1] == str(8 * 8 + 32 * 4)  # and the evaluation's
+    unvalidated = Config(rollout=Rollout(prompts_per_step=4))  # --rollout.queue_depth 0: 2 x prompts
+    assert engine_max_num_seqs(unvalidated) == 8 * 8
     assert "--kv-cache-memory-bytes" not in engine_extra_args(
         _config("--vllm.max_model_len", "4096"), tmp_path
     )

@@ -21,10 +21,10 @@ from molt._checks_model import LORA_RANKS
 from molt._placement import (
     compute_dtype_name,
     engine_gpus,
+    engine_max_num_seqs,
     engine_memory_utilization,
     kv_cache_bytes,
     refit_backend,
-    sequences_in_flight,
 )
 from molt.config import Config
 from molt.vllm_server import VLLMServer
@@ -110,9 +110,8 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
         args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
         args += ["--data-parallel-size", str(vllm.data_parallel_size)]
         args += ["--gpu-memory-utilization", str(engine_memory_utilization(config))]
-        # No more sequences at once than the run keeps in flight: vLLM's default on a large GPU is 1024,
-        # and it captures CUDA graphs for batches up to twice this (at most 512), each at start-up.
-        args += ["--max-num-seqs", str(sequences_in_flight(config))]
+        max_num_seqs = engine_max_num_seqs(config)  # fewer CUDA graphs to capture for a small run
+        args += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
         if model_dir is not None:
             kv_bytes = kv_cache_bytes(config, model_dir, torch.cuda.get_device_properties(0).total_memory)
             args += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes else []

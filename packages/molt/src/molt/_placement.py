@@ -131,6 +131,15 @@ def sequences_in_flight(config: Config) -> int:
     return depth * rollout.group_size + evaluated
 
 
+def engine_max_num_seqs(config: Config) -> int | None:
+    """`--max-num-seqs` of a CUDA engine: the sequences the run keeps in flight where they are fewer than
+    vLLM's smallest default (256; 1024 on a large GPU), so that it captures CUDA graphs at start-up for
+    the batches it can get (up to twice this, at most 512), not for 512; None keeps vLLM's default, which
+    neither lowers the engine's batches below what is in flight nor raises them past its batch budget."""
+    in_flight = sequences_in_flight(config)
+    return in_flight if in_flight < 256 else None
+
+
 def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | None:
     """`--kv-cache-memory-bytes` for each engine GPU of `gpu_bytes` memory: --vllm.kv_cache_tokens, or the
     tokens every sequence in flight can take (a partly filled 16-token block each) where that fits beside
