@@ -51,6 +51,7 @@ ASYMMETRIES = [
 def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
     """Both trainers' settings of a row, side by side: molt's resolved from its flags, TRL's GRPOConfig
     arguments (`t`)."""
+    from molt._checks import groups_in_flight
     from molt._flags import parse
     from molt._placement import engine_max_num_seqs
 
@@ -90,7 +91,7 @@ def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
          f"vLLM colocate in-process, memory {t['vllm_gpu_memory_utilization']}, max_num_seqs "
          f"{t['per_device_train_batch_size'] * spg}, max_num_batched_tokens 4096" if t.get("use_vllm")
          else "generate"),
-        ("in flight", f"{m.rollout.queue_depth or 2 * m.rollout.prompts_per_step} groups, max lag "
+        ("in flight", f"{groups_in_flight(m)} groups, max lag "
          f"{m.rollout.max_lag}", "one generation, on policy"),
         ("seed", f"{m.train.seed} (train, data)", f"{t['seed']}"),
     ]  # fmt: skip

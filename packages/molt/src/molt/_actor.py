@@ -24,7 +24,7 @@ import torch
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs
 from molt._objective import step_loss
 from molt._placement import compiles
-from molt._rank import ModelRank, compiled_graphs
+from molt._rank import ModelRank
 from molt._sharding import adapter_config, compute_dtype, load_model, replicas
 from molt.config import Config
 from rlestimators import entropy_from_logits
@@ -98,8 +98,7 @@ class PolicyWorker(ModelRank):
             if self.optimizer is not None:
                 self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
                 self.optimizer.zero_grad(set_to_none=True)
-        self.passes = dict.fromkeys(self.passes, 0.0)  # the steps' counts start at the first step
-        self.graphs_seen = compiled_graphs()  # `actor/compiles`: what the steps still compile
+        self.take_pass_counts()  # dropped: the steps' counts and `actor/compiles` start at the first step
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
         return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)

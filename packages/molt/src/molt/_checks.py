@@ -43,6 +43,15 @@ def check_pairs(config: Config) -> None:
         )
 
 
+def groups_in_flight(config: Config) -> int:
+    """--rollout.queue_depth as a run keeps it: one step of groups with --train.force_on_policy, else the
+    flag, or with 0 two steps (`on_policy` fills it in; this reads it from an unvalidated config too)."""
+    rollout = config.rollout
+    if config.train.force_on_policy:
+        return rollout.prompts_per_step
+    return rollout.queue_depth or 2 * rollout.prompts_per_step
+
+
 def on_policy(config: Config) -> Config:
     """Apply --train.force_on_policy and fill --rollout.queue_depth 0 (derived values)."""
     rollout = config.rollout
@@ -53,11 +62,8 @@ def on_policy(config: Config) -> Config:
                 f"--rollout.queue_depth is {rollout.queue_depth} (!= --rollout.prompts_per_step "
                 f"{rollout.prompts_per_step}): drop --rollout.queue_depth or --train.force_on_policy"
             )
-        rollout = msgspec.structs.replace(
-            rollout, max_lag=0, partial_rollout=False, queue_depth=rollout.prompts_per_step
-        )
-    elif rollout.queue_depth == 0:
-        rollout = msgspec.structs.replace(rollout, queue_depth=2 * rollout.prompts_per_step)
+        rollout = msgspec.structs.replace(rollout, max_lag=0, partial_rollout=False)
+    rollout = msgspec.structs.replace(rollout, queue_depth=groups_in_flight(config))
     if rollout.queue_depth < rollout.prompts_per_step:
         raise ConfigError(
             f"--rollout.queue_depth {rollout.queue_depth} is below --rollout.prompts_per_step "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from molt._checks import groups_in_flight
 from molt._config_algo import estimator_needs
 from molt.config import Config, ConfigError
 
@@ -125,10 +126,9 @@ def kv_bytes_per_token(model_config: dict, tp_size: int, dtype_bytes: int) -> in
 def sequences_in_flight(config: Config) -> int:
     """The most sequences the engines serve at once: every group the pool keeps in flight
     (--rollout.queue_depth), each of --rollout.group_size samples, and an evaluation's beside them."""
-    rollout, evaluation = config.rollout, config.eval
+    evaluation = config.eval
     evaluated = evaluation.num_prompts * evaluation.n if evaluation.every else 0
-    depth = rollout.queue_depth or 2 * rollout.prompts_per_step  # 0 before `validate` fills its default
-    return depth * rollout.group_size + evaluated
+    return groups_in_flight(config) * config.rollout.group_size + evaluated
 
 
 def engine_max_num_seqs(config: Config) -> int | None:
