@@ -309,24 +309,15 @@ def parse_reply(text: str, *, id_prefix: str = "call_") -> ParsedReply:
     kept: list[str] = []
     position = failures = last_end = 0
     for match in _TOOL_CALL.finditer(text):
-        call = _parse_call(match.group(1))
         last_end = match.end()
-        if call is None:
+        call = parse_arguments(match.group(1))  # the block's JSON, or its text where that does not parse
+        arguments = parse_arguments(call.get("arguments", {})) if isinstance(call, dict) else None
+        if not isinstance(arguments, dict) or not isinstance(call.get("name"), str):
             failures += 1
             continue
         kept.append(text[position : match.start()])
         position = match.end()
-        calls.append({"id": id_prefix + secrets.token_hex(12), **call})
+        calls.append({"id": id_prefix + secrets.token_hex(12), "name": call["name"], "arguments": arguments})
     kept.append(text[position:])
     failures += text[last_end:].count("<tool_call>")  # opened and never closed (cut off, say)
     return ParsedReply("".join(kept), calls, failures)
-
-
-def _parse_call(body: str) -> dict | None:
-    call = parse_arguments(body)  # the block's JSON, or its text where that does not parse
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return None
-    arguments = parse_arguments(call.get("arguments", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return {"name": call["name"], "arguments": arguments}

@@ -64,9 +64,6 @@ class Http1Wire:
                     data = await connection.reader.readexactly(length)
                 else:
                     data = b"".join([chunk async for chunk in _chunks(connection.reader, chunked, None, [])])
-        except ValueError as error:  # a reply that is not HTTP as this client reads it
-            connection.close()
-            raise ConnectionError(f"malformed reply from {host}:{port}: {error}") from error
         except BaseException:
             connection.close()
             raise
@@ -84,13 +81,7 @@ class Http1Wire:
         try:
             exchange = _exchange(connection, "POST", path, host_line, body)
             status, length, chunked, keep = await asyncio.wait_for(exchange, self.timeout)
-        except ValueError as error:  # a head that is not HTTP as this client reads it
-            connection.close()
-            raise ConnectionError(f"malformed reply from {host}:{port}: {error}") from error
-        except BaseException:
-            connection.close()
-            raise
-        try:  # what the caller raises while reading (an engine's refusal) reaches it as it was raised
+            # What the caller raises while reading (an engine's refusal) reaches it as it was raised.
             yield status, _lines(_chunks(connection.reader, chunked, length, done, self.timeout))
         except BaseException:
             connection.close()
@@ -125,24 +116,27 @@ class Http1Wire:
 
 async def _exchange(connection: _Connection, method: str, path: str, host_line: bytes, body: bytes | None):
     """Send the request; read the reply's status line and headers: (status, content length or None,
-    chunked, keep-alive)."""
+    chunked, keep-alive). A head that is not HTTP as this client reads it is a broken reply."""
     head = f"{method} {path} HTTP/1.1\r\n".encode() + host_line
     if body is not None:
         head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
     connection.writer.write(head + b"\r\n" + (body or b""))
     lines = (await connection.reader.readuntil(b"\r\n\r\n")).split(b"\r\n")
-    version, status = lines[0].split(b" ", 2)[:2]
-    length, chunked, keep = None, False, version == b"HTTP/1.1"
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name, value = name.strip().lower(), value.strip().lower()
-        if name == b"content-length":
-            length = int(value)
-        elif name == b"transfer-encoding":
-            chunked = value.endswith(b"chunked")
-        elif name == b"connection":
-            keep = value == b"keep-alive" or (keep and value != b"close")
-    return int(status), length, chunked, keep and (chunked or length is not None)
+    try:
+        version, status = lines[0].split(b" ", 2)[:2]
+        length, chunked, keep = None, False, version == b"HTTP/1.1"
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name, value = name.strip().lower(), value.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = value.endswith(b"chunked")
+            elif name == b"connection":
+                keep = value == b"keep-alive" or (keep and value != b"close")
+        return int(status), length, chunked, keep and (chunked or length is not None)
+    except ValueError as error:
+        raise ConnectionError(f"malformed reply head ({host_line.decode().strip()}): {error}") from error
 
 
 async def _chunks(reader, chunked: bool, length: int | None, done: list, timeout: float | None = None):
