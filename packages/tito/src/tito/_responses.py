@@ -31,6 +31,8 @@ from ._routes import sse, stream, whole
 from ._service import Session, Tito
 from ._turn import ChatTurn
 
+NUM_RESPONSES_REMEMBERED = 32  # a session's recent responses that `previous_response_id` may name
+
 
 class ResponsesRequest(ChatBody):
     route, id_prefix = "responses", "call_"
@@ -96,12 +98,22 @@ async def create_response(tito: Tito, session: Session, body: ResponsesRequest, 
     """`POST /s/{id}/v1/responses`: one turn, answered in one body or streamed as events; the session
     remembers its conversation for a later `previous_response_id`."""
     tools = body.chat_tools()
-    messages, conversation = to_messages(body, session.responses.get(body.previous_response_id))
+    previous = body.previous_response_id
+    if previous is not None and previous not in session.responses:
+        raise ProtocolError(
+            400,
+            f"previous_response_id {previous!r} is not one of this session's last "
+            f"{NUM_RESPONSES_REMEMBERED} responses: send the conversation as input instead",
+            param="previous_response_id",
+        )
+    messages, conversation = to_messages(body, session.responses[previous] if previous is not None else [])
     turn = ChatTurn(tito, session, request, body, messages, tools, body.asked(tools))
     response_id = "resp_" + secrets.token_hex(12)
 
     def remember(parsed: ParsedReply) -> None:  # what previous_response_id will continue from
-        session.responses.add(response_id, [*conversation, parsed.message()])
+        session.responses[response_id] = [*conversation, parsed.message()]
+        while len(session.responses) > NUM_RESPONSES_REMEMBERED:
+            session.responses.popitem(last=False)
 
     if body.stream:
         events = stream_events(turn, body, response_id, tito.model_name, remember)

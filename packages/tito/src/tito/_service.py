@@ -24,41 +24,15 @@ import msgspec
 from ._chat import ChatRenderer, ChatState
 from ._engines import Engine, Generation, Router
 from ._images import ImageLayout
-from ._protocol import ProtocolError
 from ._tools import ToolCalls
 from ._trajectory import Capture, ImageSpan, Trajectory, Turn
 from ._workers import session_owner
 
 NUM_ENDED_REMEMBERED = 10_000  # ended sessions whose reason a late request is told
-NUM_RESPONSES_REMEMBERED = 32  # a session's recent responses that `previous_response_id` may name
 
 # Sampling parameters that reshape the distribution beyond temperature and top_p: under a trainer's fixed
 # sampling they are dropped (and recorded as asked), since the trainer's logprobs do not apply them.
 _SHAPING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
-
-class History:
-    """A session's recent responses: each one's conversation (input and output, without instructions)."""
-
-    def __init__(self) -> None:
-        self._conversations: OrderedDict[str, list[dict]] = OrderedDict()
-
-    def get(self, response_id: str | None) -> list[dict]:
-        if response_id is None:
-            return []
-        if response_id not in self._conversations:
-            raise ProtocolError(
-                400,
-                f"previous_response_id {response_id!r} is not one of this session's last "
-                f"{NUM_RESPONSES_REMEMBERED} responses: send the conversation as input instead",
-                param="previous_response_id",
-            )
-        return self._conversations[response_id]
-
-    def add(self, response_id: str, conversation: list[dict]) -> None:
-        self._conversations[response_id] = conversation
-        while len(self._conversations) > NUM_RESPONSES_REMEMBERED:
-            self._conversations.popitem(last=False)
 
 
 @dataclass
@@ -68,7 +42,8 @@ class Session:
     capture: Capture
     chat: ChatState = field(default_factory=ChatState)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    responses: History = field(default_factory=History)  # for the Responses API's previous_response_id
+    # The Responses API's recent responses (their conversations), which `previous_response_id` may name.
+    responses: OrderedDict[str, list[dict]] = field(default_factory=OrderedDict)
     last_used: float = field(default_factory=time.monotonic)  # when a request last named it
     committed: bool = False  # whether its last chat request committed its turn (`ChatTurn`'s `retry`)
 
