@@ -298,6 +298,11 @@ class ParsedReply:
         return {"role": "assistant", "content": self.content, **({"tool_calls": calls} if calls else {})}
 
 
+def new_call(id_prefix: str, name: str, arguments: Any) -> dict:
+    """A tool call parsed out of a reply, as `ParsedReply` holds it, under a new id."""
+    return {"id": id_prefix + secrets.token_hex(12), "name": name, "arguments": arguments}
+
+
 def parse_reply(text: str, *, id_prefix: str = "call_") -> ParsedReply:
     """Split Hermes/Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of `text`.
 
@@ -317,7 +322,7 @@ def parse_reply(text: str, *, id_prefix: str = "call_") -> ParsedReply:
             continue
         kept.append(text[position : match.start()])
         position = match.end()
-        calls.append({"id": id_prefix + secrets.token_hex(12), "name": call["name"], "arguments": arguments})
+        calls.append(new_call(id_prefix, call["name"], arguments))
     kept.append(text[position:])
     failures += text[last_end:].count("<tool_call>")  # opened and never closed (cut off, say)
     return ParsedReply("".join(kept), calls, failures)

@@ -225,8 +225,7 @@ class Engine:
         features = made["features"]
         lengths = [place["length"] for place in features["mm_placeholders"]["image"]]
         kept = zip(features["mm_hashes"]["image"], lengths, features["kwargs_data"]["image"], strict=True)
-        for image, features in zip(images, kept, strict=True):
-            self._features[image.sha256] = features
+        self._features.update(zip([image.sha256 for image in images], kept, strict=True))
         while len(self._features) > _MAX_KEPT_IMAGES:
             del self._features[next(iter(self._features))]  # the oldest first
 

@@ -176,11 +176,9 @@ def structured_outputs(
     """vLLM structured outputs for a request, and the fields that constrain it (as sent): a tool call
     that `forced_by` (the request's tool choice; None: not forced) forces, of tool `name` (None: any
     offered), or an OpenAI-style response format at `where` in the request (`text`: none)."""
-    constraints, forced = [], None
+    forced = forced_tool_call(tools, name) if tools and forced_by is not None else None
+    constraints = [f"tool_choice {forced_by!r}"] if forced else []
     structured: dict | None = None
-    if tools and forced_by is not None:
-        forced = forced_tool_call(tools, name)
-        constraints.append(f"tool_choice {forced_by!r}")
     response_format = response_format or {}
     kind = response_format.get("type", "text")
     if kind == "json_object":

@@ -184,9 +184,9 @@ class Tito:
                 f"context of {room + num_prompt_tokens} tokens; shorten it"
             )
         asked = params.pop("max_tokens", None)
-        params = {key: value for key, value in params.items() if value is not None}
-        if self.fixed_sampling:  # the trainer's distribution is the plain softmax at its temperature
-            params = {key: value for key, value in params.items() if key not in _SHAPING}
+        # The trainer's distribution (under fixed sampling) is the plain softmax at its temperature.
+        dropped = _SHAPING if self.fixed_sampling else ()
+        params = {key: value for key, value in params.items() if value is not None and key not in dropped}
         max_tokens = min(limit for limit in (asked, self.max_tokens_cap, room) if limit)
         return {**params, **self.fixed_sampling, "max_tokens": max_tokens}
 

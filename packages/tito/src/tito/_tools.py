@@ -14,10 +14,9 @@ is kept as text and counted (`ParsedReply.failures`), never dropped without a tr
 
 from __future__ import annotations
 
-import secrets
 import warnings
 
-from ._chat import ParsedReply, parse_arguments, parse_reply
+from ._chat import ParsedReply, new_call, parse_arguments, parse_reply
 
 # Text that begins a tool call, per family (named as vLLM names its tool parsers): what a stream holds
 # back, and what counts a parse failure.
@@ -83,11 +82,7 @@ class ToolCalls:
             return ParsedReply(text, [], failures=int(began))
         offered = {tool["function"]["name"] for tool in tools or ()}
         calls = [
-            {
-                "id": id_prefix + secrets.token_hex(12),
-                "name": call.function.name,
-                "arguments": parse_arguments(call.function.arguments),
-            }
+            new_call(id_prefix, call.function.name, parse_arguments(call.function.arguments))
             for call in found.tool_calls
         ]
         if self.family == "qwen3_coder":  # vLLM's parser also accepts a call cut off before its end

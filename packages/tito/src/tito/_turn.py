@@ -96,8 +96,7 @@ class ChatTurn:
                 notes.append(f"{asked.thinking_field}: {renderer.thinking_switch}={asked.thinking}")
             else:
                 notes.append(f"{asked.thinking_field}: the chat template has no thinking switch; not applied")
-        roles = [message["role"] for message in self.messages]
-        if "system" in roles[1:] and not renderer.system_in_place:
+        if not renderer.system_in_place and any(m["role"] == "system" for m in self.messages[1:]):
             notes.append("a system message among the turns was merged into the first system message")
         return switches
 
