@@ -101,12 +101,10 @@ class MessagesRequest(ChatBody):
         if "disable_parallel_tool_use" in choice:
             fields["tool_choice.disable_parallel_tool_use"] = choice["disable_parallel_tool_use"]
         config = dict(self.output_config or {})
+        forced_by = kind if kind in ("any", "tool") else None
+        name = choice.get("name") if kind == "tool" else None
         structured, constraints = structured_outputs(
-            tools,
-            kind if kind in ("any", "tool") else None,
-            choice.get("name") if kind == "tool" else None,
-            config.pop("format", None),
-            "output_config.format",
+            tools, forced_by, name, config.pop("format", None), "output_config.format"
         )
         if config:  # effort and other hints: the model has no such control here
             fields["output_config"] = config

@@ -152,8 +152,8 @@ async def chat_completions(tito: Tito, session: Session, body: ChatRequest, requ
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = stream_events(turn, request_id, tito.model_name, include_usage)
         return await stream(turn, events, error_event)
-    parsed = await whole(turn, reply_message)
-    return chat_completion(request_id, tito.model_name, parsed, turn.generation.finish_reason, turn.counts)
+    await whole(turn, reply_message)
+    return chat_completion(request_id, tito.model_name, turn)
 
 
 def to_messages(request: ChatRequest) -> tuple[list[dict], list[dict] | None]:
@@ -195,9 +195,7 @@ def usage(num_prompt: int, num_completion: int) -> dict:
     }
 
 
-def chat_completion(
-    request_id: str, model: str, parsed: ParsedReply, engine_reason: str | None, counts: tuple[int, int]
-) -> Response:
+def chat_completion(request_id: str, model: str, turn: ChatTurn) -> Response:
     """The reply, encoded here: FastAPI's own encoding of a returned dict walks every value first."""
     body = {
         "id": request_id,
@@ -207,12 +205,12 @@ def chat_completion(
         "choices": [
             {
                 "index": 0,
-                "message": reply_message(parsed),
-                "finish_reason": finish_reason(engine_reason, parsed),
+                "message": reply_message(turn.parsed),
+                "finish_reason": finish_reason(turn.generation.finish_reason, turn.parsed),
                 "logprobs": None,
             }
         ],
-        "usage": usage(*counts),
+        "usage": usage(*turn.counts),
     }
     return Response(msgspec.json.encode(body), media_type="application/json")
 

@@ -122,8 +122,7 @@ async def create_response(tito: Tito, session: Session, body: ResponsesRequest, 
     if turn.committed:
         remember(parsed)
     items = output_items(parsed, "msg_" + secrets.token_hex(12))
-    finish = turn.generation.finish_reason
-    reply = response_body(body, response_id, tito.model_name, items, finish, turn.counts)
+    reply = response_body(body, response_id, tito.model_name, items, turn)
     return Response(msgspec.json.encode(reply), media_type="application/json")
 
 
@@ -223,23 +222,19 @@ def _message_item(message_id: str, status: str, content: list[dict]) -> dict:
 
 
 def response_body(
-    request: ResponsesRequest,
-    response_id: str,
-    model: str,
-    output: list[dict],
-    finish: str | None,
-    counts: tuple[int, int] | None,
+    request: ResponsesRequest, response_id: str, model: str, output: list[dict], turn: ChatTurn | None
 ) -> dict:
-    """The Response object (`counts` None: still in progress)."""
-    status = "in_progress" if counts is None else ("incomplete" if finish == "length" else "completed")
-    usage = None
-    if counts is not None:
+    """The Response object of `turn` once it has ended (None: still in progress)."""
+    status, usage = "in_progress", None
+    if turn is not None:
+        status = "incomplete" if turn.generation.finish_reason == "length" else "completed"
+        num_input, num_output = turn.counts
         usage = {
-            "input_tokens": counts[0],
+            "input_tokens": num_input,
             "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": counts[1],
+            "output_tokens": num_output,
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": counts[0] + counts[1],
+            "total_tokens": num_input + num_output,
         }
     return {
         "id": response_id,
@@ -275,7 +270,7 @@ async def stream_events(
     def event(kind: str, **data) -> str:  # numbered in order
         return sse(kind, sequence_number=next(numbers), **data)
 
-    started = response_body(request, response_id, model, [], None, None)
+    started = response_body(request, response_id, model, [], None)
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
     message_id, text, index = "msg_" + secrets.token_hex(12), "", 0
@@ -303,7 +298,7 @@ async def stream_events(
         done = {"name": item["name"], "arguments": item["arguments"]}
         yield event("response.function_call_arguments.done", **at_call, **done)
         yield event("response.output_item.done", output_index=position, item=item)
-    body = response_body(request, response_id, model, items, turn.generation.finish_reason, turn.counts)
+    body = response_body(request, response_id, model, items, turn)
     yield event(
         "response.completed" if body["status"] == "completed" else "response.incomplete", response=body
     )

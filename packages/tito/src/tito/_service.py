@@ -114,8 +114,7 @@ class Tito:
         self.dump_path = Path(dump) if dump else None
         self.fixed_sampling = dict(fixed_sampling or {})
         self.max_tokens_cap = self.fixed_sampling.pop("max_tokens", None)
-        self.idle_timeout, self.max_sessions = idle_timeout, max_sessions
-        self.worker = worker
+        self.idle_timeout, self.max_sessions, self.worker = idle_timeout, max_sessions, worker
         # Why recent sessions ended, so that a late request hears it (bounded: memory stays flat).
         self.ended: OrderedDict[str, str] = OrderedDict()
 
