@@ -207,12 +207,11 @@ def stop_reason(engine_reason: str | None, stop: str | None, parsed: ParsedReply
 
 
 def content_blocks(parsed: ParsedReply) -> list[dict]:
-    blocks: list[dict] = [{"type": "text", "text": parsed.content}] if parsed.content else []
-    blocks += [
+    text = [{"type": "text", "text": parsed.content}] if parsed.content else []
+    return text + [
         {"type": "tool_use", "id": c["id"], "name": c["name"], "input": c["arguments"]}
         for c in parsed.tool_calls
     ]
-    return blocks
 
 
 def message_reply(

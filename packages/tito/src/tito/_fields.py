@@ -61,11 +61,10 @@ _CONSTRAINT_WHY = (
 def extra_fields(route: str, extras: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """The request's fields beyond those its schema reads: refused ones raise; the rest are returned
     (to be recorded), with a note for each that tito does not know."""
-    recorded, notes = {}, []
-    for name, value in (extras or {}).items():
+    recorded, notes = dict(extras or {}), []
+    for name in recorded:
         if name in REFUSED[route]:
             raise ProtocolError(400, f"{name}: {REFUSED[route][name]}", param=name)
-        recorded[name] = value
         if name not in NEUTRAL[route]:
             notes.append(f"{name}: not a field tito knows; ignored")
     return recorded, notes

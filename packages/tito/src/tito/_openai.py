@@ -145,8 +145,7 @@ class ChatRequest(ChatBody):
 async def chat_completions(tito: Tito, session: Session, body: ChatRequest, request: Request) -> Response:
     """`POST /s/{id}/v1/chat/completions`: one turn, answered in one body or streamed as chunks."""
     messages, tools = to_messages(body)
-    asked = body.asked(tools, tito.vocab_size)
-    turn = ChatTurn(tito, session, request, body, messages, tools, asked)
+    turn = ChatTurn(tito, session, request, body, messages, tools, body.asked(tools, tito.vocab_size))
     request_id = "chatcmpl-" + secrets.token_hex(12)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -114,8 +114,7 @@ def forced_tool_call(tools: list[dict], name: str | None) -> dict:
         has_args = bool((function.get("parameters") or {}).get("properties"))
         arguments = _FLAT_OBJECT if has_args else r"\{\}"
         alternatives.append(rf'"{re.escape(function["name"])}", "arguments": {arguments}')
-    pattern = r'<tool_call>\{"name": (' + "|".join(alternatives) + r")\}</tool_call>"
-    return {"regex": pattern}
+    return {"regex": r'<tool_call>\{"name": (' + "|".join(alternatives) + r")\}</tool_call>"}
 
 
 class TextStream:

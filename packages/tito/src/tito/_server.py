@@ -77,8 +77,7 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
 
     @app.delete("/sessions/{session_id}")
     async def end_session(session_id: str) -> Response:
-        session = session_of(tito, session_id)
-        async with session.lock:
+        async with session_of(tito, session_id).lock:
             trajectory = tito.end_session(session_id)
         return Response(msgspec.json.encode(trajectory), media_type="application/json")
 

@@ -109,8 +109,7 @@ class Http1Wire:
             if fresh and not connection.reader.at_eof():
                 return connection
             connection.close()
-        opening = asyncio.open_connection(host, port)
-        reader, writer = await asyncio.wait_for(opening, CONNECT_TIMEOUT_S)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
         return _Connection(reader, writer)
 
 
