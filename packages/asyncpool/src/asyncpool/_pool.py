@@ -166,8 +166,7 @@ class GroupPool[P, S: _Versioned]:
         self._logged_errors: set[tuple] = set()  # kinds of error whose traceback was logged already
         self._rollout, self._keep = rollout, keep
         self._cost = cost or (lambda sample: 1)  # what a sample cost to generate, for `spent`/`wasted`
-        self._source: Iterator[tuple[int, P]] = enumerate(prompts)
-        self._source_done = False
+        self._source: Iterator[tuple[int, P]] | None = enumerate(prompts)  # None once used up
         self._source_error: Exception | None = None
         self._requeued: deque[tuple[int, P]] = deque()  # stale groups' prompts, run before fresh ones
         self._running: dict[asyncio.Task[Group[P, S]], int] = {}  # task -> prompt index
@@ -207,9 +206,8 @@ class GroupPool[P, S: _Versioned]:
         if value > self._version:
             self._took_at_version = False
         self._version = value
-        stale = [group for group in self._ready if self._is_stale(group)]
-        self._ready = [group for group in self._ready if not self._is_stale(group)]
-        for group in stale:
+        for group in [group for group in self._ready if self._is_stale(group)]:
+            self._ready.remove(group)  # by identity (eq=False)
             self._drop_stale(group)
         self._fill()
         self._changed.set()
@@ -274,7 +272,7 @@ class GroupPool[P, S: _Versioned]:
         return groups
 
     def _drained(self) -> bool:
-        return self._source_done and not self._requeued and not self._running
+        return self._source is None and not self._requeued and not self._running
 
     def _raise_starved(self) -> None:
         if self._starved:
@@ -326,15 +324,15 @@ class GroupPool[P, S: _Versioned]:
     def _next_prompt(self) -> tuple[int, P] | None:
         if self._requeued:
             return self._requeued.popleft()
-        if self._source_done:
+        if self._source is None:
             return None
         try:
             return next(self._source)
         except StopIteration:
-            self._source_done = True
+            self._source = None
         except Exception as err:  # a broken source ends the pool; take() names it as PoolExhausted's cause
             logger.exception("the prompt source raised; no new prompts will be started")
-            self._source_done, self._source_error = True, err
+            self._source, self._source_error = None, err
         return None
 
     async def _run_group(self, index: int, prompt: P) -> Group[P, S]:

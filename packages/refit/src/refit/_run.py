@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -139,20 +139,14 @@ class Run:
         """Gather and pack each bucket, take its CRC, and diff it into the shadow: the delta table's rows
         and each bucket's payload (its patch, or the whole bucket as the shadow now holds it)."""
         rows, payloads = [], []
-        self.seconds.update(gather_pack=0.0, checksum=0.0, diff=0.0)
-        began = time.perf_counter()
-        buffers_N = _send_buffers("cpu", max(b.numel() for b in base_N) if base_N else 0)
-        for index, new_N in packed_buckets(iter(params), specs, plan, buffers_N):
-            self.seconds["gather_pack"] += time.perf_counter() - began
-            began = time.perf_counter()
-            crc = checksum(new_N)
-            self.seconds["checksum"] += time.perf_counter() - began
+        self.seconds["diff"] = 0.0
+        buffers_N = _send_buffers("cpu", max((b.numel() for b in base_N), default=0))
+        for index, new_N, crc in self._packed(params, specs, plan, buffers_N):
             began = time.perf_counter()
             patch = diff_into(base_N[index], new_N, bucket_unit([specs[i] for i in plan[index]]))
             self.seconds["diff"] += time.perf_counter() - began
             rows.append([FULL, new_N.numel(), crc] if patch is None else [SPARSE, patch.numel(), crc])
             payloads.append(base_N[index] if patch is None else patch)
-            began = time.perf_counter()
         return rows, payloads
 
     def _send_delta(self, engines, patched, rows, payloads, base_N) -> None:
@@ -192,26 +186,33 @@ class Run:
         device = "cuda" if any(e.backend in (NCCL_BACKEND, IPC_BACKEND) for e in engines) else "cpu"
         buffers_2N = _send_buffers(device, max((bucket_nbytes(specs, b) for b in plan), default=0))
         in_flight: deque[dict[Engine, list]] = deque()
-        gather_pack = crc_s = 0.0
-        began = started = time.perf_counter()
-        for index, payload_N in packed_buckets(iter(params), specs, plan, buffers_2N):
-            gather_pack += time.perf_counter() - began
-            began = time.perf_counter()
-            # Every engine checks each bucket: refit_gloo the CRC-32 of its host bytes, the GPU engines a
-            # checksum taken on the device (queued on the stream behind the packing; no host sync here).
-            crc = checksum(payload_N) if device == "cpu" else device_checksum(payload_N)
-            crc_s += time.perf_counter() - began
+        started = time.perf_counter()
+        for index, payload_N, crc in self._packed(params, specs, plan, buffers_2N, prefix):
             live = [e for e in engines if e in self.live]
             in_flight.append({e: self._try(e, "send", index, payload_N, crc) for e in live})
             self.bytes_sent += payload_N.numel() * len(live)
             self.buckets_sent = index + 1
             if len(in_flight) == len(buffers_2N):  # the next bucket reuses the oldest one's buffer
                 self._wait(in_flight.popleft())
-            began = time.perf_counter()
         while in_flight:
             self._wait(in_flight.popleft())
-        self.seconds[f"{prefix}gather_pack"], self.seconds[f"{prefix}checksum"] = gather_pack, crc_s
         self.seconds[f"{prefix}send"] = time.perf_counter() - started  # gather + pack + checksum + broadcast
+
+    def _packed(self, params: FullParams, specs, plan, buffers, prefix: str = "") -> Iterator[tuple]:
+        """Each bucket gathered and packed into the next of `buffers`, with its checksum: `(index,
+        payload_N, checksum)`; the seconds spent on each step go to `{prefix}gather_pack` and
+        `{prefix}checksum`. Every engine checks each bucket: refit_gloo the CRC-32 of its host bytes, the
+        GPU engines a checksum taken on the device (queued on the stream behind the packing; no host sync)."""
+        gather_pack = crc_s = 0.0
+        began = time.perf_counter()
+        for index, payload_N in packed_buckets(iter(params), specs, plan, buffers):
+            packed = time.perf_counter()
+            crc = checksum(payload_N) if payload_N.device.type == "cpu" else device_checksum(payload_N)
+            gather_pack += packed - began
+            crc_s += time.perf_counter() - packed
+            yield index, payload_N, crc
+            began = time.perf_counter()
+        self.seconds[f"{prefix}gather_pack"], self.seconds[f"{prefix}checksum"] = gather_pack, crc_s
 
     def _try(self, engine: Engine, method: str, *args) -> list:
         """`engine.channel.method(*args)`, its works; a failure drops the engine (its pipe broke)."""

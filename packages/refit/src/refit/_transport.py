@@ -207,10 +207,9 @@ class ReceiveBuffers:
         if self.block_N is None:
             return False
         block = self.block_N.untyped_storage().data_ptr()
-        if any(t.untyped_storage().data_ptr() == block for t in tensors):
+        if used := any(t.untyped_storage().data_ptr() == block for t in tensors):
             self.block_N, self.token = None, None
-            return True
-        return False
+        return used
 
 
 class GlooChannel:

@@ -174,9 +174,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.last_timings["verify_s"] = incoming.verify_s
         self.pending_token = info.token
 
-    def _forget_buffers_if_kept(self) -> None:
-        """Layerwise reload copies each loaded tensor into the layer's own storage, so no weight should
-        live in the receive buffers; if one does, they are not reused (the next refit allocates)."""
+    def _reloaded(self) -> None:
+        """After a reload (finished or rolled back): the tied `lm_head`'s packed copy rebuilt, and the
+        receive buffers checked. Layerwise reload copies each loaded tensor into the layer's own storage,
+        so no weight should live in them; if one does, they are not reused (the next refit allocates)."""
+        _repack_tied(self.model)
         if self.buffers.forget_if_used_by([*self.model.parameters(), *self.model.buffers()]):
             logger.warning("refit_gloo: a model tensor kept a view of the receive buffers; not reusing them")
 
@@ -193,9 +195,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.pending_adapter = None
         else:
             finalize_layerwise_reload(self.model, self.model_config)
-            _repack_tied(self.model)
             self.buffers.token, self.pending_token = self.pending_token, None  # they hold this refit whole
-            self._forget_buffers_if_kept()
+            self._reloaded()
         self.last_timings["finish_s"] = time.perf_counter() - began
 
     def _roll_back(self) -> None:
@@ -204,8 +205,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self.pending_adapter = None
             return
         roll_back_reload(self.model, self.model_config)
-        _repack_tied(self.model)
-        self._forget_buffers_if_kept()
+        self._reloaded()
 
     def shutdown(self) -> None:
         self.group = None
@@ -278,8 +278,8 @@ def _checkpoint_specs(model_path: str) -> list[list]:
     specs = []
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(file, framework="pt") as reader:
-            for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                specs.append([name, list(reader.get_slice(name).get_shape())])
+            # keys(): safe_open is not a mapping (what SIM118 assumes).
+            specs += [[name, list(reader.get_slice(name).get_shape())] for name in reader.keys()]  # noqa: SIM118
     if not specs:
         raise FileNotFoundError(f"no *.safetensors in {folder}: refit checks names against the checkpoint")
     return specs

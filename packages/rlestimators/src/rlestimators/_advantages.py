@@ -151,9 +151,9 @@ def gae(
 
     num_seqs, num_tokens = mask.shape
     adv_BT = torch.zeros_like(values_BT)
-    next_value_B = values_BT.new_zeros(num_seqs)
-    next_adv_B = values_BT.new_zeros(num_seqs)
-    carried_reward_B = values_BT.new_zeros(num_seqs)
+    # What the recursion carries from t + 1 back to t, each [B], from 0 (rows of one [3, B] zero tensor;
+    # every step rebinds them, none is written in place).
+    next_value_B, next_adv_B, carried_reward_B = values_BT.new_zeros(3, num_seqs)
     for t in reversed(range(num_tokens)):
         is_action_B = trainable_BT[:, t]
         reward_B = rewards_BT[:, t] + carried_reward_B

@@ -130,8 +130,8 @@ def policy_loss(
 
     trainable_BT = mask != 0
     logp_BT = logp.float()
+    # [B, 1] or [B, T]: broadcast over the tokens by every product below.
     adv_BT = (advantages[:, None] if advantages.dim() == 1 else advantages).detach().float()
-    adv_BT = adv_BT.expand_as(logp_BT)
     log_ratio_BT = torch.where(trainable_BT, logp_BT - old_logp.detach().float(), 0.0)
     ratio_BT = log_ratio_BT.exp()
     is_clipped_BT = is_capped_BT = torch.zeros_like(trainable_BT)  # what kind "pg" clips: nothing
