@@ -248,14 +248,14 @@ class GroupPool[P, S: _Versioned]:
         self._batch = n
         self._took_at_version = False  # a caller asking again wants data at the current version
         self._fill()
-        try:
-            self._raise_starved()
-            while len(self._ready) < n and not self._drained():
+        try:  # until n groups are ready, the source is drained, or a starved prompt is to be named
+            while not self._starved and len(self._ready) < n and not self._drained():
                 self._changed.clear()
                 await self._changed.wait()
                 if self._state != "open":
                     raise RuntimeError("the pool was closed while take() waited")
-                self._raise_starved()
+            if self._starved:
+                raise self._starved.popleft()
         finally:
             self._stats.take_wait_s += loop.time() - began
         groups, self._ready = self._ready[:n], self._ready[n:]
@@ -273,10 +273,6 @@ class GroupPool[P, S: _Versioned]:
 
     def _drained(self) -> bool:
         return self._source is None and not self._requeued and not self._running
-
-    def _raise_starved(self) -> None:
-        if self._starved:
-            raise self._starved.popleft()
 
     def _is_stale(self, group: Group[P, S]) -> bool:
         """Too old to return: more than `max_lag` versions behind (never, with stale="keep")."""

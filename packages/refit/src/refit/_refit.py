@@ -121,7 +121,7 @@ def update_weights(
             for _ in params:
                 pass
         return None
-    run.phase("connect", _connect_once)
+    run.phase("connect", Engine.connect, [e for e in run.live if e.channel is None])  # once per engine
     run.phase("pause", Engine.pause)
     run.phase("start", Engine.start_weight_update)
     token = uuid.uuid4().hex if delta else None  # names the bytes the engines hold after this refit
@@ -160,8 +160,3 @@ def _share(value):
         dist.broadcast_object_list(box, src=0)
         value = box[0]
     return value
-
-
-def _connect_once(engine: Engine) -> None:
-    if engine.channel is None:
-        engine.connect()

@@ -78,8 +78,7 @@ class VerifiedNcclEngine(NCCLWeightTransferEngine):
             torch.accelerator.synchronize()  # every bucket in and its checksum taken, on vLLM's streams
             expected_K = torch.empty(len(group.checksums), dtype=torch.int64, device=self.device)
             group.comm.broadcast(expected_K, src=0)
-            got = [int(check) for check in group.checksums]
-            verify_checksums(self.last_verify, got, expected_K.tolist())
+            verify_checksums(self.last_verify, [int(check) for check in group.checksums], expected_K.tolist())
         except BaseException:
             roll_back_reload(self.model, self.model_config)
             raise
