@@ -117,14 +117,9 @@ class TrainBatch:
         `num_tokens` and `num_seqs`). No rows: one row of one all-masked token 0, which adds nothing to any
         loss or metric, for a rank or micro-batch that must run a forward in lock-step with the others."""
         lengths = self.lengths_B[list(rows)].tolist() or [1]
-        index, num_cols = torch.tensor(list(rows), dtype=torch.int64), max(lengths)
-
-        def cut(tensor: torch.Tensor, fill: int = 0) -> torch.Tensor:
-            """`rows` of a [B, T, ...] tensor, `num_cols` columns; no rows: one token of `fill`."""
-            return tensor[index, :num_cols] if rows else tensor.new_full((1, 1, *tensor.shape[2:]), fill)
-
+        num_cols = max(lengths)
         tensors: dict[str, Any] = {  # by field name (mypy cannot check a ** dict against each field)
-            f.name: cut(tensor)
+            f.name: _cut(tensor, rows, num_cols)
             for f in fields(self)
             if f.name.endswith("_BT") and (tensor := getattr(self, f.name)) is not None
         }
@@ -133,7 +128,7 @@ class TrainBatch:
             num_tokens=self.num_tokens,
             num_seqs=self.num_seqs,
             images=(tuple(self.images[row] for row in rows) or (None,)) if self.images else (),
-            experts_BTLK=None if self.experts_BTLK is None else cut(self.experts_BTLK, fill=-1),
+            experts_BTLK=None if self.experts_BTLK is None else _cut(self.experts_BTLK, rows, num_cols, -1),
             lengths_B=torch.tensor(lengths, dtype=torch.int64),
         )
 
@@ -218,10 +213,12 @@ class StepInputs:
     def rows(self, rows: Sequence[int], num_cols: int) -> StepInputs:
         """These inputs for `rows` of the batch, cut to `num_cols` columns, as `TrainBatch.select` cuts the
         batch's own; no rows: one zero row (its empty turn)."""
-        given = self.given()
-        return StepInputs(
-            **{name: t[list(rows), :num_cols] if rows else t.new_zeros(1, 1) for name, t in given.items()}
-        )
+        return StepInputs(**{name: _cut(t, rows, num_cols) for name, t in self.given().items()})
+
+
+def _cut(tensor: torch.Tensor, rows: Sequence[int], num_cols: int, fill: int = 0) -> torch.Tensor:
+    """`rows` of a [B, T, ...] tensor, `num_cols` columns; no rows: one token of `fill` (an empty turn)."""
+    return tensor[list(rows), :num_cols] if rows else tensor.new_full((1, 1, *tensor.shape[2:]), fill)
 
 
 NO_INPUTS = StepInputs()  # a step that reads none (frozen: one shared default)
