@@ -213,14 +213,13 @@ def packed_attention(
 
         q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (q_1HND, k_1HND, v_1HND))
         window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
-        cu_seqlens = cu_seq_lens_q.to(torch.int32)
         assert max_length_q is not None  # the packed rows' kwargs carry it with the row bounds
         out_NHD = varlen_attn(
             q_NHD,
             k_NHD,
             v_NHD,
-            cu_seqlens,
-            cu_seqlens,
+            cu_seq_lens_q,  # int32 (`SharedPrefixRows.model_kwargs`)
+            cu_seq_lens_q,
             max_length_q,
             max_length_q,
             scale=scaling,
