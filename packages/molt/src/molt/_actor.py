@@ -117,12 +117,11 @@ class PolicyWorker(ModelRank):
             logp_BT = torch.nn.functional.pad(out_BTX[:, :-1, 0], (1, 0))
         else:
             logp_BT = shifted_logprobs(out_BTX, mb.tokens_BT.to(self.device), temperature=temperature)
-            if entropy == "none":
-                return logp_BT, None
-            logits_BTV = out_BTX if entropy == "grad" else out_BTX.detach()
-            entropy_next_BT = entropy_from_logits(logits_BTV, temperature=temperature)
         if entropy == "none":
             return logp_BT, None
+        if entropy_next_BT is None:  # no head: from the logits, detached unless a bonus trains it
+            logits_BTV = out_BTX if entropy == "grad" else out_BTX.detach()
+            entropy_next_BT = entropy_from_logits(logits_BTV, temperature=temperature)
         entropy_next_BT = entropy_next_BT if entropy == "grad" else entropy_next_BT.detach()
         return logp_BT, torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0))
 
