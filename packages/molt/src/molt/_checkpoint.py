@@ -124,8 +124,14 @@ def export(checkpoint: str | Path, out_dir: str | Path, *, merged: bool = False)
     config = transformers.AutoConfig.from_pretrained(checkpoint / "model")
     vision = hasattr(config, "vision_config")  # loaded as the actor loads it (`molt._sharding.load_model`)
     out_dir = Path(out_dir)
-    if lora is not None and not merged:
-        _export_adapter(checkpoint, lora, out_dir)
+    if lora is not None and not merged:  # the adapters alone, under PEFT's names, beside their config
+        from safetensors.torch import save_file
+
+        state = _load(_adapters(checkpoint / "actor"), checkpoint / "actor")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tensors = {f"base_model.model.{name}": tensor.contiguous() for name, tensor in state.items()}
+        save_file(tensors, out_dir / "adapter_model.safetensors")
+        (out_dir / "adapter_config.json").write_text(json.dumps(lora, indent=2) + "\n")
     else:
         loader = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
         model = loader.from_config(config, dtype=getattr(config, "dtype", None) or torch.float32)
@@ -144,17 +150,6 @@ def export(checkpoint: str | Path, out_dir: str | Path, *, merged: bool = False)
     preprocessing = transformers.AutoProcessor if vision else transformers.AutoTokenizer
     preprocessing.from_pretrained(checkpoint / "model").save_pretrained(out_dir)
     return out_dir
-
-
-def _export_adapter(checkpoint: Path, lora: dict, out_dir: Path) -> None:
-    """The adapters alone, under PEFT's names (`base_model.model.<name>`), beside their PEFT config."""
-    from safetensors.torch import save_file
-
-    state = _load(_adapters(checkpoint / "actor"), checkpoint / "actor")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {f"base_model.model.{name}": tensor.contiguous() for name, tensor in state.items()}
-    save_file(tensors, out_dir / "adapter_model.safetensors")
-    (out_dir / "adapter_config.json").write_text(json.dumps(lora, indent=2) + "\n")
 
 
 def _load(tensors: dict[str, torch.Tensor], actor_dir: Path) -> dict[str, torch.Tensor]:
