@@ -38,37 +38,33 @@ def data_parallel_only(config: Config) -> Config:
     return msgspec.structs.replace(config, fsdp=fsdp)
 
 
-def load_value_model(model_dir: str, config: Config, world_size: int, device: torch.device):
-    """A causal LM's body with a one-output value head, sharded over the ranks by AutoModel."""
-    import transformers
-    from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
-
-    dtype = getattr(torch, config.model.dtype)
-    setup = distributed_setup(config, world_size, dtype, on_gpu=device.type == "cuda")
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the new head is reported as "missing": that is the intent
-    try:
-        model_config = transformers.AutoConfig.from_pretrained(model_dir, num_labels=1)
-        model_config.classifier_dropout = 0.0  # a value is a regression target: no dropout
-        model, loading = transformers.AutoModelForTokenClassification.from_pretrained(
-            model_dir, config=model_config, dtype=dtype, output_loading_info=True
-        )
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-    head_name = "score" if hasattr(model, "score") else "classifier"  # transformers' two names for it
-    if any(key.startswith(f"{head_name}.") for key in loading["missing_keys"]):  # new: values start at 0
-        for param in getattr(model, head_name).parameters():  # the weight and any bias
-            torch.nn.init.zeros_(param)
-    return parallelize_model(model.to(device), setup.mesh_context)
-
-
 class CriticWorker(ModelRank):
     """One rank of the critic (`molt._rank.ModelRank` plus the values and the value loss's step)."""
 
     checkpoint_dir = "critic"
 
     def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
-        return load_value_model(model_dir, self.config, world_size, self.device)
+        """A causal LM's body with a one-output value head, sharded over the ranks by AutoModel."""
+        import transformers
+        from nemo_automodel.components.distributed.model_parallelizer import parallelize_model
+
+        dtype = getattr(torch, self.config.model.dtype)
+        setup = distributed_setup(self.config, world_size, dtype, on_gpu=self.device.type == "cuda")
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # the new head is reported as "missing", as intended
+        try:
+            model_config = transformers.AutoConfig.from_pretrained(model_dir, num_labels=1)
+            model_config.classifier_dropout = 0.0  # a value is a regression target: no dropout
+            model, loading = transformers.AutoModelForTokenClassification.from_pretrained(
+                model_dir, config=model_config, dtype=dtype, output_loading_info=True
+            )
+        finally:
+            transformers.logging.set_verbosity(verbosity)
+        head_name = "score" if hasattr(model, "score") else "classifier"  # transformers' two names for it
+        if any(key.startswith(f"{head_name}.") for key in loading["missing_keys"]):  # new: values start at 0
+            for param in getattr(model, head_name).parameters():  # the weight and any bias
+                torch.nn.init.zeros_(param)
+        return parallelize_model(model.to(self.device), setup.mesh_context)
 
     def _learning_rate(self) -> float:
         return self.config.algo.critic.lr
