@@ -196,18 +196,17 @@ class PolicyWorker(ModelRank):
         if self.optimizer is None:
             raise RuntimeError("this group is frozen (trainable=False): it gives logprobs, it does not train")
         sums = self._micro_batch_sums(batch, self._forward_backward, inputs)
-        rows_rejected, rows = sums.pop("rows_rejected"), sums.pop("rows")  # both counted `replicas` times
-        routes_differed, routes_compared = sums.pop("routes_differed", 0), sums.pop("routes_compared", 0)
         counted = batch.num_tokens * replicas(self.config)  # the TP ranks of a DP group hold equal sums
-        lag0, lagged = sums.pop("lag0_tokens"), sums.pop("lagged_tokens")  # also counted `replicas` times
-        metrics = {name: value / counted for name, value in sums.items()}
-        metrics["train/seq_masked_frac"] = rows_rejected / rows
+        # "train/" numerators are per token; the counts beside them (also counted `replicas` times) are not
+        metrics = {name: value / counted for name, value in sums.items() if name.startswith("train/")}
+        lag0, lagged = sums["lag0_tokens"], sums["lagged_tokens"]
+        metrics["train/seq_masked_frac"] = sums["rows_rejected"] / sums["rows"]
         # the engine-vs-trainer mismatch over lag-0 tokens, lag's share apart (`step_loss`); 0 with none
         metrics["train/mismatch_kl"] = sums["train/mismatch_kl"] / max(lag0, 1)
         metrics["train/staleness_kl"] = sums["train/staleness_kl"] / max(lagged, 1)
         metrics["train/lag0_frac"] = lag0 / (lag0 + lagged)
         if self.replay is not None:  # how often the policy's own routers disagree with the engine's
-            metrics["train/routing_mismatch_frac"] = routes_differed / max(routes_compared, 1)
+            metrics["train/routing_mismatch_frac"] = sums["routes_differed"] / max(sums["routes_compared"], 1)
         metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
         return metrics
 
