@@ -24,9 +24,8 @@ from molt.config import Config, ConfigError, OutcomeEstimator
 
 def check_pairs(config: Config) -> None:
     """The bounds that tie one numeric field to another (each one's own: `molt._bounds`)."""
-    correction = config.algo.correction
     for flag in ("token_bounds", "seq_bounds"):
-        low, high = getattr(correction, flag)
+        low, high = getattr(config.algo.correction, flag)
         if not low < high:
             raise ConfigError(f"--algo.correction.{flag} is (low, high) with low < high, got ({low}, {high})")
     if config.eval.k > config.eval.n:

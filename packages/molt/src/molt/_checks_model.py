@@ -110,8 +110,7 @@ def _check_lora(config: Config, model_dir: str | Path, model_config: dict, heads
     lora, default = config.actor.lora, Config().actor.lora
     if not lora.rank:
         fields = ("alpha", "target_modules", "dropout")
-        changed = [name for name in fields if getattr(lora, name) != getattr(default, name)]
-        if changed:
+        if changed := [name for name in fields if getattr(lora, name) != getattr(default, name)]:
             raise ConfigError(
                 f"--actor.lora.{changed[0]} is set but --actor.lora.rank is 0 (LoRA off): pass a rank, or "
                 "drop it"

@@ -149,11 +149,10 @@ def export(
     from molt._checkpoint import export as export_checkpoint
 
     try:
-        written = export_checkpoint(checkpoint, out_dir, merged=merged)
+        typer.echo(f"wrote {export_checkpoint(checkpoint, out_dir, merged=merged)}")
     except ValueError as error:
         typer.echo(f"molt export: {error}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"wrote {written}")
 
 
 @app.command()
@@ -165,8 +164,7 @@ def plot(
     from molt._plot import plot_run
 
     try:
-        written = plot_run(run_dir, out)
+        typer.echo(f"wrote {plot_run(run_dir, out)}")
     except ValueError as error:
         typer.echo(f"molt plot: {error}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"wrote {written}")

@@ -66,9 +66,8 @@ def eval_rows(config: Config, agent_module) -> list[dict]:
     count = config.eval.num_prompts
     if config.eval.path:
         return _read_jsonl(config.eval.path, "--eval.path", config.data.messages_key, limit=count)
-    source = getattr(agent_module, "eval_dataset", None)
-    if source is not None:
-        return list(itertools.islice(source(config.data.seed), count))
+    if hasattr(agent_module, "eval_dataset"):
+        return list(itertools.islice(agent_module.eval_dataset(config.data.seed), count))
     if hasattr(agent_module, "dataset"):
         return list(itertools.islice(agent_module.dataset(config.data.seed + EVAL_SEED_OFFSET), count))
     raise ValueError(

@@ -140,10 +140,9 @@ def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
     remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)
     args, env = engine_extra_args(config, model_dir), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
     adapter = adapter_config(config.actor.lora) if config.actor.lora.rank else None
-    num_engines = 0 if config.vllm.urls else config.vllm.num_engines
     return [
         remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu, env, adapter)
-        for index in range(num_engines)
+        for index in range(0 if config.vllm.urls else config.vllm.num_engines)
     ]
 
 

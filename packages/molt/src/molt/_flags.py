@@ -111,8 +111,7 @@ def _split_args(args: Sequence[str]) -> tuple[str | None, dict[str, str]]:
         if name != "config" and name not in leaves():
             raise _unknown(name, f"flag --{name}")
         if not has_value:
-            takes_bare = name != "config" and leaves()[name].type is bool
-            if takes_bare and (not rest or rest[0].startswith("--")):
+            if name != "config" and leaves()[name].type is bool and (not rest or rest[0].startswith("--")):
                 value = "true"
             elif not rest:
                 raise ConfigError(f"--{name} needs a value")

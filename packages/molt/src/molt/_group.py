@@ -187,8 +187,7 @@ class PolicyGroup:
         reach rank 0 at the driver node's address."""
         args = (list(engine_urls), self.backend, version, self.master_addr)
         report = self._each("refit", *[args] * self.num_ranks)[0]
-        failed = report.pop("failed")
-        if failed:
+        if failed := report.pop("failed"):
             raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])
         return report
 

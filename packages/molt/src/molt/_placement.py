@@ -41,9 +41,8 @@ def gpus_needed(config: Config) -> int:
     """GPUs a separate layout takes: one per rank of the policy and of each extra group, TP x DP per
     engine it starts."""
     vllm = config.vllm
-    engines = 0 if vllm.urls else vllm.num_engines
-    groups = 1 + len(extra_groups(config))
-    return groups * config.actor.num_ranks + engines * vllm.tensor_parallel_size * vllm.data_parallel_size
+    engine_gpus = 0 if vllm.urls else vllm.num_engines * vllm.tensor_parallel_size * vllm.data_parallel_size
+    return (1 + len(extra_groups(config))) * config.actor.num_ranks + engine_gpus
 
 
 def _fits_one_gpu(config: Config) -> str:
@@ -59,12 +58,10 @@ def _fits_one_gpu(config: Config) -> str:
 def resolve_placement(config: Config, num_gpus: float) -> Config:
     """The config with `--vllm.placement auto` decided for a Ray with `num_gpus` GPUs; refuses a layout
     that does not fit them. Call on a CUDA machine only."""
-    placement, needed = config.vllm.placement, gpus_needed(config)
+    placement, needed, why = config.vllm.placement, gpus_needed(config), _fits_one_gpu(config)
     if placement == "auto":
-        placement = (
-            "shared" if needed > num_gpus and num_gpus >= 1 and not _fits_one_gpu(config) else "separate"
-        )
-    if placement == "shared" and (why := _fits_one_gpu(config)):
+        placement = "shared" if needed > num_gpus and num_gpus >= 1 and not why else "separate"
+    if placement == "shared" and why:
         raise ConfigError(
             f"--vllm.placement shared puts the engine and the actor on one GPU; {why}: lower it"
         )
@@ -126,8 +123,7 @@ def kv_bytes_per_token(model_config: dict, tp_size: int, dtype_bytes: int) -> in
 def sequences_in_flight(config: Config) -> int:
     """The most sequences the engines serve at once: every group the pool keeps in flight
     (--rollout.queue_depth), each of --rollout.group_size samples, and an evaluation's beside them."""
-    evaluation = config.eval
-    evaluated = evaluation.num_prompts * evaluation.n if evaluation.every else 0
+    evaluated = config.eval.num_prompts * config.eval.n if config.eval.every else 0
     return groups_in_flight(config) * config.rollout.group_size + evaluated
 
 
