@@ -158,11 +158,10 @@ def _start_ray(config: Config, clock: StartupClock) -> Config:
     progress("starting Ray")
     clock.begin("ray")
     quiet: dict[str, Any] = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
+    # --ray.num_cpus is none where --ray.address joins a cluster (`molt._checks.check_paths`)
+    ray.init(address=config.ray.address or "local", num_cpus=config.ray.num_cpus, **quiet)
     if config.ray.address:
-        ray.init(address=config.ray.address, **quiet)
         config = check_cluster_gpus(config)  # Ray would wait forever for GPUs the cluster does not have
-    else:
-        ray.init(address="local", num_cpus=config.ray.num_cpus, **quiet)
     clock.end("ray")
     return config
 
