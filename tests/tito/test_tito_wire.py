@@ -131,6 +131,29 @@ async def test_a_reply_that_breaks_off_or_stalls_raises_and_is_not_pooled():
     assert server.connections == 3
 
 
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"HTTP/1.1 OK\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: ten\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+    ],
+    ids=["no-status", "length-not-a-number", "negative-length"],
+)
+async def test_a_reply_head_that_is_not_http_is_a_broken_connection_and_is_not_pooled(head):
+    server = RawServer([head, head, reply(b"ok")])
+    async with server as url:
+        wire = Http1Wire(timeout=5.0)
+        with pytest.raises(ConnectionError, match="malformed reply head"):  # an engine's fault: OSError
+            await wire.request("GET", f"{url}/a")
+        with pytest.raises(ConnectionError, match="malformed reply head"):
+            async with wire.stream(f"{url}/generate", b"{}"):
+                pass
+        assert await wire.request("GET", f"{url}/c") == (200, b"ok")
+        await wire.aclose()
+    assert server.connections == 3
+
+
 async def test_a_stream_left_before_its_end_closes_its_connection():
     server = RawServer([chunked(b"data: 1\n\n", b"data: 2\n\n"), reply(b"after")])
     async with server as url:

@@ -133,6 +133,8 @@ async def _exchange(connection: _Connection, method: str, path: str, host_line: 
                 chunked = value.endswith(b"chunked")
             elif name == b"connection":
                 keep = value == b"keep-alive" or (keep and value != b"close")
+        if length is not None and length < 0:
+            raise ValueError(f"negative content-length {length}")
         return int(status), length, chunked, keep and (chunked or length is not None)
     except ValueError as error:
         raise ConnectionError(f"malformed reply head ({host_line.decode().strip()}): {error}") from error
