@@ -22,13 +22,15 @@ from molt.vllm_server import free_port
 @pytest.mark.parametrize("budget", [64, 512, 2048, 49152])
 def test_the_warm_up_rows_take_each_layout_at_two_sizes_within_the_budget(budget):
     batches = _warm_up_batches(1000, budget, trees=True)
-    assert len(batches) == 4 and len(_warm_up_batches(1000, budget, trees=False)) == 2
+    assert len(batches) == 6 and len(_warm_up_batches(1000, budget, trees=False)) == 4
     layouts = [SharedPrefixRows.of(batch.tokens_BT, batch.row_lengths) for batch in batches]
     assert all(max(batch.row_lengths) <= budget for batch in batches)
-    assert [layout.num_saved for layout in layouts[:2]] == [0, 0]  # rows of their own: packed end to end
+    assert [layout.num_saved for layout in layouts[:4]] == [0] * 4  # rows of their own, none shared
+    assert [len(set(batch.row_lengths)) > 1 for batch in batches[:4]] == [True, True, False, False]
     if min(budget, 1024) // 8 > MIN_SHARED_TOKENS:  # a prefix long enough to share
-        assert all(layout.num_saved > 0 for layout in layouts[2:])
-    for first, second in (batches[0:2], batches[2:4]):  # the second size differs in every dimension
+        assert all(layout.num_saved > 0 for layout in layouts[4:])
+    # packed, [B, T] (rows of one length) and trees: the second size differs in every dimension
+    for first, second in (batches[0:2], batches[2:4], batches[4:6]):
         assert first.num_rows != second.num_rows
         assert max(first.row_lengths) != max(second.row_lengths)
         packed = [-(-sum(batch.row_lengths) // 256) for batch in (first, second)]  # CUDA's rounding
@@ -51,7 +53,10 @@ def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(
         ],
         pad_id=0,
     )
-    results = []
+    # later: graphs built after the first step by a pass over rows of one length, at a size not seen. (Packed
+    # rows of a new count recompile on the CPU alone: its per-row attention loops in Python, where CUDA's
+    # varlen kernel takes the row bounds as a tensor; the GPU tests count those.)
+    results, later = [], []
     for compiled in ("off", "on"):  # --actor.compile on is refused on a CPU run; the worker takes it here
         actor = Actor(lr=1e-2, micro_batch_tokens=256, compile=compiled, shared_prefix="off")
         config = msgspec.structs.replace(Config(), actor=actor, rollout=Rollout(temperature=0.7))
@@ -66,12 +71,16 @@ def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(
             results.append(
                 (built, counts, left, loaded, worker.scheduler.last_epoch, worker.train_step(batch))
             )
+            after_step = compiled_graphs()  # rows of one length, a size no pass ran: a [B, T] batch
+            worker.logprobs(collate([([1, *range(3, 9)], [0] + [1] * 6, [0.0] * 7, 0.0)] * 4, pad_id=0))
+            later.append(compiled_graphs() - after_step)
         finally:
             torch.distributed.destroy_process_group()
             torch._dynamo.reset()
     (eager_built, _, eager_left, eager_loaded, eager_epoch, eager_metrics), compiled = results
     built, counts, left, loaded, epoch, metrics = compiled
     assert eager_built == 0 and built > 0  # the graphs exist before the first step
+    assert later == [0, 0]  # and serve later sizes: no recompile in a later step
     assert counts["tokens"] == counts["slots"] == counts["compiles"] == 0  # the warm-up is no step's work
     assert left == eager_left == (0, 0) and epoch == eager_epoch  # no optimizer state, gradient or step
     for name, value in eager_loaded.items():

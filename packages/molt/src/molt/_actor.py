@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 
 
 def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> list[TrainBatch]:
-    """`PolicyWorker._warm_up`'s rows: rows of their own (packed end to end) and, with `trees`, rows that
-    begin alike (shared-prefix trees, `molt._prefix`), each at two sizes whose packed lengths, row counts
-    and longest rows all differ; seeded random tokens, every row within the micro-batch budget. Advantages
-    0: the loss, and so every gradient, is 0."""
+    """`PolicyWorker._warm_up`'s rows: rows of their own (packed end to end), rows of one length (a [B, T]
+    batch) and, with `trees`, rows that begin alike (shared-prefix trees, `molt._prefix`), each at two
+    sizes whose packed lengths, row counts and longest rows all differ; seeded random tokens, every row
+    within the micro-batch budget. Advantages 0: the loss, and so every gradient, is 0."""
     gen, cap = torch.Generator().manual_seed(0), min(budget, 1024)
 
     def batch(rows: list[list[int]]) -> TrainBatch:
@@ -48,7 +48,8 @@ def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> list[Train
         return [[b, *row] for b, row in enumerate(draw)]
 
     sizes = [(cap // 8, cap // 4, cap // 6), (cap // 2, cap // 3, cap // 5, cap // 7)]
-    batches = [batch(rows(*lengths)) for lengths in sizes]
+    # rows of one length run unpacked, as a [B, T] batch (`ModelRank._layout`): two sizes of those too
+    batches = [batch(rows(*lengths)) for lengths in [*sizes, (cap // 4,) * 2, (cap // 3,) * 3]]
     if trees:  # the same rows after a prefix they share, of 1/8 and then 1/4 of the cap
         for prefix, lengths in zip((cap // 8, cap // 4), sizes, strict=True):
             shared = rows(prefix)[0]
