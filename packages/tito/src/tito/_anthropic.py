@@ -137,9 +137,8 @@ async def messages(tito: Tito, session: Session, body: MessagesRequest, request:
     turn = ChatTurn(tito, session, request, body, chat_messages, tools, asked)
     if body.stream:
         return await stream(turn, stream_events(turn, tito.model_name), error_event)
-    parsed = await whole(turn, ParsedReply.message)
-    reason = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, parsed)
-    return message_reply(tito.model_name, parsed, reason, turn.counts)
+    await whole(turn, ParsedReply.message)
+    return message_reply(tito.model_name, turn)
 
 
 def to_messages(request: MessagesRequest) -> tuple[list[dict], list[dict] | None]:
@@ -198,12 +197,12 @@ def image_url_part(block: dict) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def stop_reason(engine_reason: str | None, stop: str | None, parsed: ParsedReply) -> tuple[str, str | None]:
-    if isinstance(stop, str):
-        return "stop_sequence", stop
-    if parsed.tool_calls and engine_reason != "length":
-        return "tool_use", None
-    return ("max_tokens" if engine_reason == "length" else "end_turn"), None  # an aborted reply ends too
+def stop_reason(turn: ChatTurn) -> dict:
+    """The reply's `stop_reason` and `stop_sequence`."""
+    if turn.generation.stop_reason is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": turn.generation.stop_reason}
+    reason = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}[turn.finish]
+    return {"stop_reason": reason, "stop_sequence": None}
 
 
 def content_blocks(parsed: ParsedReply) -> list[dict]:
@@ -214,25 +213,23 @@ def content_blocks(parsed: ParsedReply) -> list[dict]:
     ]
 
 
-def message_reply(
-    model: str, parsed: ParsedReply, reason: tuple[str, str | None], counts: tuple[int, int]
-) -> dict:
+def message_reply(model: str, turn: ChatTurn) -> dict:
+    num_input, num_output = turn.counts
     return {
         "id": "msg_" + secrets.token_hex(12),
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": content_blocks(parsed),
-        "stop_reason": reason[0],
-        "stop_sequence": reason[1],
-        "usage": {"input_tokens": counts[0], "output_tokens": counts[1]},
+        "content": content_blocks(turn.parsed),
+        **stop_reason(turn),
+        "usage": {"input_tokens": num_input, "output_tokens": num_output},
     }
 
 
 async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
     """The events of one streamed turn; the turn is committed after the last was sent."""
-    message = message_reply(model, turn.parsed, ("end_turn", None), (turn.counts[0], 0))
-    yield sse("message_start", message={**message, "content": [], "stop_reason": None})
+    message = {**message_reply(model, turn), "content": [], "stop_reason": None}  # nothing sampled yet
+    yield sse("message_start", message=message)
     index = 0  # the text block, if any, is block 0; tool_use blocks follow
     async for delta in turn.deltas():
         if index == 0:
@@ -247,9 +244,7 @@ async def stream_events(turn: ChatTurn, model: str) -> AsyncIterator[str]:
         yield sse("content_block_delta", index=index, delta=partial)
         yield sse("content_block_stop", index=index)
         index += 1
-    reason, sequence = stop_reason(turn.generation.finish_reason, turn.generation.stop_reason, turn.parsed)
-    stop = {"stop_reason": reason, "stop_sequence": sequence}
-    yield sse("message_delta", delta=stop, usage={"output_tokens": turn.counts[1]})
+    yield sse("message_delta", delta=stop_reason(turn), usage={"output_tokens": turn.counts[1]})
     yield sse("message_stop")
     turn.commit(turn.parsed.message())
 

@@ -180,12 +180,6 @@ def reply_message(parsed: ParsedReply) -> dict:
     return message
 
 
-def finish_reason(engine_reason: str | None, parsed: ParsedReply) -> str:
-    if parsed.tool_calls and engine_reason != "length":
-        return "tool_calls"
-    return "length" if engine_reason == "length" else "stop"  # an aborted reply ends too
-
-
 def usage(num_prompt: int, num_completion: int) -> dict:
     return {
         "prompt_tokens": num_prompt,
@@ -205,7 +199,7 @@ def chat_completion(request_id: str, model: str, turn: ChatTurn) -> Response:
             {
                 "index": 0,
                 "message": reply_message(turn.parsed),
-                "finish_reason": finish_reason(turn.generation.finish_reason, turn.parsed),
+                "finish_reason": turn.finish,
                 "logprobs": None,
             }
         ],
@@ -237,7 +231,7 @@ async def stream_events(
         yield chat_chunk(request_id, model, {"content": delta})
     for index, call in enumerate(reply_message(turn.parsed).get("tool_calls", ())):
         yield chat_chunk(request_id, model, {"tool_calls": [{"index": index, **call}]})
-    yield chat_chunk(request_id, model, {}, finish_reason(turn.generation.finish_reason, turn.parsed))
+    yield chat_chunk(request_id, model, {}, turn.finish)
     if include_usage:
         yield chat_chunk(request_id, model, None, usage=usage(*turn.counts))
     yield "data: [DONE]\n\n"

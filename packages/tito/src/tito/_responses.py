@@ -118,10 +118,10 @@ async def create_response(tito: Tito, session: Session, body: ResponsesRequest, 
     if body.stream:
         events = stream_events(turn, body, response_id, tito.model_name, remember)
         return await stream(turn, events, error_event)
-    parsed = await whole(turn, ParsedReply.message)
+    await whole(turn, ParsedReply.message)
     if turn.committed:
-        remember(parsed)
-    items = output_items(parsed, "msg_" + secrets.token_hex(12))
+        remember(turn.parsed)
+    items = output_items(turn.parsed, "msg_" + secrets.token_hex(12))
     reply = response_body(body, response_id, tito.model_name, items, turn)
     return Response(msgspec.json.encode(reply), media_type="application/json")
 
@@ -227,7 +227,7 @@ def response_body(
     """The Response object of `turn` once it has ended (None: still in progress)."""
     status, usage = "in_progress", None
     if turn is not None:
-        status = "incomplete" if turn.generation.finish_reason == "length" else "completed"
+        status = "incomplete" if turn.finish == "length" else "completed"
         num_input, num_output = turn.counts
         usage = {
             "input_tokens": num_input,

@@ -20,7 +20,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from ._chat import ParsedReply
 from ._engines import EngineUnavailable, ExpansionMismatch
 from ._protocol import ChatBody, ProtocolError
 from ._service import Session, Tito
@@ -61,15 +60,15 @@ def session_of(tito: Tito, session_id: str) -> Session:
     return session
 
 
-async def whole(turn: ChatTurn, reply_message) -> ParsedReply:
-    """A turn answered in one body. It is committed only if the client is still there to receive it."""
+async def whole(turn: ChatTurn, reply_message) -> None:
+    """A turn answered in one body (`turn.parsed`). It is committed only if the client is still there to
+    receive it."""
     async with turn.session.lock:
         await turn.start(stream=False)
         async for _ in turn.deltas():  # `parsed` holds the whole reply once this ends
             pass
         if not _disconnected(turn.request.receive):
             turn.commit(reply_message(turn.parsed))
-    return turn.parsed
 
 
 def _disconnected(receive) -> bool:

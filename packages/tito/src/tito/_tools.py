@@ -14,6 +14,7 @@ is kept as text and counted (`ParsedReply.failures`), never dropped without a tr
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 from ._chat import ParsedReply, new_call, parse_arguments, parse_reply
@@ -95,11 +96,8 @@ class ToolCalls:
         return ParsedReply((found.content or "").strip(), good, 0)
 
     def _decode_keeping_markers(self, token_ids: list[int]) -> str:
-        pieces, start = [], 0
-        for index, token_id in enumerate(token_ids):
-            if token_id in self._kept:
-                pieces += [self.tokenizer.decode(token_ids[start:index], skip_special_tokens=True)]
-                pieces += [self._kept[token_id]]
-                start = index + 1
-        pieces.append(self.tokenizer.decode(token_ids[start:], skip_special_tokens=True))
-        return "".join(pieces)
+        text = ""
+        for marker, run in itertools.groupby(token_ids, key=self._kept.get):  # None: a run of other tokens
+            ids = list(run)
+            text += marker * len(ids) if marker else self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text

@@ -137,3 +137,11 @@ class ChatTurn:
     @property
     def counts(self) -> tuple[int, int]:
         return len(self.prompt.token_ids), len(self.generation.token_ids)
+
+    @property
+    def finish(self) -> str:
+        """How the reply ended, in the chat-completions words: "length" (cut at max_tokens), "tool_calls",
+        or "stop" (an aborted reply ends too)."""
+        if self.generation.finish_reason == "length":
+            return "length"
+        return "tool_calls" if self.parsed.tool_calls else "stop"
