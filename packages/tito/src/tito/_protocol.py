@@ -201,10 +201,8 @@ def structured_outputs(
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
     """OpenAI's logit_bias (token id strings to -100..100) for vLLM, each id checked against the vocab."""
-    if not bias:
-        return None
     out = {}
-    for key, value in bias.items():
+    for key, value in (bias or {}).items():
         if not (str(key).isdigit() and int(key) < vocab_size and -100 <= value <= 100):
             raise ProtocolError(
                 400,
@@ -212,4 +210,4 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
                 param="logit_bias",
             )
         out[int(key)] = float(value)
-    return out
+    return out or None

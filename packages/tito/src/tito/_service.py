@@ -107,9 +107,7 @@ class Tito:
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
         self.vocab_size = len(self.tokenizer)
         self.tool_calls = ToolCalls(self.tokenizer)  # the template's tool-call family and its parser
-        self.router = Router(
-            list(engines), timeout=request_timeout, transport=engine_transport, model=engine_model
-        )
+        self.router = Router(engines, timeout=request_timeout, transport=engine_transport, model=engine_model)
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
         self.fixed_sampling = dict(fixed_sampling or {})
@@ -166,13 +164,6 @@ class Tito:
         while True:
             await asyncio.sleep(min(self.idle_timeout / 4, 30.0))
             self.expire_idle()
-
-    async def ready(self) -> bool:
-        """Whether at least one engine answers (what `/health` reports)."""
-        for engine in self.router.engines:
-            if await engine.healthy():
-                return True
-        return False
 
     async def sampling(self, session: Session, num_prompt_tokens: int, **params) -> dict:
         """vLLM sampling parameters for one turn; `max_tokens` defaults to the room left in the context."""
