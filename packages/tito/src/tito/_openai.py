@@ -188,37 +188,30 @@ def usage(num_prompt: int, num_completion: int) -> dict:
     }
 
 
-def chat_completion(request_id: str, model: str, turn: ChatTurn) -> Response:
-    """The reply, encoded here: FastAPI's own encoding of a returned dict walks every value first."""
-    body = {
+def chat_body(request_id: str, model: str, kind: str, choices: list[dict], **extra) -> dict:
+    """A chat completion (`kind` "chat.completion") or a chunk of a streamed one ("chat.completion.chunk")."""
+    return {
         "id": request_id,
-        "object": "chat.completion",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": reply_message(turn.parsed),
-                "finish_reason": turn.finish,
-                "logprobs": None,
-            }
-        ],
-        "usage": usage(*turn.counts),
+        "choices": choices,
+        **extra,
     }
+
+
+def chat_completion(request_id: str, model: str, turn: ChatTurn) -> Response:
+    """The reply, encoded here: FastAPI's own encoding of a returned dict walks every value first."""
+    message = reply_message(turn.parsed)
+    choice = {"index": 0, "message": message, "finish_reason": turn.finish, "logprobs": None}
+    body = chat_body(request_id, model, "chat.completion", [choice], usage=usage(*turn.counts))
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
 def chat_chunk(request_id: str, model: str, delta: dict | None, finish: str | None = None, **extra) -> str:
     """One SSE event of a streamed completion (choices empty when only usage is sent)."""
     choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-    body = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        **extra,
-    }
+    body = chat_body(request_id, model, "chat.completion.chunk", choices, **extra)
     return f"data: {msgspec.json.encode(body).decode()}\n\n"
 
 
