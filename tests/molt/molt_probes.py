@@ -36,7 +36,7 @@ from molt._metrics import evaluate
 from molt._objective import step_loss
 from molt._placement import compiles, extra_groups
 from molt._restarts import EngineRestarts
-from molt._rollout import Rollout, RolloutRunner
+from molt._rollout import Rollout, RolloutRunner, sampling
 from molt._runners import launch_hosts
 from molt._sharding import compute_dtype, distributed_settings
 from molt.agent import load_agent
@@ -209,7 +209,11 @@ def episode(config: Config, where: Path) -> dict:
     """One rollout of the first row through real tito and an in-process agent host: what the engine was
     asked (prompt tokens, sampling), and how the rollout ended."""
     engine = FakeEngine()
-    tito = Tito(["http://engine"], config.model.path, engine_transport=httpx.MockTransport(engine))
+    transport = httpx.MockTransport(engine)
+    # the run's fixed sampling, as `molt train` gives its tito (`RolloutRunner` asks for none of its own)
+    tito = Tito(
+        ["http://engine"], config.model.path, engine_transport=transport, fixed_sampling=sampling(config)
+    )
     (host,), _ = launch_hosts(config.agent.module, 0)
     runner = RolloutRunner(tito, config, [host])
     row = next(read_rows(config, load_agent(config.agent.module)))

@@ -58,7 +58,8 @@ class Rollout:
 
 
 def sampling(config: Config) -> dict[str, Any]:
-    """How every turn samples (`--rollout.*`): as the trainer assumes, whatever an SDK agent asks."""
+    """How every turn samples (`--rollout.*`): as the trainer assumes, whatever an agent asks. tito fixes
+    it (`Tito(fixed_sampling=...)`) for an Env's turns and a ChatAgent's alike."""
     rollout = config.rollout
     return {"max_tokens": rollout.max_new_tokens, "temperature": rollout.temperature, "top_p": rollout.top_p}
 
@@ -70,8 +71,9 @@ def _as_messages(observation) -> list[dict]:
 class RolloutRunner:
     """The pool's rollout callable: `await runner(row, index) -> Rollout`.
 
-    `hosts`: where the agents run (`molt._runners`). `chat_url`, `api_key`: tito's HTTP address for
-    ChatAgent episodes (tito served on this event loop); not needed for an Env.
+    `tito`: the run's, which fixes every turn's sampling (`sampling`). `hosts`: where the agents run
+    (`molt._runners`). `chat_url`, `api_key`: tito's HTTP address for ChatAgent episodes (tito served on
+    this event loop); not needed for an Env.
     """
 
     def __init__(
@@ -90,7 +92,6 @@ class RolloutRunner:
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
         self.renderer = tito.renderer
-        self.sampling = sampling(config)
         # logged as agent/<kind>; engine_unavailable: rollouts lost because their engine stopped answering
         self.failures = {"raised": 0, "timed_out": 0, "nonfinite_reward": 0, "engine_unavailable": 0}
 
@@ -155,9 +156,8 @@ class RolloutRunner:
             for turn in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
                 prompt = self._prompt(session, messages, tools, observation)
-                seed = self._seed(row, index, turn)
                 generation = await self.tito.generate(
-                    session, prompt.token_ids, images=prompt.images, **self.sampling, seed=seed
+                    session, prompt.token_ids, images=prompt.images, seed=self._seed(row, index, turn)
                 )
                 sampled += generation.token_ids
                 truncated = generation.finish_reason == "length"
