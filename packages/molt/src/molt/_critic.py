@@ -27,7 +27,7 @@ import torch
 from molt._batch import StepInputs, TrainBatch
 from molt._group import PolicyGroup
 from molt._rank import ModelRank
-from molt._sharding import distributed_setup, replicas
+from molt._sharding import distributed_setup
 from molt.config import Config
 from rlestimators import masked_sum, value_loss
 
@@ -101,8 +101,8 @@ class CriticWorker(ModelRank):
         """One optimizer step of the clipped value loss over this rank's rows (`inputs.old_values_BT`
         and `inputs.returns_BT`); global metrics."""
         sums = self._micro_batch_sums(batch, self._value_loss, inputs)
-        counted = batch.num_tokens * replicas(self.config)  # as the policy's (`PolicyWorker.train_step`)
-        metrics = {name: value / counted for name, value in sums.items()}
+        # over the step's tokens, as the policy's; each rank holds rows of its own (data parallel only)
+        metrics = {name: value / batch.num_tokens for name, value in sums.items()}
         metrics["critic/grad_norm"], metrics["critic/lr"] = self._optimizer_step()
         return metrics
 
