@@ -149,7 +149,7 @@ class RolloutRunner:
     async def _env_episode(self, host, row: dict, index: int) -> Rollout:
         session = self.tito.new_session()
         tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
-        reward, sampled, info, truncated, ended = 0.0, [], {}, False, False
+        reward, sampled, info, ended = 0.0, [], {}, False
         try:
             observation = await host.reset(session.id, row)
             messages: list[dict] = []
@@ -160,7 +160,6 @@ class RolloutRunner:
                     session, prompt.token_ids, images=prompt.images, seed=self._seed(row, index, turn)
                 )
                 sampled += generation.token_ids
-                truncated = generation.finish_reason == "length"
                 text = self.tito.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                 reply = {"role": "assistant", "content": text}
                 closing = self.renderer.closing_ids(generation.token_ids)
@@ -176,7 +175,8 @@ class RolloutRunner:
             trajectory = self.tito.end_session(session.id)
             if not ended:  # the host forgets an ended episode itself (`AgentHost.step`)
                 await host.close(session.id)
-        return Rollout(trajectory.segments, reward, sampled, truncated, info)
+        # truncated: the last turn was cut at the token limit, as for a ChatAgent
+        return Rollout(trajectory.segments, reward, sampled, session.finish_reason == "length", info)
 
     def _prompt(self, session, messages: list[dict], tools, observation) -> Prompt:
         """The chat template is applied exactly once: here by default, or already in the data
