@@ -131,9 +131,9 @@ class RolloutRunner:
         try:
             result: Result = await host.run(ctx, row)
         finally:
-            replies = session.capture.replies
             trajectory = self.tito.end_session(session.id)
-        sampled = [token for reply in replies for token in reply]
+        # tito's reply log, read with no await since the trajectory was taken: no turn came between
+        sampled = [token for reply in session.capture.replies for token in reply]
         truncated = session.finish_reason == "length"
         # Tool calls the model wrote that did not parse: rollout/tool_parse_failed, never silently lost.
         info = {"tool_parse_failed": trajectory.tool_parse_failures, **result.info}
