@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 
-from molt._bounds import check_bounds, field_value
+from molt._bounds import check_bounds, field_value, leaves
 from molt._checks import check_agent, check_algorithm, check_pairs, check_paths, loss_denominator, on_policy
 from molt._checks_model import check_companions, check_model, why_not_packed
 from molt._placement import compiles, compute_dtype_name, engine_memory_utilization, resolve_placement
@@ -87,8 +87,7 @@ def _check_machine(config: Config) -> None:
             "ranks (each would train the whole row, scaling its gradient by cp_size; AutoModel splits them "
             "only with Transformer Engine attention); pass --fsdp.cp_size 1"
         )
-    default = Config()
-    changed = [path for path in _CUDA_ONLY if field_value(config, path) != field_value(default, path)]
+    changed = [path for path in _CUDA_ONLY if field_value(config, path) != leaves()[path].default]
     engine_flag = next((path for path in changed if path.startswith("vllm.")), None)
     if config.vllm.urls and engine_flag:  # attached engines were started with their own flags
         raise ConfigError(
