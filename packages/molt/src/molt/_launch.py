@@ -56,6 +56,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
     torch.manual_seed(config.train.seed)
     random.seed(config.train.seed)
     checkpoint, state = latest(config.ckpt.dir) if resume else (None, None)
+    first_step = state.step + 1 if state else 1  # the step after the checkpoint's
     with contextlib.ExitStack() as cleanup:
         cleanup.enter_context(quiet_console(run_dir / "molt.log", verbose=config.logger.verbose))
         allow_bytecode()  # before any process starts: they all inherit it
@@ -95,14 +96,12 @@ def launch(config: Config, *, resume: bool = False) -> None:
         )
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
         clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
-        first_step = 1
         if checkpoint is not None:
             policy.load(checkpoint)
             if groups.get("critic"):
                 groups["critic"].load(checkpoint)
             assert state is not None  # saved with its checkpoint
             restore_rng(state)
-            first_step = state.step + 1
             progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
         urls = attached or ray.get(engine_urls)
         if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
