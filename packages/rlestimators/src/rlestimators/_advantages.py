@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from rlestimators._checks import check_bt, check_floating, check_groups
+from rlestimators._checks import check_bt, check_groups
 
 EstimatorName = Literal["reinforce", "rloo", "grpo", "dr_grpo", "reinforce_pp", "maxrl"]
 """The names in `ESTIMATORS`; a config field of this type selects one (a test checks the two agree)."""
@@ -141,7 +141,6 @@ def gae(
     0 on non-trainable tokens, without gradient.
     """
     check_bt("mask", mask, token_rewards=token_rewards, values=values)
-    check_floating(token_rewards=token_rewards, values=values)
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
     dtype = torch.promote_types(torch.promote_types(token_rewards.dtype, values.dtype), torch.float32)
@@ -173,5 +172,4 @@ def opd(student_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tens
     per-token reverse KL. 0 on non-trainable tokens, without gradient. [B, T].
     """
     check_bt("mask", mask, student_logp=student_logp, teacher_logp=teacher_logp)
-    check_floating(student_logp=student_logp, teacher_logp=teacher_logp)
     return torch.where(mask != 0, teacher_logp.detach() - student_logp.detach(), 0.0)

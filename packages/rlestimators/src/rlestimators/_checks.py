@@ -10,8 +10,9 @@ Legend: B sequences, T tokens.
 import torch
 
 
-def check_bt(ref_name: str, ref_BT: torch.Tensor, **others: torch.Tensor) -> None:
-    """Require `ref_BT` to be a non-empty [B, T] tensor and every tensor in `others` to have its shape."""
+def check_bt(ref_name: str, ref_BT: torch.Tensor, *, floating: bool = True, **others: torch.Tensor) -> None:
+    """Require `ref_BT` to be a non-empty [B, T] tensor and every tensor in `others` to have its shape and,
+    unless `floating` is False, a floating dtype (`check_floating`, once every shape has passed)."""
     if ref_BT.dim() != 2:
         raise ValueError(f"{ref_name} must be [B, T] (2-D), got shape {tuple(ref_BT.shape)}")
     if ref_BT.numel() == 0:
@@ -22,6 +23,8 @@ def check_bt(ref_name: str, ref_BT: torch.Tensor, **others: torch.Tensor) -> Non
                 f"{name} has shape {tuple(tensor.shape)} but {ref_name} has {tuple(ref_BT.shape)}; "
                 "they must match"
             )
+    if floating:
+        check_floating(**others)
 
 
 def check_floating(**tensors: torch.Tensor) -> None:

@@ -14,8 +14,8 @@ from typing import Literal, get_args
 
 import torch
 
-from rlestimators._checks import check_bt, check_choice, check_floating
-from rlestimators._losses import masked_means
+from rlestimators._checks import check_bt, check_choice
+from rlestimators._losses import masked_means, seq_ratios
 
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
 
@@ -52,7 +52,6 @@ def rollout_correction(
     `token_cap`).
     """
     check_bt("mask", mask, old_logp=old_logp, rollout_logp=rollout_logp)
-    check_floating(old_logp=old_logp, rollout_logp=rollout_logp)
     check_choice("rollout correction mode", mode, get_args(CorrectionMode))
     if not token_cap > 0:
         raise ValueError(f"token_cap must be > 0, got {token_cap}")
@@ -75,8 +74,7 @@ def rollout_correction(
         capped_BT = ratio_BT > token_cap
         weights_BT = ratio_BT.clamp(max=token_cap)
         if mode == "seq-mask-tis":
-            num_tokens_B = trainable_BT.sum(dim=-1).clamp(min=1)
-            seq_ratio_B = (log_ratio_BT.sum(dim=-1) / num_tokens_B).exp()
+            seq_ratio_B = seq_ratios(log_ratio_BT, trainable_BT)
             keep_B = (seq_ratio_B >= seq_bounds[0]) & (seq_ratio_B <= seq_bounds[1])
             # A sequence without trainable tokens has nothing to correct: keep it (its ratio is exactly 1).
             keep_B |= ~trainable_BT.any(dim=-1)

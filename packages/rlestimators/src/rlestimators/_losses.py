@@ -29,7 +29,7 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     Use it for the KL and entropy terms; divide it, like `policy_loss`'s sum, by the window's trainable-token
     count. `torch.where` (not a product) keeps a non-finite value on a padded token out of the sum.
     """
-    check_bt("mask", mask, values=values)
+    check_bt("mask", mask, floating=False, values=values)
     return torch.where(mask != 0, values, 0.0).sum()
 
 
@@ -41,6 +41,12 @@ def masked_means(trainable_BT: torch.Tensor, **values_BT: torch.Tensor) -> dict[
     num_trainable = trainable_BT.sum().clamp(min=1)
     sums = [torch.where(trainable_BT, v.detach().float(), 0.0).sum() for v in values_BT.values()]
     return dict(zip(values_BT, (torch.stack(sums) / num_trainable).tolist(), strict=True))
+
+
+def seq_ratios(log_ratio_BT: torch.Tensor, trainable_BT: torch.Tensor) -> torch.Tensor:
+    """Each sequence's ratio [B]: exp of the mean log ratio over its trainable tokens (the geometric mean of
+    their ratios; exactly 1 for a sequence without any). GSPO's s_i and the seq-mask-tis correction's test."""
+    return (log_ratio_BT.sum(dim=-1) / trainable_BT.sum(dim=-1).clamp(min=1)).exp()
 
 
 def _clipped_surrogate(ratio_BT, adv_BT, clip_low: float, clip_high: float, dual_clip: float | None):
@@ -69,11 +75,9 @@ def _gspo_ratio(logp_BT, log_ratio_BT, trainable_BT):
     advantage per sequence, the token sum of the clipped loss is |y_i| times GSPO's sequence loss, in value
     and in gradient: this is how the sequence term is spread over tokens for the global token mean.
     """
-    num_tokens_B = trainable_BT.sum(dim=-1).clamp(min=1)
-    seq_ratio_B = (log_ratio_BT.detach().sum(dim=-1) / num_tokens_B).exp()
     # where, not a product: a -inf logp on a padded token must not reach the gradient as NaN.
     token_term_BT = torch.where(trainable_BT, logp_BT - logp_BT.detach(), 0.0)
-    return seq_ratio_B[:, None] * token_term_BT.exp()
+    return seq_ratios(log_ratio_BT.detach(), trainable_BT)[:, None] * token_term_BT.exp()
 
 
 def policy_loss(
@@ -112,14 +116,13 @@ def policy_loss(
     KL(old || new)). Returns `(loss_sum, metrics)`.
     """
     check_bt("mask", mask, logp=logp, old_logp=old_logp)
-    check_floating(logp=logp, old_logp=old_logp, advantages=advantages)
+    check_floating(advantages=advantages)
     if advantages.shape not in (mask.shape, mask.shape[:1]):
         raise ValueError(
             f"advantages must be [B] or [B, T] = {tuple(mask.shape)}, got shape {tuple(advantages.shape)}"
         )
     if weights is not None:
         check_bt("mask", mask, weights=weights)
-        check_floating(weights=weights)
     check_choice("policy loss kind", kind, get_args(PolicyLossKind))
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip_low and clip_high must be >= 0, got {clip_low} and {clip_high}")
@@ -188,7 +191,7 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor
     Returns [B, T] with gradient through `logp` only; reduce it with `masked_sum`.
     """
     check_bt("logp", logp, ref_logp=ref_logp)
-    check_floating(logp=logp, ref_logp=ref_logp)
+    check_floating(logp=logp)
     check_choice("kl kind", kind, get_args(KLKind))
     log_r_BT = ref_logp.detach().float() - logp.float()
     if kind == "k1":
@@ -214,7 +217,6 @@ def value_loss(
     branch is active), `value_mse` (mean (V - R)^2). Gradient reaches `values` only.
     """
     check_bt("mask", mask, values=values, old_values=old_values, returns=returns)
-    check_floating(values=values, old_values=old_values, returns=returns)
     if not clip > 0:
         raise ValueError(f"clip must be > 0 (float('inf') disables clipping), got {clip}")
     trainable_BT = mask != 0
