@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 
+import refit
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs
 from molt._objective import step_loss
 from molt._placement import compiles
@@ -28,9 +28,6 @@ from molt._rank import ModelRank
 from molt._sharding import adapter_config, compute_dtype, load_model, replicas
 from molt.config import Config
 from rlestimators import entropy_from_logits
-
-if TYPE_CHECKING:
-    from refit import RoutingReplay
 
 
 def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> list[TrainBatch]:
@@ -80,9 +77,7 @@ class PolicyWorker(ModelRank):
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.replay = None
         if trainable and config.train.routing_replay:  # tokens go to the engine's experts
-            from refit import RoutingReplay
-
-            self.replay = RoutingReplay(self.model)
+            self.replay = refit.RoutingReplay(self.model)
         if compiles(config, on_gpu=self.device.type == "cuda"):
             self._warm_up()
 
@@ -127,7 +122,7 @@ class PolicyWorker(ModelRank):
         return logp_BT, torch.nn.functional.pad(entropy_next_BT[:, :-1], (1, 0))
 
     @contextlib.contextmanager
-    def _routes(self, mb: TrainBatch) -> Iterator[RoutingReplay | None]:
+    def _routes(self, mb: TrainBatch) -> Iterator[refit.RoutingReplay | None]:
         """`--train.routing_replay`: within the block, the policy's routers send each token of `mb` to
         the experts the engine used (`mb.experts_BTLK`, -1: the router's own choice). The block spans
         the backward too, which recomputes the forward under activation checkpointing."""
@@ -214,8 +209,6 @@ class PolicyWorker(ModelRank):
     def refit(self, engine_urls: list[str], backend: str, version: int, trainer_host: str) -> dict | None:
         """Send the current weights to the engines (call on every rank). Rank 0 returns the phase
         seconds and, under "failed", each engine that failed and why (it is forgotten here)."""
-        import refit
-
         for url in engine_urls:
             if url not in self.engines:
                 self.engines[url] = refit.Engine(url, backend=backend, trainer_host=trainer_host)
@@ -240,8 +233,6 @@ class PolicyWorker(ModelRank):
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """Full (gathered) parameters on rank 0 (None elsewhere); call on every rank."""
-        import refit
-
         params = refit.full_params(self.model)  # gathers are collectives: every rank iterates
         state = {name: tensor.detach().to("cpu", copy=True) for name, tensor in params if self.rank == 0}
         return state if self.rank == 0 else None
