@@ -164,9 +164,9 @@ def test_freezing_the_moe_router_freezes_every_gate_and_refuses_a_dense_model(ti
                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                             num_experts=4, num_experts_per_tok=2)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
-    assert freeze_moe_routers(model) == 2
+    freeze_moe_routers(model)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    assert frozen and all(".mlp.gate." in name for name in frozen)
+    assert {name.split(".mlp.gate.")[0] for name in frozen} == {"model.layers.0", "model.layers.1"}
     assert any(".mlp.experts." in name for name, p in model.named_parameters() if p.requires_grad)
     with pytest.raises(ValueError, match="no router"):
         freeze_moe_routers(AutoModelForCausalLM.from_pretrained(tiny_model_dir))

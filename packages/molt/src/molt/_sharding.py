@@ -176,16 +176,15 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
         fully_shard(module, mesh=mesh, **policies)
 
 
-def freeze_moe_routers(model: torch.nn.Module) -> int:
+def freeze_moe_routers(model: torch.nn.Module) -> None:
     """--actor.freeze_moe_router: no router (MoE gate) weight trains, so the experts a token is sent to
-    move only through the rest of the model (the coarser alternative to routing replay). Returns the
-    number of routers; a dense model is refused."""
+    move only through the rest of the model (the coarser alternative to routing replay). A dense model
+    is refused."""
     import refit
 
-    routers = refit.RoutingReplay(model).routers  # transformers *TopKRouter or AutoModel Gate; raises if none
-    for router in routers:
+    # transformers *TopKRouter or AutoModel Gate; RoutingReplay raises if there is none
+    for router in refit.RoutingReplay(model).routers:
         router.requires_grad_(False)
-    return len(routers)
 
 
 def params_by_mesh(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
