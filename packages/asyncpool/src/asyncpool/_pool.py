@@ -308,8 +308,7 @@ class GroupPool[P, S: _Versioned]:
 
     def _fill(self) -> None:
         while self._state == "open" and not self._pauses and self._admits():
-            item = self._next_prompt()
-            if item is None:
+            if (item := self._next_prompt()) is None:
                 return
             index, prompt = item
             task = asyncio.create_task(self._run_group(index, prompt), name=f"asyncpool-group-{index}")

@@ -170,8 +170,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 self.pending_adapter = _lora_model(self.adapters, adapter, info.lora)
         finally:  # after an error the rest of the stream still arrives: take it before rolling back
             incoming.drain()
-            self.last_timings["recv_s"] = time.perf_counter() - began
-            self.last_timings["verify_s"] = incoming.verify_s
+            self.last_timings.update(recv_s=time.perf_counter() - began, verify_s=incoming.verify_s)
         self.pending_token = info.token
 
     def _reloaded(self) -> None:
