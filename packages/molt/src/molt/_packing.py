@@ -234,9 +234,9 @@ def packed_attention(
         if tree_branches is not None and bool((tree_branches[start:stop] < 0).any()):  # a prefix, its rows
             assert tree_positions is not None  # `SharedPrefixRows.model_kwargs` gives both
             mask = tree_mask(tree_positions[start:stop], tree_branches[start:stop], sliding_window)
-        elif sliding_window is not None:  # causal in the window: query i sees key j when i - w < j <= i
-            i, j = torch.arange(stop - start)[:, None], torch.arange(stop - start)[None]
-            mask = ((j <= i) & (j > i - sliding_window)).to(q.device)
+        elif sliding_window is not None:  # causal in the window: a tree of one branch, without a prefix
+            span = torch.arange(stop - start)
+            mask = tree_mask(span, torch.zeros_like(span), sliding_window).to(q.device)
         outs.append(sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=True))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
