@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from molt._actor import PolicyWorker
@@ -60,7 +61,6 @@ class PolicyGroup:
         wait: bool = True,
         log_prefix: str = "",
     ) -> None:
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self.on_gpu = torch.cuda.is_available()
@@ -98,8 +98,6 @@ class PolicyGroup:
 
     def _each(self, method: str, *per_rank_args) -> list:
         """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""
-        import ray
-
         return ray.get(
             [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
         )
@@ -206,8 +204,6 @@ class PolicyGroup:
 
     def shutdown(self) -> None:
         """Kill the workers (their process group and engine connections go with them)."""
-        import ray
-
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
