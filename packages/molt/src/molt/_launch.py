@@ -49,7 +49,6 @@ def launch(config: Config, *, resume: bool = False) -> None:
     """Set up, run `run_steps`, and tear everything down on any exit; `config` as `validate` returned it
     (`molt train` validates once, before it writes the run directory). `resume`: continue from the newest
     checkpoint under `--ckpt.dir` (`molt train --resume RUN_DIR`)."""
-
     clock = StartupClock()  # from the launch: timing/startup_* in step 1's metrics
     run_dir = Path(config.logger.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +151,6 @@ def _start_ray(config: Config, clock: StartupClock) -> Config:
     """Join `--ray.address`, or start a fresh local Ray (never one found running here); returns the config
     placed on the joined cluster's GPUs. Ray workers' own output reaches the console only with
     --logger.verbose (each worker writes into the run directory)."""
-
     progress("starting Ray")
     clock.begin("ray")
     quiet: dict[str, Any] = dict(include_dashboard=False, log_to_driver=config.logger.verbose)
