@@ -26,7 +26,6 @@ from molt._objective import step_loss
 from molt._placement import compiles
 from molt._rank import ModelRank
 from molt._sharding import adapter_config, compute_dtype, load_model, replicas
-from molt.config import Config
 from rlestimators import entropy_from_logits
 
 
@@ -60,25 +59,14 @@ class PolicyWorker(ModelRank):
 
     checkpoint_dir = "actor"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        model_dir: str,
-        config: Config,
-        trainable: bool = True,
-        log_path: str = "",
-    ) -> None:
-        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) has none.
-        self.lora = config.actor.lora if trainable and config.actor.lora.rank else None
-        super().__init__(rank, world_size, master_addr, master_port, model_dir, config, trainable, log_path)
+    def _ready(self) -> None:
+        """The policy's own: its engines' transfer handles, routing replay and the compile warm-up."""
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.replay = None
-        if trainable and config.train.routing_replay:  # tokens go to the engine's experts
+        # --train.routing_replay: a trainable policy's tokens go to the engine's experts
+        if self.optimizer is not None and self.config.train.routing_replay:
             self.replay = refit.RoutingReplay(self.model)
-        if compiles(config, on_gpu=self.device.type == "cuda"):
+        if compiles(self.config, on_gpu=self.device.type == "cuda"):
             self._warm_up()
 
     def _warm_up(self) -> None:
@@ -96,7 +84,9 @@ class PolicyWorker(ModelRank):
                 self.optimizer.zero_grad(set_to_none=True)
         self.take_pass_counts()  # dropped: the steps' counts and `actor/compiles` start at the first step
 
-    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
+    def _load(self, model_dir: str, world_size: int, trainable: bool) -> torch.nn.Module:
+        # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) has none.
+        self.lora = self.config.actor.lora if trainable and self.config.actor.lora.rank else None
         return load_model(model_dir, self.config, world_size, self.device, lora=self.lora)
 
     def _learning_rate(self) -> float:

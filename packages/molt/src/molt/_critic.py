@@ -43,7 +43,7 @@ class CriticWorker(ModelRank):
 
     checkpoint_dir = "critic"
 
-    def _load(self, model_dir: str, world_size: int) -> torch.nn.Module:
+    def _load(self, model_dir: str, world_size: int, trainable: bool) -> torch.nn.Module:
         """A causal LM's body with a one-output value head, sharded over the ranks by AutoModel."""
         import transformers
         from nemo_automodel.components.distributed.model_parallelizer import parallelize_model

@@ -87,7 +87,7 @@ class ModelRank:
         dist.init_process_group(
             "nccl" if on_gpu else "gloo", init_method=url, rank=rank, world_size=world_size
         )
-        self.model = self._load(str(model_dir), world_size)
+        self.model = self._load(str(model_dir), world_size, trainable)
         # --actor.pack: each micro-batch's rows end to end, attention within each (`molt._packing`); a
         # model that cannot pack runs padded micro-batches.
         self.packed = config.actor.pack and packing_refusal(self.model.config) is None
@@ -104,22 +104,26 @@ class ModelRank:
         head = self.model.get_output_embeddings()  # a policy's, swapped in at load (`molt._lean`)
         self._logprob_head = head if isinstance(head, LogprobHead) else None
         self.optimizer = self.scheduler = None
-        if not trainable:
+        if trainable:
+            self.model.train()
+            sum_gradients_over_ranks(self.model)
+            if config.actor.freeze_moe_router:
+                freeze_moe_routers(self.model)
+            actor, lr = config.actor, self._learning_rate()
+            groups = [{"params": p} for p in params_by_mesh(self.model)]  # foreach never mixes meshes
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=actor.weight_decay)
+            # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+                self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
+            )
+        else:
             self.model.requires_grad_(False).eval()
-            return
-        self.model.train()
-        sum_gradients_over_ranks(self.model)
-        if config.actor.freeze_moe_router:
-            freeze_moe_routers(self.model)
-        actor = config.actor
-        groups = [{"params": params} for params in params_by_mesh(self.model)]  # foreach never mixes meshes
-        self.optimizer = torch.optim.AdamW(groups, lr=self._learning_rate(), weight_decay=actor.weight_decay)
-        # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
-        )
+        self._ready()
 
-    def _load(self, model_dir: str, world_size: int) -> Any:
+    def _ready(self) -> None:
+        """A kind's own set-up, once the rank is loaded and, trainable, has its optimizer (the base: none)."""
+
+    def _load(self, model_dir: str, world_size: int, trainable: bool) -> Any:
         """This rank's shard of the model (each kind loads its own): a transformers or AutoModel model."""
         raise NotImplementedError
 
