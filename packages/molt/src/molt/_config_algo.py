@@ -84,7 +84,8 @@ Ratio = Annotated[float, Meta(gt=0)]
 
 
 class Correction(Group):
-    """Importance correction of engine-vs-trainer mismatch and staleness (rlestimators.rollout_correction)."""
+    """Importance correction of engine-vs-trainer mismatch and staleness (rlestimators.rollout_correction,
+    whose keyword arguments these fields are)."""
 
     mode: CorrectionMode = "tis"
     """tis (truncated token weights), mis (masked token weights), seq-mask-tis, or none (on-policy only)."""

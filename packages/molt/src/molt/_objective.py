@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import msgspec
 import torch
 
 from molt._batch import StepInputs, TrainBatch
@@ -208,16 +209,8 @@ def step_loss(
     """
     scale_BT, denominator = _aggregation(mask_BT, algo, num_tokens=num_tokens, num_seqs=num_seqs)
     old_logp_BT = logp_BT.detach() if old_logp_BT is None else old_logp_BT
-    correction = algo.correction
-    weights_BT, keep_B, _ = rollout_correction(
-        old_logp_BT,
-        rollout_logp_BT,
-        mask_BT,
-        mode=correction.mode,
-        token_cap=correction.token_cap,
-        token_bounds=correction.token_bounds,
-        seq_bounds=correction.seq_bounds,
-    )
+    correction = msgspec.structs.asdict(algo.correction)  # its fields are `rollout_correction`'s keywords
+    weights_BT, keep_B, _ = rollout_correction(old_logp_BT, rollout_logp_BT, mask_BT, **correction)
     loss = algo.loss
     pg_sum, pg_metrics = policy_loss(
         logp_BT,
