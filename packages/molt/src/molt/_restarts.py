@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 
+import ray
+
 from molt._log import progress
 
 
@@ -62,8 +64,6 @@ class EngineRestarts:
             self.restarting[index] = asyncio.create_task(self._restart(index))
 
     async def _restart(self, index: int) -> None:
-        import ray
-
         try:
             url = await self.actors[index].restart.remote()  # awaited on the loop: a cancel does not wait
         except ray.exceptions.RayError as error:  # the start failed: its error holds the log's report
@@ -111,8 +111,6 @@ class EngineRestarts:
 
 
 def _log_report(actor) -> str:
-    import ray
-
     try:
         return ray.get(actor.log_report.remote(), timeout=30)
     except (ray.exceptions.RayError, TimeoutError) as error:
