@@ -18,6 +18,7 @@ import pytest
 from tito_helpers import LiveServer
 
 from tito import Trajectory
+from tito._guard import MAX_BODY_BYTES
 from tito._workers import session_owner
 
 NUM_SESSIONS, NUM_TURNS = 16, 3
@@ -173,3 +174,14 @@ def test_a_client_that_leaves_a_forwarded_stream_leaves_no_turn(worker_pair, fak
     reply = httpx.get(f"{owner}/sessions/{session['id']}/trajectory").raise_for_status()
     assert msgspec.json.decode(reply.content, type=Trajectory).segments == []
     elsewhere.close()
+
+
+def test_an_oversized_body_is_refused_alike_by_the_owner_and_by_a_worker_that_forwards(worker_pair):
+    here, owner = worker_pair
+    session = httpx.post(f"{owner}/sessions").raise_for_status().json()
+    body = b" " * (MAX_BODY_BYTES + 1)
+    direct, forwarded = (
+        httpx.post(f"{url}/s/{session['id']}/v1/chat/completions", content=body) for url in (owner, here)
+    )
+    assert direct.status_code == forwarded.status_code == 413, forwarded.text
+    assert forwarded.json()["error"]["type"] == direct.json()["error"]["type"] == "request_too_large"

@@ -19,11 +19,15 @@ _ANTHROPIC_KINDS = {
     502: "api_error",
     503: "api_error",
 }
+_OPENAI_KINDS = {401: "authentication_error", 404: "not_found", 413: "request_too_large"}
 
 
 def error_response(
-    request: Request, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None
+    request: Request, status: int, message: str, kind: str = "", param: str | None = None
 ) -> JSONResponse:
+    """The error body of the request's protocol. `kind`: the OpenAI error type, by default the status's
+    (`_OPENAI_KINDS`, else invalid_request_error); Anthropic's is the status's where it names one."""
+    kind = kind or _OPENAI_KINDS.get(status, "invalid_request_error")
     if request.url.path.endswith("/v1/messages"):
         body = {"type": "error", "error": {"type": _ANTHROPIC_KINDS.get(status, kind), "message": message}}
     else:
@@ -50,10 +54,9 @@ class Guard:
         if self.api_key is not None and request.url.path != "/health":
             given = request.headers.get("x-api-key") or request.headers.get("authorization", "")
             if not secrets.compare_digest(given.removeprefix("Bearer ").encode(), self.api_key.encode()):
-                return error_response(request, 401, "missing or wrong API key", "authentication_error")
+                return error_response(request, 401, "missing or wrong API key")
         if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            too_large = f"request body over {MAX_BODY_BYTES} bytes"
-            return error_response(request, 413, too_large, "request_too_large")
+            return error_response(request, 413, f"request body over {MAX_BODY_BYTES} bytes")
         return None
 
 

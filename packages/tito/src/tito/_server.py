@@ -111,8 +111,7 @@ def _answer_errors(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 413: "request_too_large"}.get(error.status_code, "invalid_request_error")
-        return error_response(request, error.status_code, str(error.detail), kind)
+        return error_response(request, error.status_code, str(error.detail))
 
     def answer(status: int, kind: str, then: str = ""):
         """The handler of an error answered with its own message (and `then`)."""
