@@ -356,12 +356,18 @@ def test_the_actor_gives_the_same_logprobs_and_update_with_shared_prefixes(tiny_
         assert metrics_shared["actor/shared_prefix_frac"] > 0 and metrics_shared["actor/padding_frac"] == 0
     finally:
         ray.shutdown()
-    # Adam's first step moves a weight by lr (1e-3) whatever its gradient's size, except where the gradient
-    # is near Adam's eps: there it follows the gradient's size, and summation-order noise shows (5 weights
-    # of 100k off by 2e-6 to 6e-6, each where the step was under lr; all others within 1e-6).
+    # Adam's first step moves a weight by lr (1e-3) whatever its gradient's size g, except where g is near
+    # Adam's eps (1e-8): there the step is lr * g / (|g| + eps), and the float32 summation-order noise of g
+    # (a sum of much larger terms) shows, amplified: a few weights of 100k, each moved by less than lr,
+    # differ by up to 1.1e-5 on one CPU and 6e-6 on another. The weights that moved by lr agree to 1e-6;
+    # the gradient's size is compared through train/grad_norm above.
     for name, tensor in after_plain.items():
         assert not torch.equal(tensor, before[name]), f"{name} did not move"
-        torch.testing.assert_close(after_shared[name], tensor, atol=1e-5, rtol=0, msg=name)
+        full_step = (tensor - before[name]).abs() > 0.9e-3
+        torch.testing.assert_close(
+            after_shared[name][full_step], tensor[full_step], atol=1e-6, rtol=0, msg=name
+        )
+        torch.testing.assert_close(after_shared[name], tensor, atol=5e-5, rtol=0, msg=name)
 
 
 # --- refusals ---
