@@ -95,3 +95,19 @@ def test_refuses_bad_options(kwargs, message):
 def test_refuses_bad_shapes(old, rollout, mask, message):
     with pytest.raises(ValueError, match=message):
         rollout_correction(old, rollout, mask)
+
+
+@pytest.mark.parametrize(
+    ("mode", "kwargs"),
+    [
+        pytest.param("mis", {"token_bounds": (1.5, 2.0)}, id="mis-bounds-without-1"),
+        pytest.param("seq-mask-tis", {}, id="seq-mask-tis-rejected-row"),
+    ],
+)
+def test_tokens_outside_the_mask_weigh_1_in_every_mode(mode, kwargs):
+    # a rejected row (ratio 3 on both trainable tokens) and a bound that excludes a ratio of 1 leave
+    # the prompt and padding tokens, which the mask removes, at the neutral weight
+    old_logp_BT = torch.tensor([[0.0, math.log(3.0), math.log(3.0), 0.0]])
+    mask_BT = torch.tensor([[0, 1, 1, 0]])
+    weights_BT, _, _ = rollout_correction(old_logp_BT, torch.zeros(1, 4), mask_BT, mode=mode, **kwargs)
+    assert weights_BT[0, [0, 3]].tolist() == [1.0, 1.0]

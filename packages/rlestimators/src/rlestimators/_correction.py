@@ -79,6 +79,7 @@ def rollout_correction(
             # A sequence without trainable tokens has nothing to correct: keep it (its ratio is exactly 1).
             keep_B |= ~trainable_BT.any(dim=-1)
             weights_BT = torch.where(keep_B[:, None], weights_BT, 0.0)
+    weights_BT = torch.where(trainable_BT, weights_BT, 1.0)  # neutral where the mask removes the token
 
     metrics = masked_means(
         trainable_BT,
