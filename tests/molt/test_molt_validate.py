@@ -337,6 +337,14 @@ def test_one_gpu_is_enough_the_engine_and_the_actor_share_it(with_cuda, monkeypa
         _refused([*flags, "--vllm.placement", "shared"], ["--vllm.placement shared", named])
 
 
+def test_validating_a_resolved_config_with_attached_engines_changes_nothing(with_cuda):
+    """The placement `validate` decides is no engine flag of the user's: a config it resolved, validated
+    again (`molt.train(resolve(...))`, a --print-config file read back), is accepted unchanged."""
+    config = resolve(["--vllm.urls", "http://x:1"])
+    assert config.vllm.placement == "separate"
+    assert validate(config) == config
+
+
 def test_gpus_of_their_own_keep_the_nccl_refit(with_cuda, monkeypatch):
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 2)
     config = resolve([])
