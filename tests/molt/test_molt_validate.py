@@ -337,6 +337,17 @@ def test_one_gpu_is_enough_the_engine_and_the_actor_share_it(with_cuda, monkeypa
         _refused([*flags, "--vllm.placement", "shared"], ["--vllm.placement shared", named])
 
 
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("num_engines", "2"), ("max_restarts", "0"), ("max_num_batched_tokens", "512"),
+     ("enable_prefix_caching", "false")],
+)  # fmt: skip
+def test_flags_of_started_engines_are_refused_with_attached_ones(cpu_only, flag, value):
+    """Engines of --vllm.urls were started with their own flags: one of molt's would do nothing."""
+    _refused(["--vllm.urls", "http://x:1", f"--vllm.{flag}", value], [f"--vllm.{flag}", "--vllm.urls"])
+    assert resolve(["--vllm.urls", "http://x:1", "--vllm.max_model_len", "4096"])  # the trainer's too
+
+
 def test_validating_a_resolved_config_with_attached_engines_changes_nothing(with_cuda):
     """The placement `validate` decides is no engine flag of the user's: a config it resolved, validated
     again (`molt.train(resolve(...))`, a --print-config file read back), is accepted unchanged."""

@@ -88,9 +88,13 @@ def _check_machine(config: Config) -> None:
             "only with Transformer Engine attention); pass --fsdp.cp_size 1"
         )
     changed = [path for path in _CUDA_ONLY if field_value(config, path) != leaves()[path].default]
-    # --vllm.placement also places the actor groups and picks the refit's path to attached engines (auto
-    # is decided with them, below), so a config validated once passes again.
-    engine_flag = next((p for p in changed if p.startswith("vllm.") and p != "vllm.placement"), None)
+    # Every --vllm.* flag but these configures the engines molt starts. --vllm.placement also places the
+    # actor groups and picks the refit's path to attached engines (auto is decided with them, below).
+    attached_too = ("vllm.urls", "vllm.max_model_len", "vllm.placement")
+    engines = [path for path in leaves() if path.startswith("vllm.") and path not in attached_too]
+    engine_flag = next(
+        (path for path in engines if field_value(config, path) != leaves()[path].default), None
+    )
     if config.vllm.urls and engine_flag:  # attached engines were started with their own flags
         raise ConfigError(
             f"--{engine_flag} configures engines molt starts; --vllm.urls attaches running ones: drop one"

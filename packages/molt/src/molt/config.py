@@ -180,7 +180,7 @@ class VLLM(_Group):
     """Number of vLLM engines."""
     urls: list[str] = []
     """Running vLLM servers to use instead of starting engines (flags: molt.vllm_server + refit's); the
-    run first pushes its initial weights into them. The other --vllm.* engine flags are then unused."""
+    run first pushes its initial weights into them. The flags of the engines molt starts are then refused."""
     max_restarts: Annotated[int, Meta(ge=0)] = 3
     """Times each engine molt started is restarted after it dies (then given the current weights before it
     serves); one more death (with 0: the first) stops the run with its log's first error. Engines of
