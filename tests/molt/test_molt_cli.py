@@ -190,6 +190,20 @@ def test_resume_keeps_the_latest_settings_and_refuses_flags_on_a_run_without_the
     assert fake_loop[-1] == fake_loop[-2]
 
 
+@pytest.mark.parametrize("flag", ["--config", "--logger.run_dir"])
+def test_resume_refuses_a_flag_that_would_replace_its_settings_or_directory(fake_loop, tmp_path, flag):
+    """--resume continues with the run's given.toml in its directory: another --config file would drop its
+    settings (here --actor.lr), another --logger.run_dir would be overridden; both are refused."""
+    run_dir, other = tmp_path / "run", tmp_path / "other.toml"
+    _resumed(run_dir, ["--actor.lr", "0.01"], [], fake_loop)
+    other.write_text("[train]\nnum_steps = 5\n")
+    value = str(other) if flag == "--config" else str(tmp_path / "elsewhere")
+    for args in ([flag, value], [f"{flag}={value}"]):
+        result = runner.invoke(app, ["train", "--resume", str(run_dir), *args])
+        assert result.exit_code == 2, (result.output, fake_loop[-1].actor.lr, fake_loop[-1].logger.run_dir)
+        assert flag in result.stderr
+
+
 def test_a_run_dir_that_already_holds_a_run_is_refused(tmp_path):
     from typer.testing import CliRunner
 

@@ -124,6 +124,12 @@ def _resume_args(args: list[str]) -> tuple[Path | None, list[str]]:
             run_dir, flags = Path(value), args[:index] + args[index + (1 if "=" in arg else 2) :]
             if not (run_dir / "config.toml").is_file():
                 raise ConfigError(f"--resume {value!r}: not a run directory (no config.toml)")
+            for taken in ("--config", "--logger.run_dir"):  # the two the run's own replace (below)
+                if any(flag == taken or flag.startswith(f"{taken}=") for flag in flags):
+                    raise ConfigError(
+                        f"--resume {run_dir} continues with its own settings (given.toml) in its own "
+                        f"directory: drop {taken}"
+                    )
             given = (run_dir / "given.toml").is_file()
             if flags and not given:
                 raise ConfigError(
