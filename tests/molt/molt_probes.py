@@ -377,6 +377,7 @@ class _Rollouts:
 
     def __init__(self) -> None:
         self.pool = None
+        self.restarts: EngineRestarts | None = None  # the run's, set by `loop_run`
         self.failures: dict[str, int] = {}
 
     async def __call__(self, row: dict, index: int) -> Rollout:
@@ -418,10 +419,11 @@ class _Group:
         Path(path).mkdir(parents=True, exist_ok=True)
 
 
-def loop_run(config: Config, where: Path) -> dict:
-    """`run_steps`, the loop itself, over a real pool of stand-in rollouts, real rows and a real metrics
-    log, with recording actor groups: what each optimizer step was given, whether refits held the pool,
-    the logged metrics (timings and waits left out) and the files written."""
+def loop_run(config: Config, where: Path, rollouts: _Rollouts | None = None) -> dict:
+    """`run_steps`, the loop itself, over a real pool of stand-in rollouts (`rollouts`, default
+    `_Rollouts`), real rows and a real metrics log, with recording actor groups: what each optimizer step
+    was given, whether refits held the pool, the logged metrics (timings and waits left out) and the files
+    written. A run that hangs raises TimeoutError after a minute."""
     from molt.loop import Run, run_steps
 
     config = with_run_dir(config, now=NOW)
@@ -429,7 +431,7 @@ def loop_run(config: Config, where: Path) -> dict:
     run_dir.mkdir(parents=True)
     (where / "model").mkdir()
     agent = load_agent(config.agent.module)
-    rows, rollouts = RowStream(read_rows(config, agent)), _Rollouts()
+    rows, rollouts = RowStream(read_rows(config, agent)), rollouts or _Rollouts()
     policy = _Group(rollouts)
     extra = {name: _Group(rollouts, scale=1.1) for name in extra_groups(config)}
     engine = SimpleNamespace(url="http://engine", alive=True)
@@ -444,8 +446,9 @@ def loop_run(config: Config, where: Path) -> dict:
         keep = GroupFilters.of(config)
         rollouts.pool = prompt_pool(config, rollouts, rows, keep=keep)
         async with rollouts.pool:
-            restarts = EngineRestarts(tito.router, [], policy, max_restarts=0)  # none to restart
-            await run_steps(config, Run(pool=rollouts.pool, filters=keep, restarts=restarts, **parts))
+            rollouts.restarts = EngineRestarts(tito.router, [], policy, max_restarts=0)  # none to restart
+            run = Run(pool=rollouts.pool, filters=keep, restarts=rollouts.restarts, **parts)
+            await asyncio.wait_for(run_steps(config, run), timeout=60)
 
     asyncio.run(run())
     log.close()

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import molt_probes as probes
 import msgspec
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from asyncpool import GroupPool
 from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
+from molt._flags import resolve
 from molt._metrics import rollout_metrics, staleness_mean
 from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
 from molt._restarts import EngineRestarts
@@ -252,3 +254,35 @@ def test_an_engine_that_fails_a_refit_is_dropped_and_the_run_goes_on():
     policy.dead.add("http://a")
     with pytest.raises(RuntimeError, match="no vLLM engine took the weights of step 5"):
         asyncio.run(refit_engines(policy, tito, 5, restarts))
+
+
+class _EngineDiesUnderTheNextBatch(probes._Rollouts):
+    """The first `served` rollouts are served; then the only engine dies and is up again at once, waiting
+    for the weights (`molt._restarts`): a rollout on it waits until it serves, as `RolloutRunner` does,
+    then raises for the pool to retry it."""
+
+    def __init__(self, served: int) -> None:
+        super().__init__()
+        self.served, self.died = served, False
+
+    async def __call__(self, row: dict, index: int) -> Rollout:
+        assert self.restarts is not None
+        engine = self.restarts.router.engines[0]
+        if not self.served and not self.died:
+            self.died, engine.alive, self.restarts.stale = True, False, [0]
+        if not engine.alive:
+            await self.restarts.serving()
+            raise ConnectionError("the engine died")
+        self.served -= 1
+        return await super().__call__(row, index)
+
+
+def test_a_refit_without_partial_rollout_does_not_wait_for_rollouts_no_engine_serves(tmp_path, monkeypatch):
+    """--rollout.partial_rollout false holds the refit until the running rollouts finish; those waiting for
+    a dead engine sample nothing until it is back, which the next take does (with the new weights)."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--train.num_steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    config = resolve([*small, "--rollout.partial_rollout", "false"])
+    run = probes.loop_run(config, tmp_path, _EngineDiesUnderTheNextBatch(served=2 * 2))
+    assert [(m["step"], m["engines/alive"]) for m in run["metrics"]] == [(1, 0.0), (2, 1.0)]
+    assert run["refits"] == [False, True]  # brought back in step 2's take, then step 2's refit

@@ -104,7 +104,7 @@ async def run_steps(config: Config, run: Run) -> None:
         train_s = time.monotonic() - train_started
 
         broadcast_started = time.monotonic()
-        async with _quiesced(pool, hold=not config.rollout.partial_rollout):
+        async with _quiesced(pool, run.tito.router.engines, hold=not config.rollout.partial_rollout):
             # engines pause (keeping requests); a dead one is restarted (`molt._restarts`)
             refit_s = await refit_engines(policy, run.tito, step, run.restarts)
         pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
@@ -271,10 +271,12 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _quiesced(pool: GroupPool, *, hold: bool):
-    """Without partial rollout, no rollout may span a refit: hold new starts and let running ones finish."""
+async def _quiesced(pool: GroupPool, engines: list, *, hold: bool):
+    """Without partial rollout, no rollout may span a refit: hold new starts and let running ones finish.
+    While no engine serves, none samples: a rollout waiting for a dead engine (`molt._rollout`) re-runs
+    once `take` has brought it back, with the new weights, so the refit does not wait for it."""
     with pool.paused() if hold else contextlib.nullcontext():
-        while hold and pool.stats.in_flight:
+        while hold and pool.stats.in_flight and any(engine.alive for engine in engines):
             await asyncio.sleep(0.01)
         yield
 
