@@ -286,3 +286,16 @@ def test_a_refit_without_partial_rollout_does_not_wait_for_rollouts_no_engine_se
     run = probes.loop_run(config, tmp_path, _EngineDiesUnderTheNextBatch(served=2 * 2))
     assert [(m["step"], m["engines/alive"]) for m in run["metrics"]] == [(1, 0.0), (2, 1.0)]
     assert run["refits"] == [False, True]  # brought back in step 2's take, then step 2's refit
+
+
+def test_an_engine_up_again_during_evaluation_gets_the_weights_and_serves(tmp_path, monkeypatch):
+    """The only engine dies under the next batch and is up again before the evaluation, whose samples
+    wait for it to serve: the evaluation brings it back (the actor is idle, at the pool's version)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"messages": f"q{i}"}) + "\n" for i in range(2)))
+    small = ["--train.num_steps", "1", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    config = resolve([*small, "--eval.every", "1", "--eval.path", str(tmp_path / "eval.jsonl")])
+    run = probes.loop_run(config, tmp_path, _EngineDiesUnderTheNextBatch(served=2 * 2))
+    failed = [(m["step"], m["eval/failed"]) for m in run["metrics"]]
+    assert failed == [(1, 2 * 4)]  # each sample met the dead engine, and raised once it was back
+    assert run["refits"] == [False]  # brought back during the evaluation, as version 1

@@ -110,9 +110,10 @@ async def run_steps(config: Config, run: Run) -> None:
         pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
         broadcast_s = time.monotonic() - broadcast_started
 
-        every = config.eval.every
+        every, eval_metrics = config.eval.every, {}
         evaluating = every and (step % every == 0 or step == last)  # --eval.every, with the new weights
-        eval_metrics = await evaluate(runner, run.eval_rows, config) if evaluating else {}
+        if evaluating:  # an engine that comes back meanwhile gets these weights (the actor is idle)
+            eval_metrics = await _bringing_back(evaluate(runner, run.eval_rows, config), run.restarts, step)
 
         pool_now = pool.stats
         run.log.step(
@@ -268,6 +269,19 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
                 f"token identity violated in rollout {index}: the batch's trainable tokens differ from "
                 f"the tokens the engine sampled ({len(trained)} vs {len(rollout.sampled)}); refusing to train"
             )
+
+
+async def _bringing_back(work, restarts: EngineRestarts, version: int):
+    """`work` awaited while the actor is idle with the weights of `version`: an engine up again meanwhile
+    gets them and serves, so the rollouts waiting for it (`molt._rollout`) go on."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=1.0))[0]:
+            await restarts.bring_back(version)
+            restarts.check()  # a restart past --vllm.max_restarts, or one that failed, stops the run
+    finally:
+        task.cancel()  # a no-op once it is done
+    return task.result()
 
 
 @contextlib.asynccontextmanager
