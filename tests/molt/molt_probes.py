@@ -450,8 +450,10 @@ def loop_run(config: Config, where: Path, rollouts: _Rollouts | None = None) -> 
             run = Run(pool=rollouts.pool, filters=keep, restarts=rollouts.restarts, **parts)
             await asyncio.wait_for(run_steps(config, run), timeout=60)
 
-    asyncio.run(run())
-    log.close()
+    try:
+        asyncio.run(run())
+    finally:
+        log.close()
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     timed = lambda name: name.startswith("timing/") or name.endswith("_s")  # noqa: E731
     metrics = [{k: v for k, v in json.loads(line).items() if not timed(k)} for line in lines]

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import torch
 
-from asyncpool import GroupPool
+from asyncpool import GroupPool, PoolExhausted
 from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
 from molt._flags import resolve
@@ -299,3 +299,37 @@ def test_an_engine_up_again_during_evaluation_gets_the_weights_and_serves(tmp_pa
     failed = [(m["step"], m["eval/failed"]) for m in run["metrics"]]
     assert failed == [(1, 2 * 4)]  # each sample met the dead engine, and raised once it was back
     assert run["refits"] == [False]  # brought back during the evaluation, as version 1
+
+
+FINITE_AGENT = """
+from molt.agent import Env, Result
+
+
+def dataset(seed):
+    for n in range(3):
+        yield {"messages": [{"role": "user", "content": f"row {n}"}]}
+
+
+class AgentRunner(Env):
+    def reset(self, sample):
+        return "say it"
+
+    def step(self, action):
+        return Result(reward=1.0)
+"""
+
+
+def test_the_last_batch_of_a_used_up_dataset_trains_in_as_many_windows_as_it_has_rollouts(
+    tmp_path, monkeypatch
+):
+    """Three rows, two groups of two a step, four windows a step: the second step's batch is the last
+    group alone (the pool returns fewer groups once the rows are used up), two rollouts in two windows."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "finite.py").write_text(FINITE_AGENT)
+    small = ["--train.num_steps", "3", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    config = resolve([*small, "--train.mini_batches", "4", "--agent.module", str(tmp_path / "finite.py")])
+    with pytest.raises(PoolExhausted):  # at step 3's take: the run stops there (`molt._launch`)
+        probes.loop_run(config, tmp_path)
+    (log,) = tmp_path.glob("runs/*/metrics.jsonl")
+    lines = log.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]

@@ -93,8 +93,10 @@ async def run_steps(config: Config, run: Run) -> None:
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
         rows_R = torch.tensor([len(rollout.segments) for rollout in rollouts])  # training rows per rollout
         scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config)
-        # windows of whole rollouts, in a random order seeded by the run's seed and the step
-        parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), (config.train.seed, step))
+        # windows of whole rollouts, in a random order seeded by the run's seed and the step; fewer in a
+        # used-up dataset's last batch, which may have fewer rollouts than --train.mini_batches
+        num_windows = min(config.train.mini_batches, len(rollouts))
+        parts = scored.batch.windows(num_windows, rows_R.tolist(), (config.train.seed, step))
         windows = [(w, rows) for w, rows in parts if w.num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, scored.policy)]
         if scored.critic is not None:  # the critic's steps run beside the policy's
