@@ -419,11 +419,14 @@ class _Group:
         Path(path).mkdir(parents=True, exist_ok=True)
 
 
-def loop_run(config: Config, where: Path, rollouts: _Rollouts | None = None) -> dict:
+def loop_run(
+    config: Config, where: Path, rollouts: _Rollouts | None = None, skip: list[int] | None = None
+) -> dict:
     """`run_steps`, the loop itself, over a real pool of stand-in rollouts (`rollouts`, default
-    `_Rollouts`), real rows and a real metrics log, with recording actor groups: what each optimizer step
-    was given, whether refits held the pool, the logged metrics (timings and waits left out) and the files
-    written. A run that hangs raises TimeoutError after a minute."""
+    `_Rollouts`), real rows (less those in `skip`, as a resumed run's) and a real metrics log, with
+    recording actor groups: what each optimizer step was given, whether refits held the pool, the logged
+    metrics (timings and waits left out) and the files written. A run that hangs raises TimeoutError
+    after a minute."""
     from molt.loop import Run, run_steps
 
     config = with_run_dir(config, now=NOW)
@@ -431,7 +434,7 @@ def loop_run(config: Config, where: Path, rollouts: _Rollouts | None = None) -> 
     run_dir.mkdir(parents=True)
     (where / "model").mkdir()
     agent = load_agent(config.agent.module)
-    rows, rollouts = RowStream(read_rows(config, agent)), rollouts or _Rollouts()
+    rows, rollouts = RowStream(read_rows(config, agent), skip=skip or []), rollouts or _Rollouts()
     policy = _Group(rollouts)
     extra = {name: _Group(rollouts, scale=1.1) for name in extra_groups(config)}
     engine = SimpleNamespace(url="http://engine", alive=True)

@@ -24,12 +24,13 @@ def test_dumped_rollouts_read_back_exactly(tmp_path):
                         reward=1.0, sampled=[7, 8, 9], truncated=False, info={"tool_calls": 2.0})  # fmt: skip
     plain = Rollout([Segment([1, 3, 6], [0, 0, 1], [0.0, 0.0, -0.5], [-1, -1, 4])], reward=0.0,
                     sampled=[6], truncated=True)  # fmt: skip
-    write_rollouts(tmp_path, 1, [Group(7, [compacted, plain])])
-    write_rollouts(tmp_path, 2, [Group(9, [plain])])
+    positions = [0, 1, 2, 3, 4, 5, 6, 17, 18, 19]  # the rows' positions in the stream, by pool index
+    write_rollouts(tmp_path, 1, [Group(7, [compacted, plain])], positions)
+    write_rollouts(tmp_path, 2, [Group(9, [plain])], positions)
 
     records = list(molt.read_rollouts(tmp_path))
     assert [(r.step, r.group, r.sample, r.reward, r.truncated) for r in records] == [
-        (1, 7, 0, 1.0, False), (1, 7, 1, 0.0, True), (2, 9, 0, 0.0, True),
+        (1, 17, 0, 1.0, False), (1, 17, 1, 0.0, True), (2, 19, 0, 0.0, True),
     ]  # fmt: skip
     assert records[0].info == {"tool_calls": 2.0}
     for record, rollout in zip(records, [compacted, plain, plain], strict=True):

@@ -81,7 +81,7 @@ def test_dumps_carry_the_images(tmp_path):
     span = _span(1, 4)
     segment = Segment([1, 6, 6, 6, 6, 2, 3], [0] * 6 + [1], [0.0] * 6 + [-0.5], [-1] * 6 + [0], [span])
     group = type("Group", (), {"prompt_index": 0, "samples": [Rollout([segment], 1.0, [3], False)]})
-    write_rollouts(tmp_path, 1, [group])
+    write_rollouts(tmp_path, 1, [group], positions=[0])
     (record,) = read_rollouts(tmp_path)
     assert (record.segments[0].images[0].offset, record.segments[0].images[0].data_url) == (1, span.data_url)
 

@@ -17,6 +17,7 @@ import torch
 from asyncpool import GroupPool, PoolExhausted
 from molt._batch import StepInputs, collate, with_lags
 from molt._data import read_rows
+from molt._dumps import read_rollouts
 from molt._flags import resolve
 from molt._metrics import rollout_metrics, staleness_mean
 from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
@@ -333,3 +334,13 @@ def test_the_last_batch_of_a_used_up_dataset_trains_in_as_many_windows_as_it_has
     (log,) = tmp_path.glob("runs/*/metrics.jsonl")
     lines = log.read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_a_resumed_runs_dumps_name_each_groups_row_by_its_position_in_the_stream(tmp_path, monkeypatch):
+    """Rows 0 and 2 were trained before the checkpoint: the resumed run's pool numbers the rows it draws
+    from 0, but a dump names the row as the stream (and the checkpoint's trained rows) do."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--train.num_steps", "1", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    config = resolve([*small, "--train.rollout_dump_dir", str(tmp_path / "dumps")])
+    probes.loop_run(config, tmp_path, skip=[0, 2])
+    assert sorted({record.group for record in read_rollouts(tmp_path / "dumps")}) == [1, 3]

@@ -14,7 +14,7 @@ not stored; decode `token_ids` with the run's tokenizer (`<run_dir>/model`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import msgspec
@@ -50,15 +50,18 @@ class RolloutRecord(msgspec.Struct):
     segments: list[Segment]
 
 
-def write_rollouts(dump_dir: Path, step: int, groups: list) -> None:
-    """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts) into its file."""
+def write_rollouts(dump_dir: Path, step: int, groups: list, positions: Sequence[int]) -> None:
+    """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts) into its file, each
+    group named by its row's position in the stream (`positions`: by the pool's prompt index, as
+    `molt._data.RowStream.positions`; a resumed run's pool numbers from 0 the rows it has not trained)."""
     dump_dir.mkdir(parents=True, exist_ok=True)
     with (dump_dir / f"step_{step:06d}.jsonl").open("wb") as out:
         for group in groups:
+            row = positions[group.prompt_index]
             for index, rollout in enumerate(group.samples):
                 segments = [msgspec.convert(msgspec.to_builtins(s), Segment) for s in rollout.segments]
                 record = RolloutRecord(
-                    step, group.prompt_index, index, rollout.reward, rollout.truncated, rollout.info, segments
+                    step, row, index, rollout.reward, rollout.truncated, rollout.info, segments
                 )
                 out.write(msgspec.json.encode(record) + b"\n")
 

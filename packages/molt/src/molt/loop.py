@@ -73,7 +73,7 @@ async def run_steps(config: Config, run: Run) -> None:
         rollouts: list[Rollout] = [sample for group in groups for sample in group.samples]
         run.rows.mark_trained(groups)
         if config.train.rollout_dump_dir:
-            write_rollouts(Path(config.train.rollout_dump_dir), step, groups)
+            write_rollouts(Path(config.train.rollout_dump_dir), step, groups, run.rows.positions)
 
         rewards_R = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         # The batch's rows: one per segment (a compacted episode has several); advantages come from `score`.
