@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import anyio
 import httpx
 import msgspec
 import pytest
@@ -106,3 +107,22 @@ def test_the_served_model_name_defaults_to_the_engines(fake_engine):
 def test_session_limits_out_of_range_are_refused(fake_engine, tiny_model_dir, options, says):
     with pytest.raises(ValueError, match=says):
         tito_over(fake_engine, tiny_model_dir, **options)
+
+
+async def test_a_second_delete_waiting_on_a_running_turn_hears_the_session_ended(fake_engine, tiny_model_dir):
+    served = tito_over(fake_engine, tiny_model_dir)
+    client = client_of(create_app(served))
+    session = (await client.post("/sessions")).json()
+    replies = []
+
+    async def delete():
+        replies.append(await client.delete(f"/sessions/{session['id']}"))
+
+    # A turn is running (it holds the session) while both DELETEs arrive.
+    async with anyio.create_task_group() as group, served.sessions[session["id"]].lock:
+        group.start_soon(delete)
+        group.start_soon(delete)
+        await anyio.sleep(0.1)  # both wait for the turn
+    first, second = replies
+    assert first.status_code == 200
+    assert second.status_code == 404 and "was ended" in second.json()["error"]["message"]

@@ -80,6 +80,7 @@ def create_app(tito: Tito, *, api_key: str | None = None, workers: Workers | Non
     @app.delete("/sessions/{session_id}")
     async def end_session(session_id: str) -> Response:
         async with session_of(tito, session_id).lock:
+            session_of(tito, session_id)  # another request may have ended it while this one waited
             trajectory = tito.end_session(session_id)
         return Response(msgspec.json.encode(trajectory), media_type="application/json")
 
