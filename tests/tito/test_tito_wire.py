@@ -154,6 +154,24 @@ async def test_a_reply_head_that_is_not_http_is_a_broken_connection_and_is_not_p
     assert server.connections == 3
 
 
+@pytest.mark.parametrize(
+    "chunks",
+    [b"-5\r\nhello\r\n0\r\n\r\n", b"-1\r\nx0\r\n\r\n"],  # the second reads on as an empty body
+    ids=["minus-five", "minus-one"],
+)
+async def test_a_negative_chunk_size_is_a_broken_reply(chunks):
+    body = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n" + chunks
+    server = RawServer([body, body])
+    async with server as url:
+        wire = Http1Wire(timeout=5.0)
+        with pytest.raises(ConnectionError, match="malformed chunk size"):
+            await wire.request("GET", f"{url}/a")
+        with pytest.raises(ConnectionError, match="malformed chunk size"):
+            async with wire.stream(f"{url}/generate", b"{}") as (_, lines):
+                assert [line async for line in lines]
+        await wire.aclose()
+
+
 async def test_a_stream_left_before_its_end_closes_its_connection():
     server = RawServer([chunked(b"data: 1\n\n", b"data: 2\n\n"), reply(b"after")])
     async with server as url:
