@@ -62,6 +62,19 @@ OPENAI_CASES = [
         id="longer-than-context",
     ),
     pytest.param(
+        {"model": "tiny", "messages": USER, "logit_bias": {"\u00b2": 1}}, 400, id="logit-bias-not-an-id"
+    ),
+    pytest.param(
+        {
+            "model": "tiny",
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": "f"},
+        },
+        400,
+        id="tool-choice-function-not-an-object",
+    ),
+    pytest.param(
         {"model": "tiny", "messages": [{"role": "user", "content": "x" * (17 << 20)}]},
         413,
         id="oversized-body",

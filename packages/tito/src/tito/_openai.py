@@ -101,6 +101,13 @@ class ChatRequest(ChatBody):
             raise ValueError("only n=1 is supported: a session is one trajectory; open more sessions")
         return n
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _named_function(cls, choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if isinstance(choice, dict) and not isinstance(choice.get("function"), dict):
+            raise ValueError('a tool_choice object is {"type": "function", "function": {"name": ...}}')
+        return choice
+
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:

@@ -203,7 +203,7 @@ def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, floa
     """OpenAI's logit_bias (token id strings to -100..100) for vLLM, each id checked against the vocab."""
     out = {}
     for key, value in (bias or {}).items():
-        if not (str(key).isdigit() and int(key) < vocab_size and -100 <= value <= 100):
+        if not (str(key).isdecimal() and int(key) < vocab_size and -100 <= value <= 100):
             raise ProtocolError(
                 400,
                 f"logit_bias: {key!r}: {value} needs a token id below {vocab_size} and a bias in -100..100",
