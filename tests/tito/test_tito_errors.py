@@ -119,6 +119,33 @@ ANTHROPIC_CASES = [
         400,
         id="image-on-text-model",
     ),
+    *(
+        pytest.param({"model": "tiny", "max_tokens": 4, "messages": messages}, 400, id=name)
+        for name, messages in [
+            ("text-not-a-string", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+            (
+                "tool-result-without-id",
+                [{"role": "user", "content": [{"type": "tool_result", "content": "r"}]}],
+            ),
+            (
+                "tool-result-content-not-text",
+                [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [5]}]}],
+            ),
+            (
+                "tool-use-without-name",
+                [
+                    *USER,
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]},
+                    *USER,
+                ],
+            ),
+        ]
+    ),
+    pytest.param(
+        {"model": "tiny", "max_tokens": 4, "messages": USER, "system": [{"type": "text", "text": 5}]},
+        400,
+        id="system-text-not-a-string",
+    ),
 ]
 
 

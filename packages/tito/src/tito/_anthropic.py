@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import AfterValidator, BaseModel, Field, field_validator, model_validator
 
-from ._chat import ParsedReply, message_text
+from ._chat import ParsedReply, is_text, message_text
 from ._fields import extra_fields
 from ._protocol import Asked, ChatBody, ToolName, check_json_schema, structured_outputs
 from ._routes import sse, stream, whole
@@ -45,6 +45,20 @@ class Tool(BaseModel):
         return kind
 
 
+# The fields `to_messages` reads from each block: what a block must hold, and the check.
+_BLOCKS = {
+    "text": ("a string `text`", lambda block: isinstance(block.get("text"), str)),
+    "tool_use": (
+        "a string `name` and an `input`",
+        lambda block: isinstance(block.get("name"), str) and "input" in block,
+    ),
+    "tool_result": (
+        "a string `tool_use_id`, and `content` as a string or text blocks",
+        lambda block: isinstance(block.get("tool_use_id"), str) and is_text(block.get("content")),
+    ),
+}
+
+
 class Message(BaseModel):
     role: Literal["user", "assistant", "system"]  # "system": Claude Code puts one among the turns
     content: str | list[dict[str, Any]]
@@ -57,6 +71,10 @@ class Message(BaseModel):
                 image_url_part(block)  # raises, naming the expected shape
                 if self.role == "assistant":
                     raise ValueError("an assistant turn cannot carry images")
+            elif kind not in _BLOCKS:
+                raise ValueError(f"unsupported content block type {kind!r}")
+            elif not _BLOCKS[kind][1](block):
+                raise ValueError(f"a {kind} block needs {_BLOCKS[kind][0]}")
             elif kind == "tool_result" and any(
                 isinstance(inner, dict) and inner.get("type") == "image"
                 for inner in block.get("content") or ()
@@ -64,8 +82,6 @@ class Message(BaseModel):
                 raise ValueError(
                     "images inside a tool_result are not supported: send them in a user text turn"
                 )
-            elif kind not in ("text", "tool_use", "tool_result"):
-                raise ValueError(f"unsupported content block type {kind!r}")
         return self
 
 
@@ -82,6 +98,13 @@ class MessagesRequest(ChatBody):
     top_k: int | None = Field(None, ge=-1)
     thinking: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+
+    @field_validator("system")
+    @classmethod
+    def _system_text(cls, system: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if not is_text(system):
+            raise ValueError("system is a string or text blocks, each with a string `text`")
+        return system
 
     @model_validator(mode="after")
     def _alternating(self) -> MessagesRequest:

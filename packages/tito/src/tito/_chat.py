@@ -42,6 +42,16 @@ def message_text(content: Any) -> str:
     return "".join(part.get("text", "") for part in content if part.get("type") == "text")
 
 
+def is_text(content: Any) -> bool:
+    """Whether `message_text` reads `content`: a string, None, or parts (objects) whose text is a string."""
+    if content is None or isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and (part.get("type") != "text" or isinstance(part.get("text"), str))
+        for part in content
+    )
+
+
 def _message_key(message: dict) -> tuple:
     """What identifies a message for continuation: what the template renders, nothing else."""
     calls = tuple(
