@@ -147,6 +147,33 @@ ANTHROPIC_CASES = [
         id="system-text-not-a-string",
     ),
 ]
+RESPONSES_CASES = [
+    pytest.param({"model": "tiny", "input": [{"role": "user", "content": 5}]}, 400, id="content-not-text"),
+    pytest.param(
+        {"model": "tiny", "input": [{"role": "user", "content": [5]}]}, 400, id="part-not-an-object"
+    ),
+    pytest.param(
+        {"model": "tiny", "input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+        400,
+        id="text-not-a-string",
+    ),
+    pytest.param(
+        {
+            "model": "tiny",
+            "input": [
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": 5},
+            ],
+        },
+        400,
+        id="output-not-text",
+    ),
+    pytest.param(
+        {"model": "tiny", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": 5}]},
+        400,
+        id="tool-schema-not-an-object",
+    ),
+]
 
 
 def post(client, path, body) -> httpx.Response:
@@ -184,6 +211,14 @@ def test_anthropic_bad_input(client, body, status):
     session = new_session(client)
     assert_anthropic_error(post(client, f"/s/{session}/v1/messages", body), status)
     good = post(client, f"/s/{session}/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": USER})
+    assert good.status_code == 200, good.text
+
+
+@pytest.mark.parametrize(("body", "status"), RESPONSES_CASES)
+def test_responses_bad_input(client, body, status):
+    session = new_session(client)
+    assert_openai_error(post(client, f"/s/{session}/v1/responses", body), status)
+    good = post(client, f"/s/{session}/v1/responses", {"model": "tiny", "input": "hi"})
     assert good.status_code == 200, good.text
 
 

@@ -65,7 +65,7 @@ def check_tool_name(name: str) -> str:
 
 
 def check_json_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
-    if schema is not None and schema.get("type", "object") != "object":
+    if schema is not None and not (isinstance(schema, dict) and schema.get("type", "object") == "object"):
         raise ValueError(f"a tool's parameter schema must be a JSON schema of type 'object', got {schema!r}")
     return schema
 

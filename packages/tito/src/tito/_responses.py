@@ -170,16 +170,20 @@ def _add_item(conversation: list[dict], item: dict, where: str) -> None:
 def _content(content: Any, where: str) -> str | list[dict]:
     if isinstance(content, str) or content is None:
         return content or ""
+    if not isinstance(content, list):
+        raise ProtocolError(400, f"{where}.content: a string or a list of parts", param=where)
     parts = []
     for index, part in enumerate(content):
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text"):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(part.get("text", ""), str):
             parts.append({"type": "text", "text": part.get("text", "")})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
             raise ProtocolError(
-                400, f"{where}.content[{index}].type {kind!r}: text and input_image parts only", param=where
+                400,
+                f"{where}.content[{index}]: text parts (a string `text`) and input_image parts only",
+                param=where,
             )
     return parts if any(part["type"] == "image_url" for part in parts) else message_text(parts)
 
