@@ -146,6 +146,11 @@ ANTHROPIC_CASES = [
         400,
         id="system-text-not-a-string",
     ),
+    pytest.param(
+        {"model": "tiny", "max_tokens": 4, "messages": USER, "output_config": {"format": "json"}},
+        400,
+        id="format-not-an-object",
+    ),
 ]
 RESPONSES_CASES = [
     pytest.param({"model": "tiny", "input": [{"role": "user", "content": 5}]}, 400, id="content-not-text"),
@@ -172,6 +177,9 @@ RESPONSES_CASES = [
         {"model": "tiny", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": 5}]},
         400,
         id="tool-schema-not-an-object",
+    ),
+    pytest.param(
+        {"model": "tiny", "input": "hi", "text": {"format": "json"}}, 400, id="format-not-an-object"
     ),
 ]
 

@@ -179,6 +179,8 @@ def structured_outputs(
     constraints = [f"tool_choice {forced_by!r}"] if forced else []
     structured: dict | None = None
     response_format = response_format or {}
+    if not isinstance(response_format, dict):
+        raise ProtocolError(400, f"{where}: an object with a `type`, got {response_format!r}", param=where)
     kind = response_format.get("type", "text")
     if kind == "json_object":
         structured = {"json_object": True}
