@@ -126,3 +126,24 @@ async def test_a_second_delete_waiting_on_a_running_turn_hears_the_session_ended
     first, second = replies
     assert first.status_code == 200
     assert second.status_code == 404 and "was ended" in second.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_idle_time_counts_from_the_end_of_the_last_request(fake_engine, tiny_model_dir, stream):
+    served = tito_over(fake_engine, tiny_model_dir, idle_timeout=60.0)
+    client = client_of(create_app(served))
+    session = (await client.post("/sessions")).json()
+    replies = []
+
+    async def turn():
+        body = {**BODY, "stream": stream}
+        replies.append(await client.post(f"/s/{session['id']}/v1/chat/completions", json=body))
+
+    came = time.monotonic()
+    # The request comes now and is served once the session is free: it ends 0.3 s after it came.
+    async with anyio.create_task_group() as group, served.sessions[session["id"]].lock:
+        group.start_soon(turn)
+        await anyio.sleep(0.3)
+    assert replies[0].status_code == 200
+    assert served.expire_idle(now=came + 60.1) == []  # 60 s after the request came, not after it ended
+    assert served.expire_idle(now=time.monotonic() + 60.1) == [session["id"]]

@@ -64,11 +64,14 @@ async def whole(turn: ChatTurn, reply_message) -> None:
     """A turn answered in one body (`turn.parsed`). It is committed only if the client is still there to
     receive it."""
     async with turn.session.lock:
-        await turn.start(stream=False)
-        async for _ in turn.deltas():  # `parsed` holds the whole reply once this ends
-            pass
-        if not _disconnected(turn.request.receive):
-            turn.commit(reply_message(turn.parsed))
+        try:
+            await turn.start(stream=False)
+            async for _ in turn.deltas():  # `parsed` holds the whole reply once this ends
+                pass
+            if not _disconnected(turn.request.receive):
+                turn.commit(reply_message(turn.parsed))
+        finally:
+            turn.session.last_used = time.monotonic()  # idle from the end of its last request
 
 
 def _disconnected(receive) -> bool:
@@ -106,6 +109,7 @@ async def stream(turn: ChatTurn, events: AsyncIterator[str], error_event) -> Str
         except (EngineUnavailable, ExpansionMismatch) as error:
             yield error_event(f"{error}; the turn was not captured: retry it")
         finally:
+            turn.session.last_used = time.monotonic()  # idle from the end of its last request
             lock.release()
 
     return StreamingResponse(body(), media_type="text/event-stream")

@@ -44,7 +44,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # The Responses API's recent responses (their conversations), which `previous_response_id` may name.
     responses: OrderedDict[str, list[dict]] = field(default_factory=OrderedDict)
-    last_used: float = field(default_factory=time.monotonic)  # when a request last named it
+    last_used: float = field(default_factory=time.monotonic)  # when a request last came or ended
     committed: bool = False  # whether its last chat request committed its turn (`ChatTurn`'s `retry`)
 
     @property
