@@ -44,6 +44,15 @@ def test_a_retry_replaces_the_previous_reply_instead_of_duplicating():
     assert capture.replies == [[9]]
 
 
+def test_a_retry_of_a_turn_that_sampled_nothing_replaces_its_turn():
+    capture = Capture("s")
+    capture.commit_turn([1, 2], [], Generation([], [], finish_reason="abort"))
+    capture.commit_turn([1, 2], [], Generation([9], [-0.4]), retry=True)
+    trajectory = capture.trajectory()
+    assert trajectory.segments[0].token_ids == [1, 2, 9]
+    assert [(turn.start, turn.num_sampled, turn.finish_reason) for turn in trajectory.turns] == [(2, 1, None)]
+
+
 def test_a_resample_is_kept_and_a_conversation_goes_on_from_the_reply_it_kept():
     """The same prompt again without `retry` is a second sample: a segment of its own. A prompt that goes
     on from the first sample extends the first segment, so the reply the agent kept is trained."""

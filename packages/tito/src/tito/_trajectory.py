@@ -205,7 +205,7 @@ class Capture:
             self.segments.append(Segment())
             self._routes.append(None)
         segment, new = self.segments[index], prompt_ids[keep:]
-        if keep < len(segment.token_ids):  # a retry: the reply it replaces goes
+        if self._retries(prompt_ids, images, retry):  # the reply it replaces goes, even one of no tokens
             self.turns.pop()
             for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
                 del field[keep:]
@@ -229,13 +229,17 @@ class Capture:
     def _place(self, prompt_ids: list[int], images: Sequence[ImageSpan], retry: bool) -> tuple[int, int]:
         """Where a turn with this prompt goes: (segment index, how many of its tokens stay), the index
         past the last segment for a new one. Checks the current segment first: the common case."""
-        if retry and (prompt_ids, list(images)) == self._turn_prompt:
+        if self._retries(prompt_ids, images, retry):
             return self._current, len(prompt_ids)
         order = [self._current, *(i for i in reversed(range(len(self.segments))) if i != self._current)]
         for index in order:
             if self._extends(self.segments[index], prompt_ids, images):
                 return index, len(self.segments[index].token_ids)
         return len(self.segments), 0
+
+    def _retries(self, prompt_ids: list[int], images: Sequence[ImageSpan], retry: bool) -> bool:
+        """Whether the turn is a retry of the last one: its prompt again, with `retry`."""
+        return retry and (prompt_ids, list(images)) == self._turn_prompt
 
     @staticmethod
     def _extends(segment: Segment, prompt_ids: list[int], images: Sequence[ImageSpan]) -> bool:
