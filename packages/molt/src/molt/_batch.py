@@ -161,10 +161,10 @@ class TrainBatch:
         A window holds whole rollouts (`rows_per_rollout`: consecutive rows per rollout, a compacted
         episode's segments), drawn by a permutation seeded by `seed` (the run's seed and the step): not
         in completion order, where window 1 (ratio 1, never clipped) would always hold the groups that
-        finished first, the short ones, and the trust region would act on the long ones only."""
+        finished first, the short ones, and the trust region would act on the long ones only. A batch of
+        fewer rollouts than `count` (a used-up dataset's last) gets one window per rollout."""
         num_rollouts = len(rows_per_rollout)
-        if not 1 <= count <= num_rollouts:
-            raise ValueError(f"{num_rollouts} rollouts split into 1..{num_rollouts} windows, not {count}")
+        count = min(count, num_rollouts)
         starts = [0, *itertools.accumulate(rows_per_rollout)]
         order = random.Random(repr(tuple(seed))).sample(range(num_rollouts), num_rollouts)
         bounds = [round(i * num_rollouts / count) for i in range(count + 1)]

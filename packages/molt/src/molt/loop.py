@@ -93,10 +93,8 @@ async def run_steps(config: Config, run: Run) -> None:
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
         rows_R = torch.tensor([len(rollout.segments) for rollout in rollouts])  # training rows per rollout
         scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config)
-        # windows of whole rollouts, in a random order seeded by the run's seed and the step; fewer in a
-        # used-up dataset's last batch, which may have fewer rollouts than --train.mini_batches
-        num_windows = min(config.train.mini_batches, len(rollouts))
-        parts = scored.batch.windows(num_windows, rows_R.tolist(), (config.train.seed, step))
+        # windows of whole rollouts, in a random order seeded by the run's seed and the step
+        parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), (config.train.seed, step))
         windows = [(w, rows) for w, rows in parts if w.num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, scored.policy)]
         if scored.critic is not None:  # the critic's steps run beside the policy's
@@ -112,10 +110,9 @@ async def run_steps(config: Config, run: Run) -> None:
         pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
         broadcast_s = time.monotonic() - broadcast_started
 
-        every, eval_metrics = config.eval.every, {}
+        every = config.eval.every
         evaluating = every and (step % every == 0 or step == last)  # --eval.every, with the new weights
-        if evaluating:  # an engine that comes back meanwhile gets these weights (the actor is idle)
-            eval_metrics = await _bringing_back(evaluate(runner, run.eval_rows, config), run.restarts, step)
+        eval_metrics = await _evaluate(config, run, step) if evaluating else {}
 
         pool_now = pool.stats
         run.log.step(
@@ -273,17 +270,18 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
             )
 
 
-async def _bringing_back(work, restarts: EngineRestarts, version: int):
-    """`work` awaited while the actor is idle with the weights of `version`: an engine up again meanwhile
-    gets them and serves, so the rollouts waiting for it (`molt._rollout`) go on."""
-    task = asyncio.ensure_future(work)
+async def _evaluate(config: Config, run: Run, version: int) -> dict[str, float]:
+    """The evaluation (`molt._metrics.evaluate`) with the weights of `version`, while the actor is idle:
+    an engine up again meanwhile gets them and serves, so the samples waiting for it (`molt._rollout`) go
+    on; a restart past --vllm.max_restarts, or one that failed, stops the run."""
+    evaluating = asyncio.ensure_future(evaluate(run.runner, run.eval_rows, config))
     try:
-        while not (await asyncio.wait({task}, timeout=1.0))[0]:
-            await restarts.bring_back(version)
-            restarts.check()  # a restart past --vllm.max_restarts, or one that failed, stops the run
+        while not (await asyncio.wait({evaluating}, timeout=1.0))[0]:
+            await run.restarts.bring_back(version)
+            run.restarts.check()
     finally:
-        task.cancel()  # a no-op once it is done
-    return task.result()
+        evaluating.cancel()  # a no-op once it is done
+    return evaluating.result()
 
 
 @contextlib.asynccontextmanager
