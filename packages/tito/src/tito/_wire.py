@@ -39,9 +39,6 @@ class _Connection:
         self.reader, self.writer = reader, writer
         self.idle_since = 0.0
 
-    def close(self) -> None:
-        self.writer.close()
-
 
 class Http1Wire:
     """Engine traffic over keep-alive HTTP/1.1 connections. `timeout`: seconds a reply may keep the
@@ -65,7 +62,7 @@ class Http1Wire:
                 else:
                     data = b"".join([chunk async for chunk in _chunks(connection.reader, chunked, None, [])])
         except BaseException:
-            connection.close()
+            connection.writer.close()
             raise
         self._release(host, port, connection, keep)
         return status, data
@@ -84,19 +81,19 @@ class Http1Wire:
             # What the caller raises while reading (an engine's refusal) reaches it as it was raised.
             yield status, _lines(_chunks(connection.reader, chunked, length, done, self.timeout))
         except BaseException:
-            connection.close()
+            connection.writer.close()
             raise
         self._release(host, port, connection, keep and bool(done))
 
     async def aclose(self) -> None:
         for pool in self._idle.values():
             for connection in pool:
-                connection.close()
+                connection.writer.close()
         self._idle.clear()
 
     def _release(self, host: str, port: int, connection: _Connection, keep: bool) -> None:
         if not keep:
-            connection.close()
+            connection.writer.close()
             return
         connection.idle_since = time.monotonic()
         self._idle.setdefault((host, port), []).append(connection)
@@ -108,7 +105,7 @@ class Http1Wire:
             fresh = time.monotonic() - connection.idle_since < KEEP_IDLE_S
             if fresh and not connection.reader.at_eof():
                 return connection
-            connection.close()
+            connection.writer.close()
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
         return _Connection(reader, writer)
 
