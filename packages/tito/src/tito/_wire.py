@@ -102,8 +102,7 @@ class Http1Wire:
         pool = self._idle.get((host, port), [])
         while pool:
             connection = pool.pop()
-            fresh = time.monotonic() - connection.idle_since < KEEP_IDLE_S
-            if fresh and not connection.reader.at_eof():
+            if time.monotonic() - connection.idle_since < KEEP_IDLE_S and not connection.reader.at_eof():
                 return connection
             connection.writer.close()
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
