@@ -122,9 +122,7 @@ _MAX_KEPT_IMAGES = 64  # processed images an engine client keeps, by hash (each 
 
 def _version(label: str | int) -> int:
     """Trainers label weight versions with integers; vLLM labels its initial weights "default" (0)."""
-    if isinstance(label, int):
-        return label
-    return int(label) if label.lstrip("-").isdigit() else 0
+    return int(label) if str(label).lstrip("-").isdigit() else 0
 
 
 def _generation(reply: _Reply) -> Generation | None:
