@@ -210,7 +210,6 @@ class GroupPool[P, S: _Versioned]:
             self._ready.remove(group)  # by identity (eq=False)
             self._drop_stale(group)
         self._fill()
-        self._changed.set()
 
     @property
     def stats(self) -> PoolStats:
@@ -229,7 +228,6 @@ class GroupPool[P, S: _Versioned]:
         finally:
             self._pauses -= 1
             self._fill()
-            self._changed.set()
 
     async def take(self, n: int) -> list[Group[P, S]]:
         """The first `n` groups to complete, in completion order, leaving out rejected ones (and stale ones,
@@ -307,14 +305,17 @@ class GroupPool[P, S: _Versioned]:
         return held < takes_within_lag * self._batch
 
     def _fill(self) -> None:
+        """Start the groups admission allows, then wake a waiting `take` to look again: what it waits
+        for may have changed (ready, dropped or starved groups, a source that ran out)."""
         while self._state == "open" and not self._pauses and self._admits():
             if (item := self._next_prompt()) is None:
-                return
+                break
             index, prompt = item
             task = asyncio.create_task(self._run_group(index, prompt), name=f"asyncpool-group-{index}")
             self._running[task] = index
             task.add_done_callback(self._on_done)
             self._stats.started += 1
+        self._changed.set()
 
     def _next_prompt(self) -> tuple[int, P] | None:
         if self._requeued:
@@ -374,7 +375,6 @@ class GroupPool[P, S: _Versioned]:
         else:
             self._settle(task.result())
         self._fill()
-        self._changed.set()
 
     def _settle(self, group: Group[P, S]) -> None:
         # Staleness is judged before `keep`: a stale prompt is run again, never filtered away.
