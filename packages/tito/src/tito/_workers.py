@@ -70,19 +70,13 @@ class Forward:
 
             await self.app(scope, receive, closing)
             return
-        owner = self._owner(scope)
+        parts = scope["path"].split("/", 3)  # "", "s" or "sessions", the id, the rest
+        named = scope["type"] == "http" and len(parts) > 2 and parts[1] in ("s", "sessions")
+        owner = session_owner(parts[2], len(self.workers.ports)) if named else None
         if owner is None or owner == self.workers.index:
             await self.app(scope, receive, send)
         else:
             await self._forward(owner, scope, receive, send)
-
-    def _owner(self, scope) -> int | None:
-        if scope["type"] != "http":
-            return None
-        parts = scope["path"].split("/", 3)  # "", "s" or "sessions", the id, the rest
-        if len(parts) < 3 or parts[1] not in ("s", "sessions"):
-            return None
-        return session_owner(parts[2], len(self.workers.ports))
 
     async def _forward(self, owner: int, scope, receive, send) -> None:
         from fastapi import Request
