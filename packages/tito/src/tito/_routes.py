@@ -50,12 +50,11 @@ def chat_route(tito: Tito, model: type[ChatBody], handle: Handler):
 
 def session_of(tito: Tito, session_id: str) -> Session:
     """The live session `session_id` names (marked used now), or a 404 saying why there is none."""
-    if session_id not in tito.sessions:
+    if (session := tito.sessions.get(session_id)) is None:
         if session_id in tito.ended:
             why = f"session {session_id!r} {tito.ended[session_id]} and cannot continue"
             raise ProtocolError(404, f"{why}: create a new one with POST /sessions", "not_found")
         raise ProtocolError(404, f"no session {session_id!r}: create one with POST /sessions", "not_found")
-    session = tito.sessions[session_id]
     session.last_used = time.monotonic()
     return session
 
