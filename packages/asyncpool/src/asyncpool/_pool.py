@@ -147,16 +147,12 @@ class GroupPool[P, S: _Versioned]:
         max_requeues: int = 16,
         cost: Callable[[S], float] | None = None,
     ) -> None:
-        for name, value, low in (
-            ("group_size", group_size, 1),
-            ("depth", depth, 1),
-            ("max_requeues", max_requeues, 1),
-        ):
+        at_least: dict[str, tuple[float, int]]  # each number: its value, and the least it may be
+        at_least = {"group_size": (group_size, 1), "depth": (depth, 1), "max_requeues": (max_requeues, 1)}
+        at_least |= {"max_lag": (max_lag, 0), "retries": (retries, 0), "retry_delay": (retry_delay, 0)}
+        for name, (value, low) in at_least.items():
             if value < low:
                 raise ValueError(f"GroupPool needs {name} >= {low}, got {value}")
-        for name, number in (("max_lag", max_lag), ("retries", retries), ("retry_delay", retry_delay)):
-            if number < 0:
-                raise ValueError(f"GroupPool needs {name} >= 0, got {number}")
         self.group_size, self.depth, self.max_lag, self.retries = group_size, depth, max_lag, retries
         if stale not in ("drop", "keep"):
             raise ValueError(f"GroupPool needs stale='drop' or stale='keep', got {stale!r}")
