@@ -176,29 +176,27 @@ def structured_outputs(
     that `forced_by` (the request's tool choice; None: not forced) forces, of tool `name` (None: any
     offered), or an OpenAI-style response format at `where` in the request (`text`: none)."""
     forced = forced_tool_call(tools, name) if tools and forced_by is not None else None
-    constraints = [f"tool_choice {forced_by!r}"] if forced else []
-    structured: dict | None = None
     response_format = response_format or {}
     if not isinstance(response_format, dict):
         raise ProtocolError(400, f"{where}: an object with a `type`, got {response_format!r}", param=where)
     kind = response_format.get("type", "text")
+    if kind == "text":
+        return forced, [f"tool_choice {forced_by!r}"] if forced else []
     if kind == "json_object":
-        structured = {"json_object": True}
+        structured: dict[str, Any] = {"json_object": True}
     elif kind == "json_schema":
         spec = response_format.get("json_schema", response_format)  # chat nests it; responses does not
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise ProtocolError(400, f"{where}: a json_schema format needs a `schema` object", param=where)
         structured = {"json": schema}
-    elif kind != "text":
+    else:
         raise ProtocolError(
             400, f"{where}: type {kind!r} is not supported (text, json_object, json_schema)", param=where
         )
-    if structured is not None:
-        constraints.append(f"{where} {kind!r}")
-    if forced and structured:
+    if forced:
         raise ProtocolError(400, f"tool_choice and {where} both constrain the reply: send one")
-    return forced or structured, constraints
+    return structured, [f"{where} {kind!r}"]
 
 
 def logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
