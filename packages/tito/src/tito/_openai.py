@@ -108,11 +108,6 @@ class ChatRequest(ChatBody):
             raise ValueError('a tool_choice object is {"type": "function", "function": {"name": ...}}')
         return choice
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, stop: str | list[str] | None) -> list[str] | None:
-        return [stop] if isinstance(stop, str) else stop
-
     @model_validator(mode="after")
     def _roles(self) -> ChatRequest:
         check_role_order([m.role for m in self.messages], [bool(m.tool_calls) for m in self.messages])
@@ -140,7 +135,7 @@ class ChatRequest(ChatBody):
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": bias,
             "max_tokens": self.max_completion_tokens or self.max_tokens,
-            "stop": self.stop,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "seed": self.seed,
             "structured_outputs": structured,
         }
