@@ -203,22 +203,19 @@ def _check_order(conversation: list[dict]) -> None:
 
 
 def output_items(parsed: ParsedReply, message_id: str) -> list[dict]:
-    items = []
-    if parsed.content:
-        text = {"type": "output_text", "text": parsed.content, "annotations": [], "logprobs": []}
-        items.append(_message_item(message_id, "completed", [text]))
-    for call in parsed.tool_calls:
-        items.append(
-            {
-                "type": "function_call",
-                "id": "fc_" + call["id"].removeprefix("call_"),
-                "call_id": call["id"],
-                "name": call["name"],
-                "arguments": json.dumps(call["arguments"]),
-                "status": "completed",
-            }
-        )
-    return items
+    text = {"type": "output_text", "text": parsed.content, "annotations": [], "logprobs": []}
+    message = [_message_item(message_id, "completed", [text])] if parsed.content else []
+    return message + [
+        {
+            "type": "function_call",
+            "id": "fc_" + call["id"].removeprefix("call_"),
+            "call_id": call["id"],
+            "name": call["name"],
+            "arguments": json.dumps(call["arguments"]),
+            "status": "completed",
+        }
+        for call in parsed.tool_calls
+    ]
 
 
 def _message_item(message_id: str, status: str, content: list[dict]) -> dict:
