@@ -190,12 +190,9 @@ def _content(content: Any, where: str) -> str | list[dict]:
 
 def _check_order(conversation: list[dict]) -> None:
     for position, message in enumerate(conversation):
-        if message["role"] == "tool":
-            previous = conversation[position - 1] if position else {}
-            if not (previous.get("role") == "tool" or previous.get("tool_calls")):
-                raise ProtocolError(
-                    400, "a function_call_output must follow its function_call", param="input"
-                )
+        previous = conversation[position - 1] if position else {}
+        if message["role"] == "tool" and not (previous.get("role") == "tool" or previous.get("tool_calls")):
+            raise ProtocolError(400, "a function_call_output must follow its function_call", param="input")
     if not conversation or conversation[-1]["role"] not in ("user", "tool"):
         raise ProtocolError(
             400, "input must end with a user message or a function_call_output", param="input"
