@@ -297,9 +297,7 @@ async def stream_events(
         yield event("response.function_call_arguments.done", **at_call, **done)
         yield event("response.output_item.done", output_index=position, item=item)
     body = response_body(request, response_id, model, items, turn)
-    yield event(
-        "response.completed" if body["status"] == "completed" else "response.incomplete", response=body
-    )
+    yield event(f"response.{body['status']}", response=body)  # response.completed or response.incomplete
     turn.commit(turn.parsed.message())
     remember(turn.parsed)
 
