@@ -132,11 +132,9 @@ class MessagesRequest(ChatBody):
         if config:  # effort and other hints: the model has no such control here
             fields["output_config"] = config
             notes.append(f"output_config {sorted(config)}: no equivalent in this model; not applied")
-        thinking = None
-        if self.thinking is not None:
-            thinking = self.thinking.get("type") != "disabled"
-            if "budget_tokens" in self.thinking:
-                notes.append("thinking.budget_tokens: not enforced (max_tokens bounds the whole reply)")
+        thinking = None if self.thinking is None else self.thinking.get("type") != "disabled"
+        if "budget_tokens" in (self.thinking or {}):
+            notes.append("thinking.budget_tokens: not enforced (max_tokens bounds the whole reply)")
         sampling = {
             "temperature": self.temperature,
             "top_p": self.top_p,
