@@ -289,9 +289,7 @@ def merge_system_messages(messages: list[dict]) -> list[dict]:
 
 def _tools_key(tools: list[dict] | None, switches: dict | None = None) -> str:
     """What else the rendering depends on: the tools and the template switches."""
-    if not (tools or switches):
-        return ""
-    return json.dumps([tools, switches or {}], sort_keys=True)
+    return json.dumps([tools, switches or {}], sort_keys=True) if tools or switches else ""
 
 
 @dataclass
