@@ -156,8 +156,7 @@ def _add_item(conversation: list[dict], item: dict, where: str) -> None:
         else:
             conversation.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":
-        output = item.get("output")
-        text = output if isinstance(output, str) else message_text(_content(output, where))
+        text = message_text(_content(item.get("output"), where))
         conversation.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
     else:
         raise ProtocolError(
