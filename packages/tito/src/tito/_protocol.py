@@ -111,8 +111,7 @@ def forced_tool_call(tools: list[dict], name: str | None) -> dict:
         raise ProtocolError(400, f"tool_choice names {name!r}, which is not among the tools")
     alternatives = []
     for function in functions:
-        has_args = bool((function.get("parameters") or {}).get("properties"))
-        arguments = _FLAT_OBJECT if has_args else r"\{\}"
+        arguments = _FLAT_OBJECT if (function.get("parameters") or {}).get("properties") else r"\{\}"
         alternatives.append(rf'"{re.escape(function["name"])}", "arguments": {arguments}')
     return {"regex": r'<tool_call>\{"name": (' + "|".join(alternatives) + r")\}</tool_call>"}
 
