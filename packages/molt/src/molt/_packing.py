@@ -116,12 +116,7 @@ def _fewest_bins(
 
 
 def plan_micro_batches(
-    lengths: Sequence[int],
-    *,
-    num_ranks: int,
-    budget: int,
-    packed: bool = True,
-    together: Together = (),
+    lengths: Sequence[int], *, num_ranks: int, budget: int, packed: bool = True, together: Together = ()
 ) -> list[list[list[int]]]:
     """Row indices per rank, per micro-batch: every rank the same number of micro-batches (some may be
     empty), each within `budget` (packed: the rows' tokens; padded: rows x the longest), as few as the
