@@ -124,12 +124,7 @@ ESTIMATORS = {fn.__name__: fn for fn in (reinforce, rloo, grpo, dr_grpo, reinfor
 
 
 def gae(
-    token_rewards: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    gamma: float,
-    lam: float,
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation (Schulman et al. 2016, Eq. 16), over trainable tokens only.
 

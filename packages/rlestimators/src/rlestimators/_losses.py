@@ -202,12 +202,7 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor
 
 
 def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip: float,
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, clip: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped value loss of PPO implementations (OpenAI baselines' ppo2; Engstrom et al. 2020,
     "Implementation Matters in Deep RL", §3): per token 0.5 * max((V - R)^2, (V_clip - R)^2) with
