@@ -44,9 +44,7 @@ class FullParams:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, param, lora in self._sources():
-            tensor = _gather(param)
-            if lora is not None:
-                tensor = _merged(tensor, lora)
+            tensor = _gather(param) if lora is None else _merged(_gather(param), lora)
             yield name, tensor if self.dtype is None else tensor.to(self.dtype)
 
     def _sources(self) -> Iterator[tuple[str, torch.nn.Parameter, torch.nn.Module | None]]:
