@@ -234,8 +234,7 @@ class ModelRank:
             values_BT = compute(mb).float().cpu()
             if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
                 num_cols = values_BT.shape[1]
-                inside_BT = torch.arange(num_cols) < mb.lengths_B[:, None]
-                out_BT[rows, :num_cols] = values_BT * inside_BT
+                out_BT[rows, :num_cols] = values_BT * (torch.arange(num_cols) < mb.lengths_B[:, None])
         self._count_pass(batch, started, backward=False)
         return out_BT
 
