@@ -141,8 +141,8 @@ def last_token_rewards(mask_BT: torch.Tensor, rewards_B: torch.Tensor) -> torch.
     """[B, T] token rewards for GAE: each row's reward on its last trainable token, 0 elsewhere. Every
     segment of a compacted rollout gets the rollout's reward (as every segment shares an outcome
     advantage); a segment's value after its last token is 0, so segments do not bootstrap each other."""
-    num_cols = mask_BT.shape[1]
-    last_B = ((mask_BT != 0) * torch.arange(1, num_cols + 1)).argmax(dim=1)  # the last trainable column
+    # each row's last trainable column: the largest of its trainable columns' numbers 1..T
+    last_B = ((mask_BT != 0) * torch.arange(1, mask_BT.shape[1] + 1)).argmax(dim=1)
     rewards_BT = torch.zeros_like(mask_BT)
     rewards_BT[torch.arange(len(rewards_B)), last_B] = rewards_B * (mask_BT.sum(dim=1) > 0)
     return rewards_BT
