@@ -87,20 +87,16 @@ def _check_machine(config: Config) -> None:
             "ranks (each would train the whole row, scaling its gradient by cp_size; AutoModel splits them "
             "only with Transformer Engine attention); pass --fsdp.cp_size 1"
         )
-    changed = [path for path in _CUDA_ONLY if field_value(config, path) != leaves()[path].default]
+    changed = [path for path, leaf in leaves().items() if field_value(config, path) != leaf.default]
     # Every --vllm.* flag but these configures the engines molt starts. --vllm.placement also places the
     # actor groups and picks the refit's path to attached engines (auto is decided with them, below).
     attached_too = ("vllm.urls", "vllm.max_model_len", "vllm.placement")
-    engines = [path for path in leaves() if path.startswith("vllm.") and path not in attached_too]
-    engine_flag = next(
-        (path for path in engines if field_value(config, path) != leaves()[path].default), None
-    )
-    if config.vllm.urls and engine_flag:  # attached engines were started with their own flags
+    engine_flags = [path for path in changed if path.startswith("vllm.") and path not in attached_too]
+    if config.vllm.urls and engine_flags:  # attached engines were started with their own flags
         raise ConfigError(
-            f"--{engine_flag} configures engines molt starts; --vllm.urls attaches running ones: drop one"
+            f"--{engine_flags[0]} configures engines molt starts; --vllm.urls attaches running ones: drop one"
         )
-    if changed and not _on_gpu():
-        path = changed[0]
+    if (path := next((flag for flag in _CUDA_ONLY if flag in changed), None)) and not _on_gpu():
         raise ConfigError(f"--{path} needs CUDA, and this machine has none: {_CUDA_ONLY[path]}; drop it")
     if config.actor.shared_prefix == "on" and not config.actor.pack:
         raise ConfigError(
