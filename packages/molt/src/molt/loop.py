@@ -110,9 +110,8 @@ async def run_steps(config: Config, run: Run) -> None:
         pool.version = step  # admission lets the next batch start; --rollout.stale drop drops late groups
         broadcast_s = time.monotonic() - broadcast_started
 
-        every = config.eval.every
-        evaluating = every and (step % every == 0 or step == last)  # --eval.every, with the new weights
-        eval_metrics = await _evaluate(config, run, step) if evaluating else {}
+        # --eval.every, with the new weights
+        eval_metrics = await _evaluate(config, run, step) if _due(config.eval.every, step, last) else {}
 
         pool_now = pool.stats
         run.log.step(
@@ -143,9 +142,14 @@ async def run_steps(config: Config, run: Run) -> None:
         pool_before = pool_now
         if startup is not None:
             progress(startup.line())
-        every = config.ckpt.every
-        if every and (step % every == 0 or step == last):  # --ckpt.every: actor, optimizer, loop state
+        if _due(config.ckpt.every, step, last):  # --ckpt.every: actor, optimizer, loop state
             await asyncio.to_thread(save_checkpoint, config, run, step)
+
+
+def _due(every: int, step: int, last: int) -> bool:
+    """Whether `--eval.every` or `--ckpt.every` falls on `step`: every `every` steps, and the last; never
+    with 0."""
+    return every > 0 and (step % every == 0 or step == last)
 
 
 # Zero in a batch's first window, whose ratio to the old policy (its value to the old values) is 1.
