@@ -121,10 +121,10 @@ def bound_error(where: str, path: str, shown: Any) -> str:
 
 
 def help_bound(path: str) -> str:
-    """The bound `molt train --help` shows beside the field's type: `> 0`, `each > 0`; empty for none."""
+    """The bound `molt train --help` shows after the field's type: ` (> 0)`, ` (each > 0)`; empty for none."""
     number, how = _number(leaves()[path].type)
     bound = _bound(number) if number is not None else ""
-    return f"each {bound}" if bound and how == "each" else bound
+    return f" ({'each ' if how == 'each' else ''}{bound})" if bound else ""
 
 
 def field_value(config: Config, path: str) -> Any:

@@ -58,12 +58,10 @@ def _flag_value(value: Any) -> str:
 def flag_help() -> list[tuple[str, str, str, str]]:
     """`(flag, type, default, help)` for every dotted flag, in definition order; the type with its bound,
     if any (`float (> 0)`)."""
-    rows = []
-    for path, leaf in leaves().items():
-        bound = help_bound(path)
-        shown = f"{type_name(leaf.type)} ({bound})" if bound else type_name(leaf.type)
-        rows.append((f"--{path}", shown, _flag_value(leaf.default), leaf.doc))
-    return rows
+    return [
+        (f"--{path}", type_name(leaf.type) + help_bound(path), _flag_value(leaf.default), leaf.doc)
+        for path, leaf in leaves().items()
+    ]
 
 
 # Flags that were renamed: the old name fails, saying what to pass instead.
