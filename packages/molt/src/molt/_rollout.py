@@ -91,7 +91,6 @@ class RolloutRunner:
         self.config = config
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
-        self.renderer = tito.renderer
         # logged as agent/<kind>; engine_unavailable: rollouts lost because their engine stopped answering
         self.failures = {"raised": 0, "timed_out": 0, "nonfinite_reward": 0, "engine_unavailable": 0}
 
@@ -100,7 +99,7 @@ class RolloutRunner:
         try:
             async with asyncio.timeout(self.config.agent.timeout):
                 rollout = await episode(next(self.hosts), row, index)
-            images = self.renderer.images
+            images = self.tito.renderer.images
             if images is not None and images.image_token_id in rollout.sampled:
                 raise ValueError(
                     "the policy sampled an image placeholder token; the trainer's model would read it as "
@@ -162,7 +161,7 @@ class RolloutRunner:
                 sampled += generation.token_ids
                 text = self.tito.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                 reply = {"role": "assistant", "content": text}
-                closing = self.renderer.closing_ids(generation.token_ids)
+                closing = self.tito.renderer.closing_ids(generation.token_ids)
                 session.chat.record(messages, tools, prompt, reply, closing)
                 messages.append(reply)
                 result: Result = await host.step(session.id, text)
@@ -183,8 +182,8 @@ class RolloutRunner:
         (`--data.apply_chat_template false`: the observation is rendered text, tokenized as it is)."""
         capture = session.capture
         if self.config.data.apply_chat_template:
-            return session.chat.prompt(self.renderer, capture.tokens, messages, tools, capture.images)
+            return session.chat.prompt(self.tito.renderer, capture.tokens, messages, tools, capture.images)
         if not isinstance(observation, str):
             raise ValueError("with --data.apply_chat_template false an Env observation must be rendered text")
         closing = session.chat.closing if capture.tokens else []
-        return Prompt(capture.tokens + closing + self.renderer.encode(observation), list(capture.images))
+        return Prompt(capture.tokens + closing + self.tito.renderer.encode(observation), list(capture.images))
