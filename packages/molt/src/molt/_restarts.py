@@ -84,8 +84,9 @@ class EngineRestarts:
             raise self.failure
 
     async def bring_back(self, version: int) -> None:
-        """Refit the engines that are up again with the current weights, as `version`, and let them serve.
-        Call only while the policy's actor is idle. One that fails its refit is dead again (`notice`)."""
+        """Refit the engines that are up again with the current weights, as `version`, and let them serve;
+        then `check`: restart what is dead, one that failed its refit too, or raise the failure of a
+        restart. Call only while the policy's actor is idle."""
         from molt._group import EnginesLost
 
         while self.stale:
@@ -97,6 +98,7 @@ class EngineRestarts:
                 continue
             engine.alive = True
             progress(f"vLLM engine {index} is back at {engine.url}, serving the weights of version {version}")
+        self.check()
 
     async def serving(self) -> None:
         """Return once an engine serves, or when none is coming back (nothing to wait for)."""

@@ -199,10 +199,10 @@ async def take(
     try:
         while not (await asyncio.wait({taking}, timeout=1.0))[0]:
             problem = None
-            await restarts.bring_back(pool.version)  # the weights the pool's groups are sampled with
-            # then restart what is dead (one that died again while brought back too): a restart past
-            # --vllm.max_restarts, or one that failed, stops the run
-            restarts.check()
+            # the weights the pool's groups are sampled with; then what is dead restarts (one that died
+            # again while brought back too), and a restart past --vllm.max_restarts, or one that failed,
+            # stops the run
+            await restarts.bring_back(pool.version)
             stats = pool.stats
             if not any(engine.alive for engine in tito.router.engines) and not restarts.coming_back:
                 problem = "no vLLM engine is answering (see engine-*.log in the run dir)"
@@ -282,7 +282,6 @@ async def _evaluate(config: Config, run: Run, version: int) -> dict[str, float]:
     try:
         while not (await asyncio.wait({evaluating}, timeout=1.0))[0]:
             await run.restarts.bring_back(version)
-            run.restarts.check()
     finally:
         evaluating.cancel()  # a no-op once it is done
     return evaluating.result()
