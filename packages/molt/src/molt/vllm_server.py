@@ -56,11 +56,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     machine must not try the same ports in the same order."""
     for _ in range(200):
         port = _PORTS.randrange(20000, 32768)
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
+        with socket.socket() as sock, contextlib.suppress(OSError):  # one taken: draw another
+            sock.bind((host, port))
             return port
     raise RuntimeError(f"no free TCP port found on {host} in 20000-32767")
 
