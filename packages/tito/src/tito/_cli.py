@@ -33,7 +33,7 @@ def serve(
     idle_timeout: Annotated[
         float | None,
         typer.Option(
-            help="End (and dump) a session this many seconds after its last request; more than 0 "
+            help="End (and dump) a session this many seconds after its last request ended; more than 0 "
             "(default: never)."
         ),
     ] = None,

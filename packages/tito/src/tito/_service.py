@@ -66,7 +66,7 @@ class Tito:
     trajectory. `fixed_sampling`: sampling parameters that apply to every turn whatever a client asks (a
     trainer fixes temperature and top_p so that its logprobs match the engine's); a `max_tokens` there
     caps each turn. `engine_transport`: an httpx transport for engine traffic (tests put a fake engine
-    there). `idle_timeout`: seconds (more than 0) after its last request at which a session not in
+    there). `idle_timeout`: seconds (more than 0) after its last request ended at which a session not in
     a request is ended (and dumped); None keeps sessions until they are ended. `max_sessions`: live
     sessions at most (at least 1; None: no cap); a new one past it raises `TooManySessions`. `worker`:
     (index, count) of this process among `tito serve --workers` processes; its sessions get the ids
