@@ -159,13 +159,10 @@ async def _chunks(reader, chunked: bool, length: int | None, done: list, timeout
 
 def _chunk_size(line: bytes) -> int:
     """A chunk's size line (hex digits, maybe extensions after `;`); anything else is a broken reply."""
-    try:
-        size = int(line.split(b";", 1)[0], 16)
-        if size < 0:  # `int` reads a sign, which no chunk size has
-            raise ValueError(f"negative chunk size {size}")
-        return size
-    except ValueError as error:
-        raise ConnectionError(f"malformed chunk size {line[:40]!r}") from error
+    with contextlib.suppress(ValueError):
+        if (size := int(line.split(b";", 1)[0], 16)) >= 0:  # `int` reads a sign, which no chunk size has
+            return size
+    raise ConnectionError(f"malformed chunk size {line[:40]!r}")
 
 
 async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
