@@ -149,3 +149,36 @@ def test_an_exception_mid_run_stops_the_run_and_leaves_an_attached_engine_servin
     assert "the dataset's disk went away" in result.stderr
     assert (run_dir / "metrics.jsonl").read_text().count("\n") >= 1  # it trained before the failure
     assert httpx.get(f"{molt_engine.url}/is_paused", timeout=10).json() == {"is_paused": False}
+
+
+FINITE_DATA_AGENT = """
+from molt.recipes.copy_word import AgentRunner, dataset as words
+
+
+def dataset(seed):
+    rows = words(seed)
+    for _ in range(5):
+        yield next(rows)
+"""
+
+
+def test_a_used_up_dataset_ends_the_run_with_its_last_step_checkpointed(
+    tmp_path, tiny_model_dir, molt_engine, ray_cluster
+):
+    """Five rows, two groups a step: steps 1 and 2 take two each, step 3 the last one, and step 4 finds the
+    dataset used up. The run ends cleanly, and its last step, on which --ckpt.every 5 did not fall, is
+    checkpointed: no trained step is lost."""
+    agent = tmp_path / "finite_data.py"
+    agent.write_text(FINITE_DATA_AGENT)
+    run_dir = tmp_path / "run"
+    args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--agent.module", str(agent),
+            "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
+            "--ray.address", ray_cluster.address, "--logger.tensorboard", "false", "--train.num_steps", "10",
+            "--rollout.prompts_per_step", "2", "--rollout.group_size", "2", "--ckpt.every", "5"]  # fmt: skip
+    result = subprocess.run(args, capture_output=True, text=True, timeout=900, env=ray_cluster.env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "the dataset is used up" in result.stderr
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert sorted(path.name for path in (run_dir / "checkpoints").glob("step_*")) == ["step_000003"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"
