@@ -8,9 +8,12 @@ import threading
 import pytest
 import torch
 
+import refit
 from refit import ParamSpec
+from refit._buckets import bucket_nbytes, plan_buckets, unpack_bucket
 from refit._delta import ABORTED, FULL, SPARSE, DeltaIncoming, apply_patch, bucket_unit, diff_into
-from refit._transport import VerifyError, checksum
+from refit._run import Run
+from refit._transport import Incoming, ReceiveBuffers, VerifyError, checksum
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -130,3 +133,49 @@ def test_a_stale_base_a_corrupt_patch_and_an_abort_fail_only_their_buckets(pipe)
     assert all("aborted the transfer" in str(out[i]) for i in range(3))
     out = _delta_round(pipe, old, new, [SPARSE, SPARSE, SPARSE], base_ok=True)  # the group is still usable
     assert all(torch.equal(out[i], new[i]) for i in range(3))
+
+
+class _PipeEngine(refit.Engine):
+    """An engine whose `/update_weights` is the gloo receive path, run here on the pipe's engine end."""
+
+    def __init__(self, pipe) -> None:
+        super().__init__("http://pipe")
+        self.channel, self.group = pipe
+        self.buffers, self.got = ReceiveBuffers(), {}
+
+    def update_weights(self, update_info: dict) -> None:
+        names, dtypes, shapes = (update_info[key] for key in ("names", "dtype_names", "shapes"))
+        specs = [ParamSpec.from_json(item) for item in zip(names, dtypes, shapes, strict=True)]
+        plan = plan_buckets(specs, update_info["bucket_bytes"])
+        buffers = self.buffers.carve([bucket_nbytes(specs, bucket) for bucket in plan])
+        if (base := update_info["delta_base"]) is None:
+            incoming = Incoming(self.group, buffers)
+        else:
+            units = [bucket_unit([specs[i] for i in bucket]) for bucket in plan]
+            incoming = DeltaIncoming(self.group, buffers, units, self.buffers.token == base)
+        try:
+            for index, bucket in enumerate(plan):
+                tensors = unpack_bucket(incoming.wait(index), [specs[i] for i in bucket])
+                self.got.update((name, tensor.clone()) for name, tensor in tensors)
+        finally:
+            incoming.drain()
+        self.buffers.token = update_info["token"]
+
+
+def test_a_delta_refit_with_a_bucket_of_empty_parameters_keeps_the_stream_aligned(pipe):
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.randn(64))  # 256 bytes: bucket 0
+    model.empty = torch.nn.Parameter(torch.empty(0))  # bucket 1 holds 0 bytes
+    engine = _PipeEngine(pipe)
+    specs = refit.full_params(model).specs
+    plan = plan_buckets(specs, 128)
+    assert [bucket_nbytes(specs, bucket) for bucket in plan] == [256, 0]
+    for step in range(3):  # whole, then patched twice
+        with torch.no_grad():
+            model.weight[step] += 1.0
+        run = Run([engine])
+        run.transfer_delta(refit.full_params(model), specs, plan, 128, token=f"t{step}")
+        assert not run.failures, (step, run.failures)
+        engine.delta_base = f"t{step}"
+        assert torch.equal(engine.got["weight"], model.weight.detach())
+    engine.close()

@@ -11,7 +11,7 @@ elements' int32 indices, then their values; where that is not smaller than the b
 e.g. every fp32 element after an Adam step) the whole bucket goes instead.
 
 The delta stream: one table `[num_buckets, 3]` int64 (kind, payload bytes, CRC-32 of the whole new
-bucket), then each bucket's payload (FULL: the bucket; SPARSE: its patch, unless empty; ABORTED:
+bucket), then each bucket's payload unless empty (FULL: the bucket; SPARSE: its patch; ABORTED:
 nothing). The
 payload sizes vary, so the engine posts its receives once the table has arrived (`DeltaIncoming`),
 all at once as the full stream does. The CRC is that of the bucket the engine will load, patch
@@ -86,9 +86,9 @@ class DeltaIncoming(Incoming):
         self.patches: dict[int, torch.Tensor] = {}
         self.works = []
         for index, (kind, num_bytes, _) in enumerate(self.rows):
-            if kind == FULL and num_bytes == buffers[index].numel():
-                self.works.append((broadcast(group, buffers[index]),))
-            elif kind == SPARSE:  # an empty patch (nothing changed) does not travel
+            if kind == FULL and num_bytes == buffers[index].numel():  # an empty bucket does not travel
+                self.works.append((broadcast(group, buffers[index]),) if num_bytes else ())
+            elif kind == SPARSE:  # an empty patch (nothing changed) does not travel either
                 self.patches[index] = torch.empty(num_bytes, dtype=torch.uint8)
                 self.works.append((broadcast(group, self.patches[index]),) if num_bytes else ())
             else:  # aborted: no payload follows

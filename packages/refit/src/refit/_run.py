@@ -152,7 +152,7 @@ class Run:
     def _send_delta(self, engines, patched, rows, payloads, base_N) -> None:
         began = time.perf_counter()
         table_N3 = torch.tensor(rows, dtype=torch.int64)
-        stream = [payload for payload in payloads if payload.numel()]  # an empty patch stays home
+        stream = [payload for payload in payloads if payload.numel()]  # an empty patch or bucket stays home
         pending = {}
         for engine in engines:
             if engine in patched:
