@@ -24,12 +24,13 @@ class FakeVllm:
         self.seen_ids: list[str] = []
         self.release = asyncio.Event()
 
-    def sampled(self, external_id: str, num_tokens: int) -> None:
-        """vLLM's output processor has counted `num_tokens` for the request."""
+    def sampled(self, external_id: str, num_tokens: int, index: int = 0) -> None:
+        """vLLM's output processor has counted `num_tokens` for choice `index` of the request."""
         detok = SimpleNamespace(num_output_tokens=lambda: num_tokens)
-        self.processor.external_req_ids[external_id] = [external_id + "-int"]
-        state = SimpleNamespace(request_index=0, detokenizer=detok)
-        self.processor.request_states[external_id + "-int"] = state
+        internal_id = f"{index}_{external_id}-int"
+        self.processor.external_req_ids.setdefault(external_id, []).append(internal_id)
+        state = SimpleNamespace(request_index=index, detokenizer=detok)
+        self.processor.request_states[internal_id] = state
 
     async def __call__(self, scope, receive, send) -> None:
         body = (await receive())["body"]
@@ -41,7 +42,8 @@ class FakeVllm:
         num_tokens = request["num_tokens"]
         if not request.get("stream"):
             await self.release.wait()
-            reply = {"choices": [{"index": 0, "token_ids": list(range(num_tokens))}]}
+            lengths = request.get("lengths", [num_tokens])  # one per choice (n > 1)
+            reply = {"choices": [{"index": i, "token_ids": list(range(n))} for i, n in enumerate(lengths)]}
             await _reply(send, 200, json.dumps(reply).encode(), b"application/json")
             return
         stream = [(b"content-type", b"text/event-stream")]
@@ -137,5 +139,30 @@ def test_a_request_not_yet_sampling_at_the_refit_is_all_new_and_a_refused_finish
             fake.release.set()
             reply = await sent
         assert reply.json()["choices"][0]["weight_versions"] == [{"version": "2", "start": 0, "end": 3}]
+
+    asyncio.run(run())
+
+
+def test_a_choice_that_finished_before_the_refit_keeps_the_old_label_while_its_sibling_switches():
+    async def run():
+        fake = FakeVllm()
+        _, client = _client(fake)
+        async with client:
+            sent = asyncio.create_task(
+                client.post("/inference/v1/generate", json={"num_tokens": 0, "lengths": [5, 8]})
+            )
+            while not fake.seen_ids:
+                await asyncio.sleep(0.01)
+            # Choice 0 finished with 5 tokens (vLLM's output processor dropped it), choice 1 sampled 3.
+            fake.sampled(f"generate-tokens-{fake.seen_ids[-1]}", 3, index=1)
+            await client.post("/finish_weight_update", json={"weight_version": "1"})
+            fake.release.set()
+            reply = await sent
+        first, second = reply.json()["choices"]
+        assert first["weight_versions"] == [{"version": "default", "start": 0, "end": 5}]
+        assert second["weight_versions"] == [
+            {"version": "default", "start": 0, "end": 3},
+            {"version": "1", "start": 3, "end": 8},
+        ]
 
     asyncio.run(run())

@@ -20,6 +20,7 @@ is paused has sampled nothing yet: all its tokens carry the new label. It assume
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass, field
 
@@ -39,8 +40,11 @@ class _InFlight:
     switches: list[tuple[dict[int, int], str]] = field(default_factory=list)  # (tokens so far, new label)
 
     def spans(self, index: int, start: int, end: int) -> list[dict]:
-        """Spans over output positions [start, end) of choice `index`."""
-        bounds = [(0, self.label)] + [(counts.get(index, 0), label) for counts, label in self.switches]
+        """Spans over output positions [start, end) of choice `index`. A choice missing from a refit's
+        counts while others of its request are there had finished (vLLM's output processor drops a
+        finished choice): none of its tokens is newer."""
+        switches = [(counts.get(index, math.inf if counts else 0), label) for counts, label in self.switches]
+        bounds = [(0, self.label), *switches]
         spans: list[dict] = []
         for (begin, label), (next_begin, _) in zip(bounds, [*bounds[1:], (end, "")], strict=True):
             lo, hi = max(begin, start), min(next_begin, end)
