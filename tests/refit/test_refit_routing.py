@@ -139,3 +139,22 @@ def test_routes_with_a_column_per_decoder_layer_replay_on_the_moe_layers_only():
     bad = replay.replay(engine_NLK[:, :1])
     with pytest.raises(ValueError, match="one column per router or one per decoder layer"), bad:
         pass
+
+
+@torch.no_grad()
+def test_replaying_its_own_choice_leaves_a_router_that_always_normalises_unchanged():
+    """Mixtral's router renormalises its top-k weights without a `norm_topk_prob` flag."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(4))
+    replay = RoutingReplay(model)
+    with replay.record():
+        recorded_logits = model(ids).logits
+    with replay.replay(replay.recorded):
+        torch.testing.assert_close(model(ids).logits, recorded_logits, rtol=0, atol=0)

@@ -8,7 +8,7 @@ so gradients still reach the router. Rows marked -1 keep the router's own choice
 
 - transformers' `*TopKRouter` modules returning `(logits, scores, indices)` (Qwen3-MoE and relatives):
   a forward hook swaps in the recorded indices and redoes the router's arithmetic on them (softmax,
-  gather, renormalise when the router normalises).
+  gather, renormalise unless the router's `norm_topk_prob` is false).
 - NeMo AutoModel's `Gate` (every AutoModel MoE model: DeepSeek-V3, Qwen3-MoE, GLM-4-MoE, ...): the gate
   itself passes its fresh top-k indices through `self.router_replay.apply(indices)` and gathers its
   weights from whatever comes back (`nemo_automodel.components.moe.router_replay`). We put a handle of
@@ -169,6 +169,6 @@ def _swap(router: torch.nn.Module, output: tuple, tap: _Tap) -> tuple | None:
         return None
     # Same arithmetic as the router's forward, on the chosen experts (weights keep their gradient).
     top_NK = torch.softmax(logits_NE, dim=-1, dtype=torch.float).gather(-1, chosen_NK)
-    if getattr(router, "norm_topk_prob", False):
+    if getattr(router, "norm_topk_prob", True):  # a router without the flag always renormalises (Mixtral)
         top_NK = top_NK / top_NK.sum(dim=-1, keepdim=True)
     return logits_NE, top_NK.to(scores_NK.dtype), chosen_NK
