@@ -238,3 +238,22 @@ def test_an_engine_of_any_backend_whose_check_failed_is_retried_once_then_fails_
     assert run.live == [fine, gloo]
     for engine in (ipc, nccl, gloo, died, fine):
         engine.close()
+
+
+def test_a_trainer_that_fails_mid_transfer_ends_the_ipc_engines_update_which_rolls_back(monkeypatch):
+    """An IPC engine's update stays open between bucket calls: the trainer's abort must end it (vLLM ends
+    an update whose call failed), or the engine keeps half-reloaded layers and refuses every later start."""
+    from refit.vllm_gpu import VerifiedIpcEngine
+
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    plan, packed, _ = _buckets(3)
+    monkeypatch.setattr(refit.vllm_gpu, "_opened", lambda handles, device_index: packed[0])
+    engine = _engine(VerifiedIpcEngine, monkeypatch)
+    channel = IpcChannel(post=lambda info: engine.receive_weights(engine.parse_update_info(info)))
+    channel.begin(SPECS, plan)
+    channel.post(channel.update_info(0, {"GPU-0": ("args",)}, int(device_checksum(packed[0]))))
+    assert engine.last_verify["checked"] == 1 and engine.rolled_back == 0
+    with pytest.raises(ValueError, match="refit_ipc"):  # the engine refuses the end of the stream
+        channel.abort([bucket_nbytes(SPECS, bucket) for bucket in plan[1:]])
+    assert engine.rolled_back == 1
+    channel.pool.shutdown()

@@ -15,7 +15,8 @@ trainer retries it with a full refit (`refit._refit`). Three kinds:
 - ipc (one GPU, our `refit_ipc`: vLLM's CUDA IPC engine plus the check): no group. Each bucket, packed
   into the trainer's GPU buffer, reaches the engine as a CUDA IPC handle in its own `/update_weights`
   call, with the bucket's `device_checksum`; the engine checks, copies and loads it before answering.
-  No abort signal (none is needed: nothing is posted ahead).
+  A trainer that fails mid-transfer makes one call more, an unpacked bucket without a checksum: the
+  engine refuses it and rolls back, which ends vLLM's update (open between calls, layers half reloaded).
 - nccl (GPU, our `refit_nccl`: vLLM's NCCL engine plus the check): vLLM's StatelessProcessGroup +
   PyNcclCommunicator, because the engine side rendezvouses that way. vLLM is imported only here, lazily.
   vLLM's NCCL receiver takes bare buckets, so the trainer's checksums follow the last bucket as one more
@@ -315,7 +316,9 @@ class IpcChannel:
         }
 
     def abort(self, sizes: list[int]) -> None:
-        pass  # nothing is posted ahead: the engine never waits for a bucket that is not sent
+        """End the engine's update, behind the buckets in flight: an unpacked bucket without a checksum,
+        which it refuses, rolling back (this raises its refusal)."""
+        self.pool.submit(self.post, dict(names=[], dtype_names=[], shapes=[], ipc_handles={})).result()
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
