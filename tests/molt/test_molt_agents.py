@@ -10,12 +10,16 @@ import asyncio
 import sys
 from pathlib import Path
 
+import httpx
+import molt_probes as probes
 import msgspec
 import pytest
 
 from asyncpool import GroupPool
 from molt._batch import collate
-from molt._rollout import RolloutRunner
+from molt._dumps import read_rollouts, write_rollouts
+from molt._metrics import rollout_metrics
+from molt._rollout import RolloutRunner, sampling
 from molt._runners import AgentHost, launch_hosts
 from molt._validate import validate
 from molt.config import Agent, Config, Data, Rollout
@@ -171,3 +175,50 @@ def test_the_pool_retries_a_lost_rollout_and_the_run_goes_on(tiny_model_dir, vll
     assert [len(group.samples) for group in groups] == [2, 2]  # whole groups, every reward from a success
     assert all(sample.reward == 1.0 for group in groups for sample in group.samples)
     assert stats.retried == failures["raised"] == 2 and stats.failed == 0
+
+
+NUMBERS = """
+import numpy as np
+from molt import Env, Result
+
+class AgentRunner(Env):
+    def step(self, action):
+        return Result(reward=np.float32(0.5), info={info})
+"""
+
+
+def fake_engine_episode(model_dir, tmp_path, info: str):
+    """One Env episode of an agent returning `info` (source text): the rollout or its error, and the
+    runner. The engine is a fake (`molt_probes.FakeEngine`): what it samples does not matter here."""
+    module = tmp_path / "agent.py"
+    module.write_text(NUMBERS.format(info=info))
+    cfg = config()
+    transport = httpx.MockTransport(probes.FakeEngine())
+    tito = Tito(["http://engine"], model_dir, engine_transport=transport, fixed_sampling=sampling(cfg))
+    runner = RolloutRunner(tito, cfg, [AgentHost(str(module))])
+    row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
+
+    async def run():
+        (result,) = await asyncio.gather(runner(row, 0), return_exceptions=True)
+        await tito.aclose()
+        return result
+
+    return asyncio.run(run()), runner
+
+
+def test_an_agents_numpy_numbers_are_logged_and_dumped_as_floats(tiny_model_dir, tmp_path):
+    rollout, _ = fake_engine_episode(
+        tiny_model_dir, tmp_path, '{"score": np.float64(0.25), "turns": np.int64(1)}'
+    )
+    assert rollout.reward == 0.5 and rollout.info == {"score": 0.25, "turns": 1.0}
+    assert rollout_metrics([rollout], 1)["rollout/score"] == 0.25
+    group = type("Group", (), {"prompt_index": 0, "samples": [rollout]})
+    write_rollouts(tmp_path / "dump", 1, [group], [0])  # the run's --train.rollout_dump_dir
+    (record,) = read_rollouts(tmp_path / "dump")
+    assert record.reward == 0.5 and record.info == {"score": 0.25, "turns": 1.0}
+
+
+def test_an_info_value_that_is_no_number_loses_the_rollout_naming_its_key(tiny_model_dir, tmp_path):
+    error, runner = fake_engine_episode(tiny_model_dir, tmp_path, '{"note": "a string"}')
+    assert isinstance(error, ValueError) and "'note'" in str(error), error
+    assert runner.failures["raised"] == 1

@@ -23,7 +23,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsFloat
 
 from molt._restarts import EngineRestarts
 from molt.agent import Context, Result
@@ -86,9 +86,8 @@ class RolloutRunner:
         api_key: str = "",
         restarts: EngineRestarts | None = None,
     ) -> None:
-        self.tito = tito
-        self.restarts = restarts  # the engines molt restarts, which a failed rollout waits for
-        self.config = config
+        # restarts: the engines molt restarts, which a failed rollout waits for
+        self.tito, self.config, self.restarts = tito, config, restarts
         self.hosts = itertools.cycle(hosts)
         self.chat_url, self.api_key = chat_url, api_key
         # logged as agent/<kind>; engine_unavailable: rollouts lost because their engine stopped answering
@@ -105,6 +104,10 @@ class RolloutRunner:
                     "the policy sampled an image placeholder token; the trainer's model would read it as "
                     "part of an image, so this rollout cannot be trained as sampled (it is retried)"
                 )
+            if bad := {k: v for k, v in rollout.info.items() if not isinstance(v, SupportsFloat)}:
+                raise ValueError(f"Result.info maps names to numbers (logged as rollout/<name>), not {bad}")
+            # Plain floats (as the reward): the trainer's metrics and rollout dumps take no numpy scalars.
+            rollout.info = {key: float(value) for key, value in rollout.info.items()}
         except TimeoutError:
             self.failures["timed_out"] += 1
             raise TimeoutError(f"the agent ran past --agent.timeout {self.config.agent.timeout} s") from None
@@ -148,10 +151,9 @@ class RolloutRunner:
     async def _env_episode(self, host, row: dict, index: int) -> Rollout:
         session = self.tito.new_session()
         tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
-        reward, sampled, info, ended = 0.0, [], {}, False
+        reward, sampled, info, messages, ended = 0.0, [], {}, [], False
         try:
             observation = await host.reset(session.id, row)
-            messages: list[dict] = []
             for turn in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
                 prompt = self._prompt(session, messages, tools, observation)
@@ -165,7 +167,7 @@ class RolloutRunner:
                 session.chat.record(messages, tools, prompt, reply, closing)
                 messages.append(reply)
                 result: Result = await host.step(session.id, text)
-                reward += result.reward
+                reward += float(result.reward)
                 info.update(result.info)
                 observation = result.observation
                 if ended := observation is None:
