@@ -40,5 +40,6 @@ class AgentRunner(ChatAgent):
                 output = run_tool(json.loads(call.function.arguments))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
         client.close()
-        return Result(reward=reward(messages[-1].get("content") or "", sample["answer"]),
+        # The model's last reply is scored (a tool result is not its answer, and may echo an argument).
+        return Result(reward=reward(message.content or "", sample["answer"]),
                       info={"tool_calls": float(tool_calls)})  # fmt: skip

@@ -7,6 +7,7 @@ test's event loop, as in `molt train`; the Ray placement itself is covered by th
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -222,3 +223,35 @@ def test_an_info_value_that_is_no_number_loses_the_rollout_naming_its_key(tiny_m
     error, runner = fake_engine_episode(tiny_model_dir, tmp_path, '{"note": "a string"}')
     assert isinstance(error, ValueError) and "'note'" in str(error), error
     assert runner.failures["raised"] == 1
+
+
+def test_the_openai_example_scores_the_models_answer_not_a_tool_result(tiny_model_dir):
+    """The model calls the calculator on every turn, the last time with the expression `Answer: N` (N the
+    right answer), which the tool's error echoes: the episode ends without an answer, so it earns 0."""
+    from arithmetic import dataset
+    from transformers import AutoTokenizer
+
+    row = next(dataset(0))
+    call = {"name": "calculator", "arguments": {"expression": f"Answer: {row['answer']}"}}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reply = tokenizer.encode(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False)
+
+    def engine(request: httpx.Request) -> httpx.Response:  # every turn samples the same tool call
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake", "max_model_len": 100_000}]})
+        logprobs = {"content": [{"token_id": token, "logprob": -0.5} for token in reply]}
+        choice = {"index": 0, "token_ids": reply, "logprobs": logprobs, "finish_reason": "stop"}
+        return httpx.Response(200, json={"choices": [choice]})
+
+    async def run():
+        tito = Tito(["http://engine"], tiny_model_dir, engine_transport=httpx.MockTransport(engine))
+        async with serve_on_loop(create_app(tito, api_key="key")) as url:
+            runner = RolloutRunner(tito, config(), [AgentHost(str(EXAMPLES / "openai_agent.py"))],
+                                   chat_url=url, api_key="key")  # fmt: skip
+            rollout = await runner(row, 0)
+        await tito.aclose()
+        return rollout
+
+    rollout = asyncio.run(run())
+    assert rollout.info["tool_calls"] == 3.0  # every turn called the tool
+    assert rollout.reward == 0.0
