@@ -205,6 +205,15 @@ def test_settings_may_hold_tuples_and_quoted_text_with_commas():
     assert {op for r in rows for op in "+-*/" if op in r["entry"]["question"]} == {"+", "-"}
 
 
+def test_reasoning_gym_settings_may_be_lists_as_the_tasks_declare_them():
+    agent = load_agent(f"{RG}:basic_arithmetic,operators=['+', '-'],min_terms=2,max_terms=2")  # list[str]
+    rows = first(agent.dataset(0), 40)
+    assert {op for r in rows for op in "+-*/" if op in r["entry"]["question"]} == {"+", "-"}
+    runner = agent.AgentRunner()
+    runner.reset(rows[0])
+    assert runner.step(f"<answer>{rows[0]['entry']['answer']}</answer>").reward == 1.0
+
+
 def test_the_smollm2_reasoning_gym_recipe_asks_single_digit_sums_and_scores_the_bare_sum_1():
     import tomllib
 

@@ -23,7 +23,6 @@ A score that is missing (None) raises, so the rollout is lost and counted, as is
 
 from __future__ import annotations
 
-import functools
 import itertools
 import re
 from collections.abc import Iterator
@@ -44,12 +43,6 @@ def _library():
     return require("reasoning_gym", "reasoning-gym")
 
 
-@functools.cache
-def _scorer(task: str, settings: tuple):
-    """One dataset instance per task and settings, for its `score_answer` (which may read its config)."""
-    return _library().create_dataset(task, seed=0, size=1, **dict(settings))
-
-
 def _rows(task: str, settings: dict, system: str | None, base: int) -> Iterator[dict]:
     for chunk in itertools.count():
         dataset = _library().create_dataset(task, seed=base + chunk * CHUNK, size=CHUNK, **settings)
@@ -62,10 +55,10 @@ def _rows(task: str, settings: dict, system: str | None, base: int) -> Iterator[
 
 
 class ReasoningGymEnv(Env):
-    """One reply, scored by the task's `score_answer`. `task`, `settings`, `answer` are set by `load`."""
+    """One reply, scored by the task's `score_answer`. `task`, `scorer`, `answer` are set by `load`."""
 
     task: str
-    settings: tuple
+    scorer: object  # a dataset of the task and settings, for its `score_answer` (which may read its config)
     answer: str
 
     def reset(self, sample: dict) -> list[dict]:
@@ -81,7 +74,7 @@ class ReasoningGymEnv(Env):
         elif self.answer == "last_number":
             numbers = _NUMBER.findall(action)
             answer = numbers[-1] if numbers else None
-        score = _scorer(self.task, self.settings).score_answer(answer, self.entry)
+        score = self.scorer.score_answer(answer, self.entry)
         if score is None:
             raise ValueError(f"reasoning-gym task {self.task!r} returned no score for the reply {action!r}")
         return Result(reward=float(score), info=info)
@@ -106,18 +99,11 @@ def load(env: str) -> SimpleNamespace:
         )
     system = None if prompt_name == "none" else prompts.get(prompt_name, prompt_name)
     try:
-        _scorer(task, tuple(sorted(settings.items())))[0]  # bad settings fail here, before a run starts
+        scorer = library.create_dataset(task, seed=0, size=1, **settings)
+        scorer[0]  # bad settings fail here, before a run starts
     except (TypeError, ValueError, AssertionError) as error:
         raise ValueError(f"reasoning-gym task {task!r} refused the settings {settings}: {error}") from error
-    runner = type(
-        "AgentRunner",
-        (ReasoningGymEnv,),
-        {
-            "task": task,
-            "settings": tuple(sorted(settings.items())),
-            "answer": answer,
-        },
-    )
+    runner = type("AgentRunner", (ReasoningGymEnv,), {"task": task, "scorer": scorer, "answer": answer})
 
     def dataset(seed: int) -> Iterator[dict]:
         return _rows(task, settings, system, seed % EVAL_SEED_BASE)
