@@ -244,3 +244,20 @@ def test_reasoning_gym_last_number_mode_hands_the_last_number_to_score_answer(re
     runner = agent.AgentRunner()
     runner.reset({"messages": [], "entry": {"question": "What is 4 + 7?", "answer": "11", "metadata": {}}})
     assert runner.step(reply).reward == reward
+
+
+@pytest.mark.parametrize(
+    ("reply", "reward"),
+    [
+        pytest.param("1,234", 1.0, id="thousands"),
+        pytest.param("1000 + 234 = 1,234.", 1.0, id="restated"),
+        pytest.param("1,2345", 0.0, id="not-thousands"),
+    ],
+)
+def test_reasoning_gym_last_number_mode_reads_thousands_separators(reply, reward):
+    agent = load_agent(f"{RG}:basic_arithmetic,answer=last_number")
+    runner = agent.AgentRunner()
+    runner.reset(
+        {"messages": [], "entry": {"question": "What is 1000 + 234?", "answer": "1234", "metadata": {}}}
+    )
+    assert runner.step(reply).reward == reward

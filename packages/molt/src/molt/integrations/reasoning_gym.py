@@ -11,8 +11,8 @@ Settings after the task name are the task's own config fields (`reasoning_gym.cr
   inside `<answer>` tags), `none` for the bare question, or the text itself (it holds a space).
 - `answer`: which part of the reply `score_answer` sees. `tag` (default, reasoning-gym's own rule: the
   last `<answer>...</answer>`; no tag scores as no answer), `reply` (the whole reply, stripped), or
-  `last_number` (the reply's last number, the usual rule for numeric answers; none: no answer). The last
-  two serve models that never learned the tags.
+  `last_number` (the reply's last number, the usual rule for numeric answers, read without its thousands
+  separators: `1,234` is 1234; none: no answer). The last two serve models that never learned the tags.
   With `tag`, `rollout/answered` logs the share of replies that carried one.
 
 Rows: training rows come from the generator seeded from `--data.seed` upward, held-out evaluation rows
@@ -36,7 +36,7 @@ __all__ = ["load"]
 CHUNK = 10_000  # rows per generator instance; the next chunk continues the seeds
 EVAL_SEED_BASE = 2**31
 ANSWER_MODES = ("tag", "reply", "last_number")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|-?\d+(?:\.\d+)?")
 
 
 def _library():
@@ -73,7 +73,7 @@ class ReasoningGymEnv(Env):
             info["answered"] = float(answer is not None)
         elif self.answer == "last_number":
             numbers = _NUMBER.findall(action)
-            answer = numbers[-1] if numbers else None
+            answer = numbers[-1].replace(",", "") if numbers else None
         score = self.scorer.score_answer(answer, self.entry)
         if score is None:
             raise ValueError(f"reasoning-gym task {self.task!r} returned no score for the reply {action!r}")
