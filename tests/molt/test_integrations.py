@@ -80,6 +80,9 @@ def test_reasoning_gym_settings_reach_the_task_and_the_reply_mode_scores_the_who
         pytest.param("chain_sum,colour=3", "refused the settings", id="setting-name"),
         pytest.param("chain_sum,answer=last", "answer='last'", id="answer-mode"),
         pytest.param("chain_sum,system_prompt=shout", "system_prompt='shout'", id="system-prompt"),
+        pytest.param(
+            "chain_sum,system_prompt=None", "system_prompt='None': use none", id="system-prompt-None"
+        ),
     ],
 )
 def test_reasoning_gym_refuses_bad_settings_before_a_run(env, message):

@@ -84,7 +84,7 @@ def load(env: str) -> SimpleNamespace:
     """The agent namespace for `TASK[,key=value...]` (module docstring)."""
     library = _library()
     task, settings = parse_env(env)
-    prompt_name = settings.pop("system_prompt", "default")
+    prompt_name = str(settings.pop("system_prompt", "default"))  # None, 42: read as Python literals
     answer = settings.pop("answer", "tag")
     if task not in library.factory.DATASETS:
         names = ", ".join(sorted(library.factory.DATASETS))
