@@ -81,8 +81,7 @@ def write_loop_state(path: Path, step: int, trained_rows: list[int], model_dir: 
         python_rng=json.loads(json.dumps(random.getstate())),
     )
     (path / "loop.json").write_bytes(msgspec.json.encode(state))
-    model_copy = path / "model"
-    model_copy.mkdir(exist_ok=True)
+    (model_copy := path / "model").mkdir(exist_ok=True)
     for item in Path(model_dir).iterdir():  # config and tokenizer files, not the weights
         if item.is_file() and item.suffix in {".json", ".txt", ".model", ".jinja"}:
             shutil.copy2(item, model_copy / item.name)
@@ -145,6 +144,8 @@ def export(checkpoint: str | Path, out_dir: str | Path, *, merged: bool = False)
                 weight = state[f"{name}.weight"]
                 state[f"{name}.weight"] = (weight.float() + scale * (b @ a)).to(weight.dtype)
         model.load_state_dict(state)
+        if (checkpoint / "model" / "generation_config.json").is_file():  # its stop tokens, sampling defaults
+            model.generation_config = transformers.GenerationConfig.from_pretrained(checkpoint / "model")
         model.save_pretrained(out_dir, safe_serialization=True)
     # the tokenizer, and a vision-language model's processor
     preprocessing = transformers.AutoProcessor if vision else transformers.AutoTokenizer
@@ -156,11 +157,10 @@ def _load(tensors: dict[str, torch.Tensor], actor_dir: Path) -> dict[str, torch.
     """`tensors` (model names) filled from the checkpoint's model, in this one process."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": tensors}
     with warnings.catch_warnings():  # DCP warns that it loads in one process, which is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(actor_dir), no_dist=True)
-    return state["model"]
+        dcp.load({"model": tensors}, checkpoint_id=str(actor_dir), no_dist=True)  # in place
+    return tensors
 
 
 def _adapters(actor_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
