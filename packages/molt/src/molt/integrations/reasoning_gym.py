@@ -27,6 +27,7 @@ import itertools
 import re
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 from molt.agent import Env, Result
 from molt.integrations import parse_env, require
@@ -58,7 +59,7 @@ class ReasoningGymEnv(Env):
     """One reply, scored by the task's `score_answer`. `task`, `scorer`, `answer` are set by `load`."""
 
     task: str
-    scorer: object  # a dataset of the task and settings, for its `score_answer` (which may read its config)
+    scorer: Any  # a dataset of the task and settings, for its `score_answer` (which may read its config)
     answer: str
 
     def reset(self, sample: dict) -> list[dict]:
