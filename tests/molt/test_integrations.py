@@ -234,33 +234,22 @@ def test_the_smollm2_reasoning_gym_recipe_asks_single_digit_sums_and_scores_the_
 
 
 @pytest.mark.parametrize(
-    ("reply", "reward"),
+    ("reply", "answer", "reward"),
     [
-        pytest.param("11", 1.0, id="bare"),
-        pytest.param("4 + 7 = 11.", 1.0, id="restated"),
-        pytest.param("11? no, 12", 0.0, id="last-counts"),
-        pytest.param("eleven", 0.0, id="no-number"),
+        pytest.param("11", "11", 1.0, id="bare"),
+        pytest.param("4 + 7 = 11.", "11", 1.0, id="restated"),
+        pytest.param("11? no, 12", "11", 0.0, id="last-counts"),
+        pytest.param("eleven", "11", 0.0, id="no-number"),
+        pytest.param("1,234", "1234", 1.0, id="thousands"),
+        pytest.param("1000 + 234 = 1,234.", "1234", 1.0, id="thousands-restated"),
+        pytest.param("1,2345", "1234", 0.0, id="not-thousands"),
     ],
 )
-def test_reasoning_gym_last_number_mode_hands_the_last_number_to_score_answer(reply, reward):
-    agent = load_agent(f"{RG}:basic_arithmetic,answer=last_number")
-    runner = agent.AgentRunner()
-    runner.reset({"messages": [], "entry": {"question": "What is 4 + 7?", "answer": "11", "metadata": {}}})
-    assert runner.step(reply).reward == reward
-
-
-@pytest.mark.parametrize(
-    ("reply", "reward"),
-    [
-        pytest.param("1,234", 1.0, id="thousands"),
-        pytest.param("1000 + 234 = 1,234.", 1.0, id="restated"),
-        pytest.param("1,2345", 0.0, id="not-thousands"),
-    ],
-)
-def test_reasoning_gym_last_number_mode_reads_thousands_separators(reply, reward):
+def test_reasoning_gym_last_number_mode_hands_the_last_number_to_score_answer(reply, answer, reward):
+    """The reply's last number, read without its thousands separators (`1,234` is 1234, `1,2345` two)."""
     agent = load_agent(f"{RG}:basic_arithmetic,answer=last_number")
     runner = agent.AgentRunner()
     runner.reset(
-        {"messages": [], "entry": {"question": "What is 1000 + 234?", "answer": "1234", "metadata": {}}}
+        {"messages": [], "entry": {"question": "What is the sum?", "answer": answer, "metadata": {}}}
     )
     assert runner.step(reply).reward == reward
