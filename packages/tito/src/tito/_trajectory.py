@@ -198,14 +198,16 @@ class Capture:
                 f"sampled tokens, logprobs and versions differ in length: "
                 f"{len(token_ids)}, {len(logprobs)}, {len(versions)}"
             )
-        index, keep = self._place(prompt_ids, images, retry)
+        # a retry of the last turn: its prompt again, with `retry`
+        retried = retry and (prompt_ids, list(images)) == self._turn_prompt
+        index, keep = self._place(prompt_ids, images, retried)
         length = len(prompt_ids) + len(token_ids)
         routes = _checked_routes(sampled.routed_experts, self._routes_after(index, keep), length)
         if index == len(self.segments):
             self.segments.append(Segment())
             self._routes.append(None)
         segment, new = self.segments[index], prompt_ids[keep:]
-        if self._retries(prompt_ids, images, retry):  # the reply it replaces goes, even one of no tokens
+        if retried:  # the reply it replaces goes, even one of no tokens
             self.turns.pop()
             for field in (segment.token_ids, segment.loss_mask, segment.logprobs, segment.versions):
                 del field[keep:]
@@ -226,20 +228,17 @@ class Capture:
             )
         )
 
-    def _place(self, prompt_ids: list[int], images: Sequence[ImageSpan], retry: bool) -> tuple[int, int]:
+    def _place(self, prompt_ids: list[int], images: Sequence[ImageSpan], retried: bool) -> tuple[int, int]:
         """Where a turn with this prompt goes: (segment index, how many of its tokens stay), the index
-        past the last segment for a new one. Checks the current segment first: the common case."""
-        if self._retries(prompt_ids, images, retry):
+        past the last segment for a new one; `retried`: a retry of the last turn, which replaces its reply.
+        Checks the current segment first: the common case."""
+        if retried:
             return self._current, len(prompt_ids)
         order = [self._current, *(i for i in reversed(range(len(self.segments))) if i != self._current)]
         for index in order:
             if self._extends(self.segments[index], prompt_ids, images):
                 return index, len(self.segments[index].token_ids)
         return len(self.segments), 0
-
-    def _retries(self, prompt_ids: list[int], images: Sequence[ImageSpan], retry: bool) -> bool:
-        """Whether the turn is a retry of the last one: its prompt again, with `retry`."""
-        return retry and (prompt_ids, list(images)) == self._turn_prompt
 
     @staticmethod
     def _extends(segment: Segment, prompt_ids: list[int], images: Sequence[ImageSpan]) -> bool:
