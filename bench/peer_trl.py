@@ -139,14 +139,13 @@ def recipe_reward(recipe):
     return reward
 
 
-def trl_dataset(tokenizer, recipe, seed: int, num_rows: int):
-    """TRL's dataset: the rows molt's pool starts, in the same order: the agent's dataset(seed) stream,
-    rendered once with the chat template as molt renders an Env's first turn; each whole row goes along as
-    JSON for the reward."""
+def trl_dataset(tokenizer, rows: list[dict], name: str):
+    """TRL's dataset of `rows`, in their order (to train: the rows molt's pool starts, the agent's
+    dataset(seed) stream), rendered once with the chat template as molt renders an Env's first turn; each
+    whole row goes along as JSON for the reward. `name` is its fingerprint, one per set of rows."""
     import pyarrow
     from datasets import Dataset
 
-    rows = list(islice(recipe.dataset(seed), num_rows))
     table = pyarrow.table({
         "prompt": [tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
                    for r in rows],
@@ -154,7 +153,7 @@ def trl_dataset(tokenizer, recipe, seed: int, num_rows: int):
     })  # fmt: skip
     # A fingerprint of our own: datasets would otherwise hash the table with dill, which fails on some
     # pyarrow builds (pyarrow 26's MonthDayNano type could not be pickled on the GPU machine).
-    return Dataset(table, fingerprint=f"peer-trl-{seed}-{num_rows}")
+    return Dataset(table, fingerprint=name)
 
 
 def matched_config(args: argparse.Namespace) -> dict:
@@ -194,7 +193,9 @@ def run_trl(model_dir: Path, out_dir: Path, args: argparse.Namespace) -> Result:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     recipe = load_agent(RECIPES[args.recipe]["module"])
-    dataset = trl_dataset(tokenizer, recipe, args.seed, args.steps * args.prompts_per_step)
+    num_rows = args.steps * args.prompts_per_step
+    rows = list(islice(recipe.dataset(args.seed), num_rows))
+    dataset = trl_dataset(tokenizer, rows, f"peer-trl-{args.seed}-{num_rows}")
     config = GRPOConfig(
         output_dir=str(out_dir),
         max_steps=args.steps,

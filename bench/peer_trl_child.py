@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 from peer_trl import recipe_reward, trl_dataset
@@ -52,11 +53,12 @@ def main(spec_path: str) -> None:
                   f"{step['t']:.1f}s since launch", flush=True)  # fmt: skip
             self.logs = []
 
+    rows = list(islice(recipe.dataset(spec["seed"]), spec["num_rows"]))
     trainer = GRPOTrainer(
         model=spec["model"],
         reward_funcs=recipe_reward(recipe),
         args=config,
-        train_dataset=trl_dataset(tokenizer, recipe, spec["seed"], spec["num_rows"]),
+        train_dataset=trl_dataset(tokenizer, rows, f"peer-trl-{spec['seed']}-{spec['num_rows']}"),
         processing_class=tokenizer,
         callbacks=[StepLog()],
     )
