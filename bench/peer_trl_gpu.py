@@ -64,9 +64,15 @@ from peer_trl_report import ASYMMETRIES, estimate, figures, plot, report, settin
 
 ENGINE_SHARE = 0.4  # molt's --vllm.gpu_memory_utilization on a GPU that engine and actor share
 STEP_LINE = re.compile(r"^step \d+/\d+ \|")
-ROWS = {
-    0: dict(name="tiny", recipe="copy_word", steps=4, precision="fp32", trl_micro_batch=64, threshold=0.2),
-    1: dict(name="smollm2", recipe="smollm2", steps=40, precision="mixed", trl_micro_batch=16, threshold=0.4),
+# Row 0's held-out prompts: copy_word's own eval_dataset refuses (its five words are all trained), so these
+# copy the tiny model's other whole-word tokens (molt.tiny.TASK_WORDS), never a trained answer: a check of
+# the evaluation's path, not of learning.
+COPY_WORD_EVAL = str(Path(__file__).with_name("peer_trl_copy_word_eval.jsonl"))
+ROWS = {  # eval: molt's --eval.* flags, which TRL's follow (`trl_config`); none: no evaluation
+    0: dict(name="tiny", recipe="copy_word", steps=4, precision="fp32", trl_micro_batch=64, threshold=0.2,
+            eval=dict(every=2, num_prompts=4, n=4, path=COPY_WORD_EVAL)),
+    1: dict(name="smollm2", recipe="smollm2", steps=40, precision="mixed", trl_micro_batch=16, threshold=0.4,
+            eval=dict(every=5, num_prompts=40, n=4)),  # all 40 held-out questions: every run scores the same
     2: dict(name="qwen3-1.7b", recipe="copy_word", steps=8, precision="bf16", trl_micro_batch=16,
             threshold=None, prompts_per_step=16, group_size=8, max_new_tokens=512, lr=1e-6,
             max_model_len=1024),
@@ -86,7 +92,7 @@ def row_settings(number: int, args: argparse.Namespace) -> dict:
 
     if number not in ROWS:
         raise ValueError(f"--rows: no row {number}; choose from {sorted(ROWS)}")
-    row = {**RECIPES[ROWS[number]["recipe"]], **ROWS[number], "row": number}
+    row = {"eval": None, **RECIPES[ROWS[number]["recipe"]], **ROWS[number], "row": number}
     for name in ("steps", "threshold", "trl_micro_batch"):
         if getattr(args, name) is not None:
             row[name] = getattr(args, name)
@@ -132,6 +138,7 @@ def molt_command(row: dict, model: Path, run_dir: Path, seed: int) -> list[str]:
         "--rollout.max_new_tokens", str(row["max_new_tokens"]), "--actor.lr", str(row["lr"]),
         "--vllm.max_model_len", str(row["max_model_len"]), "--logger.tensorboard", "false",
         "--logger.run_dir", str(run_dir), *PRECISION[row["precision"]]["molt"], *row.get("molt_flags", []),
+        *(flag for name, value in (row["eval"] or {}).items() for flag in (f"--eval.{name}", str(value))),
     ]  # fmt: skip
 
 
@@ -157,6 +164,14 @@ def trl_config(row: dict, seed: int, out_dir: Path) -> dict:
         **matched_config(argparse.Namespace(**{**row, "seed": seed})),
         **PRECISION[row["precision"]]["trl"],
     )  # fmt: skip
+    if evaluation := row["eval"]:  # molt's held-out rows (`run_trl`), every `every` molt steps and the last
+        config |= dict(
+            eval_strategy="steps",  # transformers' DefaultFlowCallback also evaluates after the last step
+            eval_steps=evaluation["every"] * windows,
+            num_generations_eval=evaluation["n"],
+            # one batch of every sample (as molt submits them at once): TRL logs the mean of batch means
+            per_device_eval_batch_size=evaluation["num_prompts"] * evaluation["n"],
+        )
     if not row["cuda"]:
         return {**config, "use_cpu": True}
     return {
@@ -235,23 +250,38 @@ def run_molt(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float)
              reply_tokens=m["rollout/response_len_mean"] * samples, log=m)
         for m, t in zip(metrics, ends, strict=False)
     ]  # fmt: skip
-    return dict(returncode=code, timed_out=expired, steps=steps, log_file=str(log))
+    # an evaluation is logged with its step, whose end (above) comes after it
+    evals = [dict(step=s["step"], t=s["t"], pass_at_1=s["log"]["eval/pass@1"]) for s in steps
+             if "eval/pass@1" in s["log"]]  # fmt: skip
+    return dict(returncode=code, timed_out=expired, steps=steps, evals=evals, log_file=str(log))
 
 
 def run_trl(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float) -> dict:
-    """One TRL run in a process of its own (bench/peer_trl_child.py), which writes a line per step."""
+    """One TRL run in a process of its own (bench/peer_trl_child.py), which writes a line per step and per
+    evaluation. It evaluates the rows molt's run of the same seed does: read by molt's own code from its
+    flags (the agent's eval_dataset(--data.seed), or --eval.path; the first --eval.num_prompts)."""
+    from molt._data import eval_rows
+    from molt._flags import parse
+    from molt.agent import load_agent
+
     run_dir.mkdir(parents=True)
-    steps_file, log = run_dir / "steps.jsonl", run_dir.with_suffix(".log")
+    steps_file, evals_file = run_dir / "steps.jsonl", run_dir / "evals.jsonl"
+    log, molt = run_dir.with_suffix(".log"), parse(molt_command(row, model, run_dir, seed)[4:])
     spec = dict(
         model=str(model), module=row["module"], seed=seed, steps=row["steps"],
         num_rows=row["steps"] * row["prompts_per_step"], samples=row["prompts_per_step"] * row["group_size"],
-        config=trl_config(row, seed, run_dir), steps_file=str(steps_file), launched=time.time(),
+        eval_rows=eval_rows(molt, load_agent(row["module"])) if row["eval"] else [],
+        config=trl_config(row, seed, run_dir), steps_file=str(steps_file), evals_file=str(evals_file),
+        launched=time.time(),
     )  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     command = [sys.executable, str(Path(__file__).with_name("peer_trl_child.py")), str(run_dir / "spec.json")]
     code, expired = supervise(command, log, timeout_s, lambda line: echo("trl", line))
-    steps = [json.loads(line) for line in steps_file.read_text().splitlines()] if steps_file.is_file() else []
-    return dict(returncode=code, timed_out=expired, steps=steps, log_file=str(log))
+    steps, evals = (
+        [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        for path in (steps_file, evals_file)
+    )
+    return dict(returncode=code, timed_out=expired, steps=steps, evals=evals, log_file=str(log))
 
 
 def machine_line(cuda: bool) -> str:
