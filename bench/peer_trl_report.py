@@ -45,6 +45,12 @@ ASYMMETRIES = [
     "their first steps",
     "on a CPU (row 0): TRL samples with transformers' generate in its process and corrects nothing; molt "
     "runs the vLLM CPU engine",
+    "evaluation (rows 0, 1; the same held-out rows, sampling and reply budget): molt's actor waits while its "
+    "engine samples them beside the next step's training groups, which go on; TRL stops, samples them as "
+    "one batch, then runs the actor's forward passes over it (old logprobs, its eval loss). Each clock "
+    "holds the evaluations: molt's in their step's time, TRL's in the next step's (its last one in none). "
+    "pass@1: molt's passes / samples (a failed sample fails), TRL's mean reward (0/1 rewards; a failure "
+    "stops it)",
 ]
 
 
@@ -94,6 +100,11 @@ def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
         ("in flight", f"{groups_in_flight(m)} groups, max lag "
          f"{m.rollout.max_lag}", "one generation, on policy"),
         ("seed", f"{m.train.seed} (train, data)", f"{t['seed']}"),
+        ("evaluation", f"every {m.eval.every} steps and the last, {m.eval.num_prompts} rows of "
+         f"{m.eval.path or 'eval_dataset(seed)'} x {m.eval.n}, pass@1 at reward >= {m.eval.pass_reward}"
+         if m.eval.every else "none",
+         f"eval_steps {t['eval_steps']} and the last, molt's rows x {t['num_generations_eval']} in one batch "
+         f"of {t['per_device_eval_batch_size']}, mean reward" if "eval_steps" in t else "none"),
     ]  # fmt: skip
     lines = [f"row {row['row']} ({row['name']}): {row['steps']} steps, precision {row['precision']}",
              "| setting | molt | trl |", "| --- | --- | --- |"]  # fmt: skip
@@ -110,7 +121,7 @@ def mean_sd(values: list[float], spec: str) -> str:
 
 def figures(record: dict) -> dict | None:
     """One run's figures (module docstring of peer_trl_gpu); None for a run of fewer than 2 steps."""
-    steps = record["steps"]
+    steps, evals = record["steps"], record.get("evals") or []  # records before evaluation have no evals
     if len(steps) < 2:
         return None
     t, reward = [s["t"] for s in steps], [s["reward"] for s in steps]
@@ -125,6 +136,7 @@ def figures(record: dict) -> dict | None:
         tokens_per_s=sum(s["reply_tokens"] for s in steps[1:]) / (t[-1] - t[0]),
         reached=reached,
         final_reward=statistics.mean(reward[-LAST:]),
+        final_eval=evals[-1]["pass_at_1"] if evals else None,  # after the last step
     )
 
 
@@ -152,8 +164,9 @@ def report(records: list[dict]) -> None:
               f"{s['group_size']}, replies up to {s['max_new_tokens']} tokens, precision {s['precision']}, "
               f"threshold {threshold} (mean of {WINDOW} steps); {mine[-1]['machine']}")  # fmt: skip
         print(f"| trainer | runs (failed) | start-up s | s/step (2..N) | reply tokens/s | "
-              f"time to {threshold} s | steps to it | reached | final reward (last {LAST}) |")  # fmt: skip
-        print("| --- |" + " ---: |" * 8)
+              f"time to {threshold} s | steps to it | reached | final reward (last {LAST}) | "
+              f"final eval pass@1 |")  # fmt: skip
+        print("| --- |" + " ---: |" * 9)
         means = {}
         for trainer in sorted({r["trainer"] for r in mine}):
             runs = [r for r in mine if r["trainer"] == trainer]
@@ -168,6 +181,7 @@ def report(records: list[dict]) -> None:
                 mean_sd([step for _, step in hits], ".1f"),
                 f"{len(hits)}/{len(done)}" if threshold is not None else "-",
                 mean_sd([f["final_reward"] for f in done], ".3f"),
+                mean_sd([f["final_eval"] for f in done if f["final_eval"] is not None], ".3f"),
             ]
             print(f"| {trainer} | " + " | ".join(cells) + " |")
             if done:
@@ -184,7 +198,7 @@ def report(records: list[dict]) -> None:
 
 def plot(records: list[dict], path: str | Path) -> None:
     """Reward against seconds since launch (left) and against step (right), a row a line of panels, every
-    run of both trainers."""
+    run of both trainers; dashed, the held-out eval pass@1 of rows that evaluate (0/1 rewards: one scale)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -198,15 +212,20 @@ def plot(records: list[dict], path: str | Path) -> None:
         for r in (r for r in records if r["row"] == number and r["steps"]):
             label = None if r["trainer"] in labelled else r["trainer"]
             labelled.add(r["trainer"])
-            reward = [s["reward"] for s in r["steps"]]
+            reward, evals = [s["reward"] for s in r["steps"]], r.get("evals") or []
             style = dict(color=colours[r["trainer"]], alpha=0.7, marker=".", label=label)
             by_time.plot([s["t"] for s in r["steps"]], reward, **style)
             by_step.plot([s["step"] for s in r["steps"]], reward, **style)
+            if evals:  # records from before evaluation have none
+                dashed = dict(style, linestyle="--", marker="x", label=label and f"{label} eval pass@1")
+                by_time.plot([e["t"] for e in evals], [e["pass_at_1"] for e in evals], **dashed)
+                by_step.plot([e["step"] for e in evals], [e["pass_at_1"] for e in evals], **dashed)
         settings = next(r["settings"] for r in records if r["row"] == number)
         for ax, x in ((by_time, "seconds since launch"), (by_step, "step")):
             if settings["threshold"] is not None:
                 ax.axhline(settings["threshold"], color="grey", linestyle=":", linewidth=1)
-            ax.set(xlabel=x, ylabel="mean reward of the step", title=f"row {number}: {settings['name']}")
+            ylabel = "mean reward of the step; eval pass@1 (dashed)"
+            ax.set(xlabel=x, ylabel=ylabel, title=f"row {number}: {settings['name']}")
             ax.grid(alpha=0.3)
             ax.legend()
     fig.tight_layout()
