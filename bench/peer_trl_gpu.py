@@ -8,21 +8,27 @@ memory share and optimizer steps per batch; the script prints both settings side
 asymmetry left (`peer_trl_report.ASYMMETRIES`). Rows (`--rows`):
 
   0  tiny        the default recipe (copy_word) on the seeded tiny Qwen3, float32: the script's own check,
-                 also on a CPU (where TRL samples with `generate`; rows 1 and 2 need CUDA)
+                 also on a CPU (where TRL samples with `generate`; rows 1 and 2 need CUDA); its evaluation
+                 (4 prompts of words never trained, `COPY_WORD_EVAL`) checks the path, not learning
   1  smollm2     SmolLM2-135M-Instruct (bf16 on disk; float32 master weights, bf16 compute) on the additions
-                 recipe with its sizes: reward against wall-clock and steps, time to a reward threshold
+                 recipe with its sizes: reward and held-out eval pass@1 against wall-clock and steps, time
+                 to a reward threshold
   2  qwen3-1.7b  Qwen3-1.7B's shape, random weights (`loop_gpu.build_model`, bf16), 16 prompts x 8, replies
                  up to 512 tokens, the full 151,936 vocabulary on both sides: throughput at scale
 
 A step is one batch of prompts x group samples: molt's step (`--train.mini_batches` optimizer steps), TRL's
 generation (as many optimizer steps, `steps_per_generation`). For every step of every run the JSON file
 (`--out`) keeps the wall seconds from the trainer's launch to the step's end, its mean reward, its reply
-tokens and the trainer's own log of it. Runs append, their numbers continuing; run k of both trainers is
-seeded `--seed` + k - 1 (the rows' stream and the trainer). The table (`peer_trl_report.report`), mean ±
-s.d. over runs: start-up (launch to step 1's end), seconds per step (steps 2..N), reply tokens per
-GPU-second (the replies trained on over steps 2..N's wall seconds), time and steps to the row's reward
-threshold (the mean of the last 5 steps' rewards), final reward (the last 5 steps). `--report` only reads
-the JSON; `--plot OUT.png` draws reward against wall-clock and against step, every run of both trainers.
+tokens and the trainer's own log of it. A row with `eval` (rows 0 and 1) also evaluates, in both trainers,
+the held-out rows molt reads for the run's seed (`--eval.*`; TRL's `eval_dataset`) every `every` steps and
+after the last: pass@1 over `n` samples of each, kept as the run's `evals` (step, seconds since launch,
+pass@1). Runs append, their numbers continuing; run k of both trainers is seeded `--seed` + k - 1 (the
+rows' stream and the trainer). The table (`peer_trl_report.report`), mean ± s.d. over runs: start-up
+(launch to step 1's end), seconds per step (steps 2..N, evaluations included), reply tokens per GPU-second
+(the replies trained on over steps 2..N's wall seconds), time and steps to the row's reward threshold (the
+mean of the last 5 steps' rewards), final reward (the last 5 steps), final eval pass@1 (after the last
+step). `--report` only reads the JSON; `--plot OUT.png` draws reward and, dashed, eval pass@1 against
+wall-clock and against step, every run of both trainers.
 
 On a GPU machine with vLLM 0.26, Ray 2.60, NeMo AutoModel 0.7 and transformers 5.18, TRL's side needs
 `trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0`, and row 1's model
