@@ -255,3 +255,35 @@ def test_the_openai_example_scores_the_models_answer_not_a_tool_result(tiny_mode
     rollout = asyncio.run(run())
     assert rollout.info["tool_calls"] == 3.0  # every turn called the tool
     assert rollout.reward == 0.0
+
+
+OUTGROWING = """
+from molt import Env, Result
+
+class AgentRunner(Env):
+    def step(self, action):  # a tool output longer than the context's room: the next turn cannot fit
+        return Result(reward=0.25, observation="word " * 600)
+"""
+
+
+def test_an_env_episode_that_outgrows_the_context_ends_truncated_with_what_it_sampled(
+    tiny_model_dir, tmp_path
+):
+    module = tmp_path / "agent.py"
+    module.write_text(OUTGROWING)
+    cfg = config(max_turns=4)
+    engine = probes.FakeEngine()  # its context: 512 tokens
+    tito = Tito(["http://engine"], tiny_model_dir, engine_transport=httpx.MockTransport(engine),
+                fixed_sampling=sampling(cfg))  # fmt: skip
+    runner = RolloutRunner(tito, cfg, [AgentHost(str(module))])
+    row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
+
+    async def run():
+        (result,) = await asyncio.gather(runner(row, 0), return_exceptions=True)
+        await tito.aclose()
+        return result
+
+    rollout = asyncio.run(run())
+    assert not isinstance(rollout, Exception), rollout
+    assert len(engine.requests) == 1 and rollout.sampled == [7, 8, 9]  # the turn that fitted, kept
+    assert rollout.truncated and rollout.reward == 0.25 and runner.failures["raised"] == 0

@@ -28,7 +28,7 @@ from typing import Any, SupportsFloat
 from molt._restarts import EngineRestarts
 from molt.agent import Context, Result
 from molt.config import Config
-from tito import EngineUnavailable, Prompt, Segment, Tito
+from tito import ContextFull, EngineUnavailable, Prompt, Segment, Tito
 
 
 @dataclass
@@ -151,15 +151,20 @@ class RolloutRunner:
     async def _env_episode(self, host, row: dict, index: int) -> Rollout:
         session = self.tito.new_session()
         tools = row.get("tools")  # OpenAI function schemas, rendered into the prompt by the template
-        reward, sampled, info, messages, ended = 0.0, [], {}, [], False
+        reward, sampled, info, messages, ended, full = 0.0, [], {}, [], False, False
         try:
             observation = await host.reset(session.id, row)
             for turn in range(self.config.agent.max_turns):
                 messages += _as_messages(observation)
                 prompt = self._prompt(session, messages, tools, observation)
-                generation = await self.tito.generate(
-                    session, prompt.token_ids, images=prompt.images, seed=self._seed(row, index, turn)
-                )
+                try:
+                    generation = await self.tito.generate(
+                        session, prompt.token_ids, images=prompt.images, seed=self._seed(row, index, turn)
+                    )
+                except ContextFull:  # the episode outgrew the context: it ends truncated, as it stands
+                    if full := turn > 0:
+                        break
+                    raise  # the first prompt alone: nothing sampled to train
                 sampled += generation.token_ids
                 text = self.tito.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                 reply = {"role": "assistant", "content": text}
@@ -176,8 +181,8 @@ class RolloutRunner:
             trajectory = self.tito.end_session(session.id)
             if not ended:  # the host forgets an ended episode itself (`AgentHost.step`)
                 await host.close(session.id)
-        # truncated: the last turn was cut at the token limit, as for a ChatAgent
-        return Rollout(trajectory.segments, reward, sampled, session.finish_reason == "length", info)
+        # truncated: the context is full, or the last turn was cut at the token limit, as for a ChatAgent
+        return Rollout(trajectory.segments, reward, sampled, full or session.finish_reason == "length", info)
 
     def _prompt(self, session, messages: list[dict], tools, observation) -> Prompt:
         """The chat template is applied exactly once: here by default, or already in the data

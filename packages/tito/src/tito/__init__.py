@@ -4,13 +4,14 @@ from ._chat import ChatRenderer, ChatState, Prompt
 from ._engines import EngineUnavailable, ExpansionMismatch, Generation
 from ._loopback import serve_on_loop
 from ._server import create_app
-from ._service import Session, Tito
+from ._service import ContextFull, Session, Tito
 from ._trajectory import Capture, ImageSpan, Segment, Trajectory, Turn
 
 __all__ = [
     "Capture",
     "ChatRenderer",
     "ChatState",
+    "ContextFull",
     "EngineUnavailable",
     "ExpansionMismatch",
     "Generation",

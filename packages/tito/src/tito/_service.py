@@ -35,6 +35,10 @@ NUM_ENDED_REMEMBERED = 10_000  # ended sessions whose reason a late request is t
 _SHAPING = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
+class ContextFull(ValueError):
+    """A turn's prompt leaves no room in the model's context: not one token can be sampled."""
+
+
 @dataclass
 class Session:
     id: str
@@ -169,7 +173,7 @@ class Tito:
         """vLLM sampling parameters for one turn; `max_tokens` defaults to the room left in the context."""
         room = await session.engine.max_model_len() - num_prompt_tokens
         if room < 1:
-            raise ValueError(
+            raise ContextFull(
                 f"the conversation is {num_prompt_tokens} tokens, which leaves no room in the model's "
                 f"context of {room + num_prompt_tokens} tokens; shorten it"
             )
