@@ -23,6 +23,7 @@ from molt._metrics import rollout_metrics
 from molt._rollout import RolloutRunner, sampling
 from molt._runners import AgentHost, launch_hosts
 from molt._validate import validate
+from molt.agent import Result
 from molt.config import Agent, Config, Data, Rollout
 from molt.loop import check_token_identity
 from tito import Tito, create_app, serve_on_loop
@@ -287,3 +288,33 @@ def test_an_env_episode_that_outgrows_the_context_ends_truncated_with_what_it_sa
     assert not isinstance(rollout, Exception), rollout
     assert len(engine.requests) == 1 and rollout.sampled == [7, 8, 9]  # the turn that fitted, kept
     assert rollout.truncated and rollout.reward == 0.25 and runner.failures["raised"] == 0
+
+
+ODD_RETURNS = """
+from molt import ChatAgent, Env, Result
+
+class Silent(Env):
+    def step(self, action):  # forgets its Result
+        pass
+
+class Forwarding(ChatAgent):
+    def run(self, ctx, sample):  # a plain method handing back its helper's coroutine
+        return self.finish(sample)
+
+    async def finish(self, sample):
+        return Result(reward=float(sample["reward"]))
+"""
+
+
+def test_a_step_without_a_result_is_named_and_a_returned_coroutine_is_awaited(tmp_path):
+    (tmp_path / "odd.py").write_text(ODD_RETURNS + "AgentRunner = Silent\n")
+    (tmp_path / "forwarding.py").write_text(ODD_RETURNS + "AgentRunner = Forwarding\n")
+    silent, forwarding = AgentHost(str(tmp_path / "odd.py")), AgentHost(str(tmp_path / "forwarding.py"))
+
+    async def main():
+        await silent.reset("e", {"messages": [{"role": "user", "content": "hi"}]})
+        with pytest.raises(TypeError, match=r"Silent.step returned None; return a molt.Result"):
+            await silent.step("e", "reply")
+        return await forwarding.run(None, {"reward": 0.5})
+
+    assert asyncio.run(main()) == Result(reward=0.5)

@@ -42,7 +42,9 @@ class AgentHost:
 
     async def step(self, episode: str, action: str) -> Result:
         result = await self._call_user(self.episodes[episode].step, action)
-        if getattr(result, "observation", None) is None:  # the episode is over: no `close` call needed
+        if not isinstance(result, Result):
+            raise TypeError(f"{self.runner_class.__name__}.step returned {result!r}; return a molt.Result")
+        if result.observation is None:  # the episode is over: no `close` call needed
             self.episodes.pop(episode, None)
         return result
 
@@ -54,10 +56,12 @@ class AgentHost:
         return await self._call_user(self.runner_class().run, ctx, row)
 
     async def _call_user(self, method, *args):
-        """Call a user method that may be plain or async; plain ones run in a thread (they may block)."""
+        """Call a user method that may be plain or async; plain ones run in a thread (they may block), and
+        what one hands back to await (its helper's coroutine, say) is awaited here."""
         if inspect.iscoroutinefunction(method):
             return await method(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.threads, method, *args)
+        result = await asyncio.get_running_loop().run_in_executor(self.threads, method, *args)
+        return await result if inspect.isawaitable(result) else result
 
 
 class RemoteHost:
