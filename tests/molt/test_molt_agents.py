@@ -20,7 +20,7 @@ from asyncpool import GroupPool
 from molt._batch import collate
 from molt._dumps import read_rollouts, write_rollouts
 from molt._metrics import rollout_metrics
-from molt._rollout import RolloutRunner, sampling
+from molt._rollout import BUILT_IN, RolloutRunner, sampling
 from molt._runners import AgentHost, launch_hosts
 from molt._validate import validate
 from molt.agent import Result
@@ -318,3 +318,12 @@ def test_a_step_without_a_result_is_named_and_a_returned_coroutine_is_awaited(tm
         return await forwarding.run(None, {"reward": 0.5})
 
     assert asyncio.run(main()) == Result(reward=0.5)
+
+
+def test_an_info_key_named_like_a_built_in_metric_loses_the_rollout_naming_it(tiny_model_dir, tmp_path):
+    error, runner = fake_engine_episode(tiny_model_dir, tmp_path, '{"reward_mean": 9.0, "score": 1.0}')
+    assert isinstance(error, ValueError) and "['reward_mean']" in str(error), error
+    assert runner.failures["raised"] == 1
+    (tmp_path / "plain").mkdir()  # the names checked are the ones logged
+    rollout, _ = fake_engine_episode(tiny_model_dir, tmp_path / "plain", "{}")
+    assert set(rollout_metrics([rollout], 1)) == {f"rollout/{name}" for name in BUILT_IN}

@@ -30,6 +30,9 @@ from molt.agent import Context, Result
 from molt.config import Config
 from tito import ContextFull, EngineUnavailable, Prompt, Segment, Tito
 
+# `molt._metrics.rollout_metrics`' own names under rollout/, which an agent's info keys may not take
+BUILT_IN = ("reward_mean", "reward_std_in_group", "response_len_mean", "truncated_frac", "segments_mean")
+
 
 @dataclass
 class Rollout:
@@ -106,6 +109,8 @@ class RolloutRunner:
                 )
             if bad := {k: v for k, v in rollout.info.items() if not isinstance(v, SupportsFloat)}:
                 raise ValueError(f"Result.info maps names to numbers (logged as rollout/<name>), not {bad}")
+            if taken := sorted(rollout.info.keys() & set(BUILT_IN)):
+                raise ValueError(f"Result.info keys {taken} are molt's own rollout/ metrics: rename them")
             # Plain floats (as the reward): the trainer's metrics and rollout dumps take no numpy scalars.
             rollout.info = {key: float(value) for key, value in rollout.info.items()}
         except TimeoutError:
