@@ -2,7 +2,14 @@
 closing traceback. The logs below are real vLLM 0.26 logs, cut short: an engine core that died at start on
 an H200 (LoRA kernels given float32 weights), and an API server that refused its arguments."""
 
-from molt.vllm_server import first_error
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from molt.vllm_server import VLLMServer, first_error
 
 _ENGINE_CORE_DIED = """\
 (APIServer pid=1903) WARNING 12-02 13:56:10 [system_utils.py:299] Found ulimit of 20000 and failed to \
@@ -41,3 +48,30 @@ def test_a_dotted_exception_name_without_a_process_prefix_is_found():
 
 def test_a_log_without_an_exception_gives_nothing():
     assert first_error("INFO 12-02 14:10:01 [api_server.py:1] Starting vLLM API server\n") == ""
+
+
+def test_a_server_that_exits_at_start_takes_what_it_started_with_it(tmp_path):
+    """A stand-in for `vllm serve` (no vLLM here): it starts a child, as the API server starts its engine
+    core, then exits; the failed start must not leave the child holding the engine's GPU memory."""
+    server = VLLMServer("model", log_path=tmp_path / "server.log", on_cpu=True)
+    child = "import time; time.sleep(60)"
+    spawn = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}])"
+    server.args = [sys.executable, "-c", f"{spawn}; time.sleep(0.5); sys.exit(3)"]
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        server.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _alive_in_group(server.process.pid):
+        time.sleep(0.1)
+    assert not _alive_in_group(server.process.pid)
+
+
+def _alive_in_group(group: int) -> bool:
+    """Whether a live (not zombie) process is in this process group."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False

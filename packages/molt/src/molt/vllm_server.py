@@ -132,6 +132,7 @@ class VLLMServer:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()  # what it started may live on (a GPU engine core)
                 raise RuntimeError(f"vLLM server exited with {self.process.returncode} {self.log_report()}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as reply:
