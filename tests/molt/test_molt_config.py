@@ -74,6 +74,11 @@ def test_toml_then_flags_precedence(tmp_path):
             id="force-on-policy-vs-queue-depth",
         ),
         pytest.param(
+            ["--train.force_on_policy", "--rollout.max_lag", "2"],
+            ["--train.force_on_policy", "--rollout.max_lag"],
+            id="force-on-policy-vs-max-lag",
+        ),
+        pytest.param(
             ["--rollout.queue_depth", "8"],
             ["--rollout.queue_depth", "--rollout.prompts_per_step"],
             id="shallow",

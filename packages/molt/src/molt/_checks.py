@@ -61,6 +61,11 @@ def on_policy(config: Config) -> Config:
                 f"--rollout.queue_depth is {rollout.queue_depth} (!= --rollout.prompts_per_step "
                 f"{rollout.prompts_per_step}): drop --rollout.queue_depth or --train.force_on_policy"
             )
+        if rollout.max_lag > 1:  # 1: the default, which it replaces
+            raise ConfigError(
+                f"--train.force_on_policy trains each group on the weights that sampled it (max lag 0), but "
+                f"--rollout.max_lag is {rollout.max_lag}: drop --rollout.max_lag or --train.force_on_policy"
+            )
         rollout = msgspec.structs.replace(rollout, max_lag=0, partial_rollout=False)
     rollout = msgspec.structs.replace(rollout, queue_depth=groups_in_flight(config))
     if rollout.queue_depth < rollout.prompts_per_step:
