@@ -91,6 +91,8 @@ def test_toml_then_flags_precedence(tmp_path):
             ["--algo.advantage.estimator", "--algo.teacher.model"],
             id="opd",
         ),
+        pytest.param(["--algo.gae.lam", "0.95"], ["--algo.gae.*", "estimator reinforce_pp"], id="gae-unused"),
+        pytest.param(["--algo.critic.lr", "1e-4"], ["--algo.critic.*"], id="critic-unused"),
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),
@@ -108,6 +110,13 @@ def test_guard_refuses_naming_the_flags(args, flags):
 def test_group_of_one_refused_with_a_group_baseline(estimator):
     with pytest.raises(ConfigError, match=r"--algo\.advantage\.estimator .*--rollout\.group_size"):
         resolve(["--algo.advantage.estimator", estimator, "--rollout.group_size", "1"])
+
+
+def test_a_teacher_without_an_estimator_that_reads_it_is_refused(tiny_model_dir):
+    with pytest.raises(
+        ConfigError, match=r"--algo\.teacher\.\* is set, but --algo\.advantage\.estimator grpo"
+    ):
+        resolve(["--algo.teacher.model", str(tiny_model_dir), "--algo.advantage.estimator", "grpo"])
 
 
 def test_group_of_one_accepted_for_token_level_estimators(tiny_model_dir):

@@ -134,6 +134,14 @@ def check_algorithm(config: Config) -> None:
             f"--algo.kl.in_reward changes the reward, which --algo.advantage.estimator {estimator} does not "
             "use: drop --algo.kl.in_reward (the KL then is a loss term)"
         )
+    read, default = {"gae": needs.critic, "critic": needs.critic, "teacher": needs.teacher}, Config().algo
+    if unused := [
+        name for name, on in read.items() if not on and getattr(algo, name) != getattr(default, name)
+    ]:
+        raise ConfigError(
+            f"--algo.{unused[0]}.* is set, but --algo.advantage.estimator {estimator} does not use it (gae "
+            "reads --algo.gae and --algo.critic, opd --algo.teacher): drop it, or pick that estimator"
+        )
     rollouts = rollout.prompts_per_step * rollout.group_size
     if config.train.mini_batches > rollouts:
         raise ConfigError(
