@@ -56,7 +56,8 @@ MOE = ("--model.path", "{moe}")
 AGENT = ("--agent.module", "{agent}")
 SMALL = ("--train.num_steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2")  # loop_run
 LORA = (*MODEL, "--actor.lora.rank", "8")
-GAE = (*SMALL, "--algo.advantage.estimator", "gae")
+GAE_ONLY = ("--algo.advantage.estimator", "gae")  # the estimator that reads --algo.gae and --algo.critic
+GAE = (*SMALL, *GAE_ONLY)
 
 PROBES: dict[str, Probe] = {
     "model.path": P(probes.model_dir, "{model}"),
@@ -92,8 +93,8 @@ PROBES: dict[str, Probe] = {
     "algo.gae.lam": P(probes.loop_run, "0.9", *GAE, part="steps"),
     "algo.gae.whiten": P(probes.loop_run, "", *GAE, part="steps"),
     "algo.critic.model": P(probes.groups, "{teacher}", *MODEL, "--algo.advantage.estimator", "gae"),
-    "algo.critic.lr": P(probes.critic_step, "0.01", *MODEL, part="critic/lr"),
-    "algo.critic.value_clip": P(probes.critic_step, "0.5", *MODEL, part="critic/value_loss"),
+    "algo.critic.lr": P(probes.critic_step, "0.01", *MODEL, *GAE_ONLY, part="critic/lr"),
+    "algo.critic.value_clip": P(probes.critic_step, "0.5", *MODEL, *GAE_ONLY, part="critic/value_loss"),
     "actor.lr": P(probes.policy_step, "0.01", *MODEL, part="steps"),
     "actor.weight_decay": P(probes.policy_step, "0.1", *MODEL, part="weights"),
     "actor.grad_clip": P(probes.policy_step, "1e-9", *MODEL, part="weights"),  # below Adam's epsilon
