@@ -72,6 +72,12 @@ tool too and would sit in the steps compared), three runs of each mode:
       --config packages/molt/src/molt/recipes/smollm2.toml --model.dtype float32 \
       --actor.compute_dtype bfloat16 --eval.every 0 --logger.tensorboard false
     python3 bench/async_gain.py --report --out bench/results/async_gain_gpu.json
+
+Guessed from row 1's molt run on the H200 (start-up 129 s, 0.8 s a step without the tool) and the tool's
+tail (a sync step waits for the slowest of 32 calls, about 4.6 s at the median): a sync run holds the GPU
+about 6 minutes, an async one about 4, so the three pairs about 30. To keep each command under ten
+minutes, run one mode's run a command (`--modes sync --runs 1`, then `--modes async --runs 1`, ...: the
+numbers continue from the JSON), or `--steps 20` and one pair a command (`--runs 1`, about 7-8 minutes).
 """
 
 from __future__ import annotations
@@ -341,7 +347,7 @@ def report(records: list[dict], threshold: float | None = None) -> None:
         pairs = [sync[r["run"]] / x["step_s"] for r, x in runs[mode] if r["run"] in sync]
         verdict = "met" if ratio >= TARGET else "not met"
         print(f"{mode} / sync (sync's mean s/step over {mode}'s): {ratio:.2f}x, target {TARGET}x {verdict}; "
-              f"run by run (same seed, {len(pairs)} pairs): {mean_sd(pairs, '.2f')}")  # fmt: skip
+              f"per-run ratios (same seed), n = {len(pairs)}: {mean_sd(pairs, '.2f')}")  # fmt: skip
 
 
 def main() -> None:
