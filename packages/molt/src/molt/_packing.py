@@ -239,17 +239,8 @@ def packed_attention(
 # Model types whose layers carry state from token to token (state-space, recurrent and linear-attention
 # layers): packed, a row would start from the state the previous row left.
 _RECURRENT = (
-    "mamba",
-    "jamba",
-    "zamba",
-    "bamba",
-    "falcon_h1",
-    "lfm2",
-    "rwkv",
-    "recurrent_gemma",
-    "next",
-    "hybrid",
-)
+    "mamba", "jamba", "zamba", "bamba", "falcon_h1", "lfm2", "rwkv", "recurrent_gemma", "next", "hybrid",
+)  # fmt: skip
 _RECURRENT_LAYERS = ("linear_attention", "mamba", "conv", "recurrent", "ssm")
 
 
