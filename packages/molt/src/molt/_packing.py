@@ -209,17 +209,10 @@ def packed_attention(
         q_NHD, k_NHD, v_NHD = (t[0].transpose(0, 1) for t in (q_1HND, k_1HND, v_1HND))
         window = (-1, 0) if sliding_window is None else (sliding_window - 1, 0)
         assert max_length_q is not None  # the packed rows' kwargs carry it with the row bounds
-        out_NHD = varlen_attn(
-            q_NHD,
-            k_NHD,
-            v_NHD,
-            cu_seq_lens_q,  # int32 (`SharedPrefixRows.model_kwargs`)
-            cu_seq_lens_q,
-            max_length_q,
-            max_length_q,
-            scale=scaling,
-            window_size=window,
-        )
+        # the rows' bounds (int32, `SharedPrefixRows.model_kwargs`) and the longest row, of the queries and
+        # of the keys: the same rows
+        bounds = (cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q)
+        out_NHD = varlen_attn(q_NHD, k_NHD, v_NHD, *bounds, scale=scaling, window_size=window)
         assert isinstance(out_NHD, torch.Tensor)  # no logsumexp asked for
         return out_NHD[None], None
     outs, sdpa = [], torch.nn.functional.scaled_dot_product_attention
