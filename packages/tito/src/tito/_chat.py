@@ -54,12 +54,9 @@ def is_text(content: Any) -> bool:
 
 def _message_key(message: dict) -> tuple:
     """What identifies a message for continuation: what the template renders, nothing else."""
+    functions = [call["function"] for call in message.get("tool_calls") or ()]
     calls = tuple(
-        (
-            call["function"]["name"],
-            json.dumps(parse_arguments(call["function"].get("arguments")), sort_keys=True),
-        )
-        for call in message.get("tool_calls") or ()
+        (f["name"], json.dumps(parse_arguments(f.get("arguments")), sort_keys=True)) for f in functions
     )
     images = tuple(part_url(part) for part in image_parts(message.get("content")))
     return message["role"], message_text(message.get("content")), images, calls
