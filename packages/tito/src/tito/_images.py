@@ -42,9 +42,7 @@ class LoadedImage:
 
 def image_parts(content: Any) -> list[dict]:
     """The `image_url` parts of a message's content, in order."""
-    if not isinstance(content, list):
-        return []
-    return [part for part in content if part.get("type") == "image_url"]
+    return [part for part in content if part.get("type") == "image_url"] if isinstance(content, list) else []
 
 
 def part_url(part: dict) -> str:
