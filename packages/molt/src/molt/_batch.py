@@ -299,8 +299,7 @@ def with_lags(batch: TrainBatch, versions_per_row: list[list[int]], trainer_vers
 def with_routes(batch: TrainBatch, routes_per_row: list) -> TrainBatch:
     """`batch` with `experts_BTLK` from each row's routes (`tito.Segment.routes()`: the experts of the
     row's first n tokens, `(n, L, K)`); -1 past them."""
-    missing = [row for row, routes in enumerate(routes_per_row) if routes is None]
-    if missing:
+    if missing := [row for row, routes in enumerate(routes_per_row) if routes is None]:
         raise RuntimeError(
             f"rows {missing} have no MoE routes: their engine returned none (vLLM returns them when started "
             "with --enable-return-routed-experts, as molt starts its engines under --train.routing_replay; "
