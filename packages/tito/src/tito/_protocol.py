@@ -151,8 +151,7 @@ class TextStream:
     def finish(self) -> str:
         """The whole reply text, ending before the first stop string in it (`stop`: that string). vLLM
         ends a reply at the first stop string its text holds and counts the string's tokens as sampled."""
-        found = [(self.text.find(stop), stop) for stop in self._stops if stop in self.text]
-        if found:
+        if found := [(self.text.find(stop), stop) for stop in self._stops if stop in self.text]:
             cut, self.stop = min(found)
             self.text = self.text[:cut]
         return self.text
