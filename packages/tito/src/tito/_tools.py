@@ -90,8 +90,7 @@ class ToolCalls:
             calls = calls[: raw.count("</function>")]
         # vLLM's parsers are lenient: a cut-off name or unparsed arguments still come back as a call.
         good = [call for call in calls if call["name"] in offered and isinstance(call["arguments"], dict)]
-        failures = len(found.tool_calls) - len(good)
-        if failures:  # the reply stays as the model wrote it
+        if failures := len(found.tool_calls) - len(good):  # the reply stays as the model wrote it
             return ParsedReply(text, [], failures)
         return ParsedReply((found.content or "").strip(), good, 0)
 
