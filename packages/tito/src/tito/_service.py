@@ -130,8 +130,7 @@ class Tito:
         session_id = secrets.token_hex(16)
         while self.worker[1] > 1 and session_owner(session_id, self.worker[1]) != self.worker[0]:
             session_id = secrets.token_hex(16)
-        session = Session(session_id, self.router.assign(), Capture(session_id))
-        self.sessions[session_id] = session
+        session = self.sessions[session_id] = Session(session_id, self.router.assign(), Capture(session_id))
         return session
 
     def end_session(self, session_id: str, *, reason: str = "was ended") -> Trajectory:
