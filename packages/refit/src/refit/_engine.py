@@ -186,8 +186,7 @@ class Engine:
             with socket.socket() as sock:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
-            init_info = {"master_address": host, "master_port": port, "rank_offset": 1}
-            init_info["world_size"] = world_size
+            init_info = dict(master_address=host, master_port=port, rank_offset=1, world_size=world_size)
             opener = partial(NcclChannel, host, port, world_size)
         else:  # the trainer's store listens before the engine is told its port
             store, timeout_s = host_store(host, self.timeout_s), self.timeout_s
