@@ -270,5 +270,4 @@ class Capture:
         ]
         offset = 0 if self.segments[0].token_ids else 1  # only the first segment can be empty
         turns = [msgspec.structs.replace(turn, segment=turn.segment - offset) for turn in self.turns]
-        failures = sum(turn.tool_parse_failures for turn in turns)
-        return Trajectory(self.session_id, segments, turns, failures)
+        return Trajectory(self.session_id, segments, turns, sum(turn.tool_parse_failures for turn in turns))
