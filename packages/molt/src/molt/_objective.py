@@ -161,9 +161,7 @@ def explained_variance(values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_B
     trained = mask_BT != 0
     returns, values = returns_BT[trained], values_BT[trained]
     variance = returns.var(unbiased=False)
-    if variance == 0:
-        return 0.0
-    return (1 - (returns - values).var(unbiased=False) / variance).item()
+    return 0.0 if variance == 0 else (1 - (returns - values).var(unbiased=False) / variance).item()
 
 
 # The token-level estimators by --algo.advantage.estimator name (what each reads:
