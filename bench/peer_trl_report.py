@@ -189,11 +189,38 @@ def report(records: list[dict]) -> None:
             if trainer == "molt":  # its actor/compiles: graphs compiled in the step (TRL compiles none)
                 compiling = [sum(s["log"].get("actor/compiles", 0) > 0 for s in r["steps"][1:]) for r in runs]
                 print(f"(molt: steps 2..N in which the actor still compiled, per run: {compiling})")
+                print(profile([r for r in runs if len(r["steps"]) > 1]))
         if "molt" in means and "trl" in means:
             molt, trl = means["molt"], means["trl"]
             ratio = molt["step_s"] / trl["step_s"]
             print(f"molt / trl s/step: {ratio:.2f} (molt {1 / ratio:.2f}x as fast); reply tokens/s, "
                   f"molt / trl: {molt['tokens_per_s'] / trl['tokens_per_s']:.2f}")  # fmt: skip
+
+
+def profile(runs: list[dict]) -> str:
+    """Where molt's time goes, mean over runs: start-up by stage (step 1's `timing/startup_*`; the stages
+    overlap, so they do not add up to the total) and a later step's by stage (each run's median over
+    steps 2..N of `timing/*`: `generation` is the wait for the step's groups, `refit_*` the parts of
+    `broadcast`)."""
+    if not runs:
+        return "(molt: no run of 2 steps or more to profile)"
+    first = runs[0]["steps"][0]["log"]
+    startup = sorted(k for k in first if k.startswith("timing/startup_"))
+    steady = sorted(k for k in runs[0]["steps"][1]["log"] if k.startswith("timing/") and k not in startup)
+
+    def seconds(key: str, later: bool) -> float:
+        if not later:
+            return statistics.mean(r["steps"][0]["log"].get(key, 0.0) for r in runs)
+        return statistics.mean(
+            statistics.median(s["log"].get(key, 0.0) for s in r["steps"][1:]) for r in runs
+        )
+
+    return (
+        "molt, start-up s: "
+        + ", ".join(f"{k[15:]} {seconds(k, False):.1f}" for k in startup)
+        + "; a later step's median s: "
+        + ", ".join(f"{k[7:]} {seconds(k, True):.2f}" for k in steady)
+    )
 
 
 def plot(records: list[dict], path: str | Path) -> None:
