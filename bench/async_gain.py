@@ -20,7 +20,7 @@ rows and delays. With `--out FILE.json` every run appends a record (mode, run, s
 date, the sampler's figures below, and per step: seconds from launch to the step's line, which molt
 prints right after the step's metrics.jsonl line, `timing/step_total`, reward, reply tokens and the
 step's whole metrics line), written after each run, so a run cut short keeps the earlier ones; the runs
-already in the file count (the next run of a mode continues their numbers), so a GPU call can run a
+already in the file count (the next run of a mode continues their numbers), so one command can run a
 subset (`--modes sync --runs 1`) and the next one the rest. `--report` only reads `--out` and prints the
 tables (`--threshold` may re-set the threshold there).
 
