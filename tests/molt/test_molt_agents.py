@@ -189,13 +189,15 @@ class AgentRunner(Env):
 """
 
 
-def fake_engine_episode(model_dir, tmp_path, info: str):
-    """One Env episode of an agent returning `info` (source text): the rollout or its error, and the
-    runner. The engine is a fake (`molt_probes.FakeEngine`): what it samples does not matter here."""
+def fake_engine_episode(model_dir, tmp_path, source: str, cfg: Config | None = None):
+    """One Env episode of the agent module `source`: the rollout or its error, the runner and the engine.
+    The engine is a fake (`molt_probes.FakeEngine`, a 512-token context): what it samples does not
+    matter here."""
     module = tmp_path / "agent.py"
-    module.write_text(NUMBERS.format(info=info))
-    cfg = config()
-    transport = httpx.MockTransport(probes.FakeEngine())
+    module.write_text(source)
+    cfg = cfg or config()
+    engine = probes.FakeEngine()
+    transport = httpx.MockTransport(engine)
     tito = Tito(["http://engine"], model_dir, engine_transport=transport, fixed_sampling=sampling(cfg))
     runner = RolloutRunner(tito, cfg, [AgentHost(str(module))])
     row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
@@ -205,13 +207,12 @@ def fake_engine_episode(model_dir, tmp_path, info: str):
         await tito.aclose()
         return result
 
-    return asyncio.run(run()), runner
+    return asyncio.run(run()), runner, engine
 
 
 def test_an_agents_numpy_numbers_are_logged_and_dumped_as_floats(tiny_model_dir, tmp_path):
-    rollout, _ = fake_engine_episode(
-        tiny_model_dir, tmp_path, '{"score": np.float64(0.25), "turns": np.int64(1)}'
-    )
+    info = '{"score": np.float64(0.25), "turns": np.int64(1)}'
+    rollout, _, _ = fake_engine_episode(tiny_model_dir, tmp_path, NUMBERS.format(info=info))
     assert rollout.reward == 0.5 and rollout.info == {"score": 0.25, "turns": 1.0}
     assert rollout_metrics([rollout], 1)["rollout/score"] == 0.25
     group = type("Group", (), {"prompt_index": 0, "samples": [rollout]})
@@ -221,7 +222,8 @@ def test_an_agents_numpy_numbers_are_logged_and_dumped_as_floats(tiny_model_dir,
 
 
 def test_an_info_value_that_is_no_number_loses_the_rollout_naming_its_key(tiny_model_dir, tmp_path):
-    error, runner = fake_engine_episode(tiny_model_dir, tmp_path, '{"note": "a string"}')
+    bad = NUMBERS.format(info='{"note": "a string"}')
+    error, runner, _ = fake_engine_episode(tiny_model_dir, tmp_path, bad)
     assert isinstance(error, ValueError) and "'note'" in str(error), error
     assert runner.failures["raised"] == 1
 
@@ -270,21 +272,7 @@ class AgentRunner(Env):
 def test_an_env_episode_that_outgrows_the_context_ends_truncated_with_what_it_sampled(
     tiny_model_dir, tmp_path
 ):
-    module = tmp_path / "agent.py"
-    module.write_text(OUTGROWING)
-    cfg = config(max_turns=4)
-    engine = probes.FakeEngine()  # its context: 512 tokens
-    tito = Tito(["http://engine"], tiny_model_dir, engine_transport=httpx.MockTransport(engine),
-                fixed_sampling=sampling(cfg))  # fmt: skip
-    runner = RolloutRunner(tito, cfg, [AgentHost(str(module))])
-    row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
-
-    async def run():
-        (result,) = await asyncio.gather(runner(row, 0), return_exceptions=True)
-        await tito.aclose()
-        return result
-
-    rollout = asyncio.run(run())
+    rollout, runner, engine = fake_engine_episode(tiny_model_dir, tmp_path, OUTGROWING, config(max_turns=4))
     assert not isinstance(rollout, Exception), rollout
     assert len(engine.requests) == 1 and rollout.sampled == [7, 8, 9]  # the turn that fitted, kept
     assert rollout.truncated and rollout.reward == 0.25 and runner.failures["raised"] == 0
@@ -321,9 +309,10 @@ def test_a_step_without_a_result_is_named_and_a_returned_coroutine_is_awaited(tm
 
 
 def test_an_info_key_named_like_a_built_in_metric_loses_the_rollout_naming_it(tiny_model_dir, tmp_path):
-    error, runner = fake_engine_episode(tiny_model_dir, tmp_path, '{"reward_mean": 9.0, "score": 1.0}')
+    clash = NUMBERS.format(info='{"reward_mean": 9.0, "score": 1.0}')
+    error, runner, _ = fake_engine_episode(tiny_model_dir, tmp_path, clash)
     assert isinstance(error, ValueError) and "['reward_mean']" in str(error), error
     assert runner.failures["raised"] == 1
     (tmp_path / "plain").mkdir()  # the names checked are the ones logged
-    rollout, _ = fake_engine_episode(tiny_model_dir, tmp_path / "plain", "{}")
+    rollout, _, _ = fake_engine_episode(tiny_model_dir, tmp_path / "plain", NUMBERS.format(info="{}"))
     assert set(rollout_metrics([rollout], 1)) == {f"rollout/{name}" for name in BUILT_IN}
