@@ -91,7 +91,8 @@ class Agent(_Group):
     timeout: Annotated[float, Meta(gt=0)] = 60.0
     """Seconds one rollout may take; past it the rollout is lost (counted in agent/timed_out) and retried."""
     max_turns: Annotated[int, Meta(ge=1)] = 1
-    """Most LLM turns per episode of an Env agent."""
+    """Most LLM turns per episode of an Env agent; an episode whose next prompt would not fit in
+    --vllm.max_model_len ends there, truncated."""
     num_runners: Annotated[int, Meta(ge=0)] = 1
     """Ray actors hosting the agents (each runs many episodes concurrently); 0 runs them in the trainer's
     process, without a Ray call per reset and step (for cheap agents)."""
