@@ -99,7 +99,7 @@ from pathlib import Path
 
 import psutil
 from peer_trl_gpu import STEP_LINE, machine_line, wait_gpu_idle
-from peer_trl_report import WINDOW, mean_sd
+from peer_trl_report import mean_sd, reached
 
 from molt._flags import parse
 
@@ -260,11 +260,6 @@ def figures(record: dict, threshold: float | None = None) -> dict:
     logs, later = [s["log"] for s in steps], steps[1:]
     busy = sum(s["step_total"] for s in later)
     reward = [s["reward"] for s in steps]
-    reached = next(
-        ((steps[k]["t"], steps[k]["step"]) for k in range(WINDOW - 1, len(steps))
-         if statistics.mean(reward[k + 1 - WINDOW : k + 1]) >= threshold),
-        None,
-    )  # fmt: skip
     evals = [log["eval/pass@1"] for log in logs if "eval/pass@1" in log]
     return dict(
         startup_s=steps[0]["t"],
@@ -276,7 +271,7 @@ def figures(record: dict, threshold: float | None = None) -> dict:
         no_token=record["no_token"],
         run_cores=record["run_cores"],
         machine_cores=record["machine_cores"],
-        reached=reached,
+        reached=reached(steps, threshold),
         final_reward=statistics.mean(reward[-last:]),
         final_eval=evals[-1] if evals else None,
         staleness=statistics.mean(log["train/staleness_mean"] for log in logs[1:]),

@@ -119,22 +119,27 @@ def mean_sd(values: list[float], spec: str) -> str:
     return f"{statistics.mean(values):{spec}} ± {statistics.stdev(values):{spec}}"
 
 
+def reached(steps: list[dict], threshold: float | None) -> tuple[float, int] | None:
+    """(seconds since launch, step) at the first step where the mean reward of the last WINDOW steps
+    reaches `threshold`; None if none does, or without a threshold."""
+    reward = [s["reward"] for s in steps]
+    for k in range(WINDOW - 1, len(steps)) if threshold is not None else ():
+        if statistics.mean(reward[k + 1 - WINDOW : k + 1]) >= threshold:
+            return steps[k]["t"], steps[k]["step"]
+    return None
+
+
 def figures(record: dict) -> dict | None:
     """One run's figures (module docstring of peer_trl_gpu); None for a run of fewer than 2 steps."""
     steps, evals = record["steps"], record.get("evals") or []  # records before evaluation have no evals
     if len(steps) < 2:
         return None
     t, reward = [s["t"] for s in steps], [s["reward"] for s in steps]
-    threshold, reached = record["settings"]["threshold"], None
-    for k in range(WINDOW - 1, len(steps)) if threshold is not None else ():
-        if statistics.mean(reward[k + 1 - WINDOW : k + 1]) >= threshold:
-            reached = (t[k], steps[k]["step"])
-            break
     return dict(
         startup_s=t[0],
         step_s=(t[-1] - t[0]) / (len(t) - 1),  # the mean of steps 2..N
         tokens_per_s=sum(s["reply_tokens"] for s in steps[1:]) / (t[-1] - t[0]),
-        reached=reached,
+        reached=reached(steps, record["settings"]["threshold"]),
         final_reward=statistics.mean(reward[-LAST:]),
         final_eval=evals[-1]["pass_at_1"] if evals else None,  # after the last step
     )
