@@ -167,9 +167,10 @@ class RolloutRunner:
                         session, prompt.token_ids, images=prompt.images, seed=self._seed(row, index, turn)
                     )
                 except ContextFull:  # the episode outgrew the context: it ends truncated, as it stands
-                    if full := turn > 0:
-                        break
-                    raise  # the first prompt alone: nothing sampled to train
+                    if turn == 0:
+                        raise  # the first prompt alone: nothing sampled to train
+                    full = True
+                    break
                 sampled += generation.token_ids
                 text = self.tito.tokenizer.decode(generation.token_ids, skip_special_tokens=True)
                 reply = {"role": "assistant", "content": text}
