@@ -316,3 +316,40 @@ def test_an_info_key_named_like_a_built_in_metric_loses_the_rollout_naming_it(ti
     (tmp_path / "plain").mkdir()  # the names checked are the ones logged
     rollout, _, _ = fake_engine_episode(tiny_model_dir, tmp_path / "plain", NUMBERS.format(info="{}"))
     assert set(rollout_metrics([rollout], 1)) == {f"rollout/{name}" for name in BUILT_IN}
+
+
+CLAIMS_PARSE_COUNT = """
+from openai import AsyncOpenAI
+from molt import ChatAgent, Result
+
+class AgentRunner(ChatAgent):
+    async def run(self, ctx, row):
+        async with AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) as client:
+            await client.chat.completions.create(model=ctx.model, messages=row["messages"])
+        return Result(reward=1.0, info={"tool_parse_failed": 0.0})
+"""
+
+
+def test_a_chat_agents_info_cannot_overwrite_molts_count_of_unparsed_tool_calls(tiny_model_dir, tmp_path):
+    (tmp_path / "agent.py").write_text(CLAIMS_PARSE_COUNT)
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake", "max_model_len": 512}]})
+        logprobs = {"content": [{"token_id": token, "logprob": -0.5} for token in (7, 8, 9)]}
+        choice = {"index": 0, "token_ids": [7, 8, 9], "logprobs": logprobs, "finish_reason": "stop"}
+        return httpx.Response(200, json={"choices": [choice]})
+
+    async def run():
+        tito = Tito(["http://engine"], tiny_model_dir, engine_transport=httpx.MockTransport(engine))
+        async with serve_on_loop(create_app(tito, api_key="key")) as url:
+            runner = RolloutRunner(tito, config(), [AgentHost(str(tmp_path / "agent.py"))],
+                                   chat_url=url, api_key="key")  # fmt: skip
+            row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
+            (result,) = await asyncio.gather(runner(row, 0), return_exceptions=True)
+        await tito.aclose()
+        return result, runner
+
+    error, runner = asyncio.run(run())
+    assert isinstance(error, ValueError) and "'tool_parse_failed'" in str(error), error
+    assert runner.failures["raised"] == 1

@@ -143,6 +143,8 @@ class RolloutRunner:
         sampled = [token for reply in session.capture.replies for token in reply]
         truncated = session.finish_reason == "length"
         # Tool calls the model wrote that did not parse: rollout/tool_parse_failed, never silently lost.
+        if "tool_parse_failed" in result.info:
+            raise ValueError("Result.info key 'tool_parse_failed' is molt's own rollout/ metric: rename it")
         info = {"tool_parse_failed": trajectory.tool_parse_failures, **result.info}
         return Rollout(trajectory.segments, float(result.reward), sampled, truncated, info)
 
