@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from molt._plot import read_metrics
+
 pytestmark = pytest.mark.slow
 
 MOLT = str(Path(sys.executable).parent / "molt")
@@ -159,26 +161,34 @@ def dataset(seed):
     rows = words(seed)
     for _ in range(5):
         yield next(rows)
+
+
+def eval_dataset(seed):  # a word training never draws: a path check of the evaluation, not a score
+    yield {"messages": [{"role": "user", "content": "copy the word: zebra"}], "word": "zebra"}
 """
 
 
-def test_a_used_up_dataset_ends_the_run_with_its_last_step_checkpointed(
+def test_a_used_up_dataset_ends_the_run_with_its_last_step_evaluated_and_checkpointed(
     tmp_path, tiny_model_dir, molt_engine, ray_cluster
 ):
     """Five rows, two groups a step: steps 1 and 2 take two each, step 3 the last one, and step 4 finds the
-    dataset used up. The run ends cleanly, and its last step, on which --ckpt.every 5 did not fall, is
-    checkpointed: no trained step is lost."""
+    dataset used up. The run ends cleanly, and its last step, on which neither --eval.every 5 nor
+    --ckpt.every 5 fell, is evaluated and checkpointed: no trained step is lost, the run's last weights
+    have their evaluation."""
     agent = tmp_path / "finite_data.py"
     agent.write_text(FINITE_DATA_AGENT)
     run_dir = tmp_path / "run"
     args = [MOLT, "train", "--logger.run_dir", str(run_dir), "--agent.module", str(agent),
             "--model.path", str(tiny_model_dir), "--vllm.urls", molt_engine.url,
             "--ray.address", ray_cluster.address, "--logger.tensorboard", "false", "--train.num_steps", "10",
-            "--rollout.prompts_per_step", "2", "--rollout.group_size", "2", "--ckpt.every", "5"]  # fmt: skip
+            "--rollout.prompts_per_step", "2", "--rollout.group_size", "2", "--ckpt.every", "5",
+            "--eval.every", "5", "--eval.num_prompts", "1", "--eval.n", "1"]  # fmt: skip
     result = subprocess.run(args, capture_output=True, text=True, timeout=900, env=ray_cluster.env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert "the dataset is used up" in result.stderr
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert "the dataset is used up" in result.stderr and "eval after step 3 | pass@1" in result.stdout
+    records = read_metrics(run_dir)  # step 3's evaluation, logged after its record, merged into it
+    assert [record["step"] for record in records] == [1, 2, 3]
+    assert "eval/pass@1" in records[2] and "rollout/reward_mean" in records[2]
+    assert not any("eval/pass@1" in record for record in records[:2])
     assert sorted(path.name for path in (run_dir / "checkpoints").glob("step_*")) == ["step_000003"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"

@@ -36,7 +36,7 @@ from molt._runners import launch_hosts
 from molt._validate import check_cluster_gpus, start_notes, validate
 from molt.agent import ChatAgent, load_agent
 from molt.config import Config, with_run_dir
-from molt.loop import Run, run_steps, save_checkpoint
+from molt.loop import Run, end_early, run_steps
 from tito import Tito, create_app, serve_on_loop
 
 
@@ -190,14 +190,13 @@ async def _serve_and_run(
             pool.version = parts["first_step"] - 1  # the engines' weights, pushed before the pool starts
             run = Run(tito=tito, pool=pool, runner=runner, restarts=restarts, **parts)
             async with pool:
-                await run_steps(config, run)
-    except PoolExhausted as end:
-        if end.__cause__ is not None:  # the dataset itself failed
-            raise RuntimeError(f"reading the dataset failed: {end.__cause__!r}") from end.__cause__
-        progress("the dataset is used up; stopping early")
-        # --ckpt.every: the last step trained (the pool's version) is checkpointed if its own was not due
-        if (every := config.ckpt.every) and pool.version % every and pool.version >= run.first_step:
-            await asyncio.to_thread(save_checkpoint, config, run, pool.version)
+                try:
+                    await run_steps(config, run)
+                except PoolExhausted as end:
+                    if (cause := end.__cause__) is not None:  # the dataset itself failed
+                        raise RuntimeError(f"reading the dataset failed: {cause!r}") from cause
+                    progress("the dataset is used up; stopping early")
+                    await end_early(config, run)
     finally:
         restarts.cancel()
         await tito.aclose()

@@ -115,6 +115,16 @@ class RunLog:
         self.wandb = start_wandb(run_dir, project, msgspec.to_builtins(config)) if project else None
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
+        self._record(step, metrics)
+        print(self._line(step, metrics), flush=True)
+
+    def evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        """An evaluation logged apart from its step's record (the last one of a run whose dataset ran
+        out): `molt plot` merges a step's records."""
+        self._record(step, metrics)
+        print(f"eval after step {step} | pass@1 {metrics['eval/pass@1']:.3f}", flush=True)
+
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
@@ -123,7 +133,6 @@ class RunLog:
             self.writer.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        print(self._line(step, metrics), flush=True)
 
     def _line(self, step: int, m: dict[str, float]) -> str:
         return (

@@ -21,8 +21,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl: is it a molt run directory?")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # A resumed run logs again the steps after its checkpoint: the last record counts.
-    by_step = {record["step"]: record for record in records}
+    # A step's records merge, the later winning: a resumed run logs again the steps after its checkpoint,
+    # and a run whose dataset ran out logs its last evaluation after its last step.
+    by_step: dict[int, dict] = {}
+    for record in records:
+        by_step.setdefault(record["step"], {}).update(record)
     if not by_step:
         raise ValueError(f"{path} has no step yet")
     return [by_step[step] for step in sorted(by_step)]

@@ -146,6 +146,19 @@ async def run_steps(config: Config, run: Run) -> None:
             await asyncio.to_thread(save_checkpoint, config, run, step)
 
 
+async def end_early(config: Config, run: Run) -> None:
+    """The dataset ran out before --train.num_steps: the last step trained (the pool's version) gets the
+    evaluation and the checkpoint that --eval.every and --ckpt.every give a run's last step, where its
+    own were not due."""
+    step = run.pool.version
+    if step < run.first_step:  # nothing trained since the start (or the resumed checkpoint)
+        return
+    if config.eval.every and step % config.eval.every:
+        run.log.evaluation(step, await _evaluate(config, run, step))
+    if config.ckpt.every and step % config.ckpt.every:
+        await asyncio.to_thread(save_checkpoint, config, run, step)
+
+
 def _due(every: int, step: int, last: int) -> bool:
     """Whether `--eval.every` or `--ckpt.every` falls on `step`: every `every` steps, and the last; never
     with 0."""
