@@ -147,3 +147,26 @@ async def test_idle_time_counts_from_the_end_of_the_last_request(fake_engine, ti
     assert replies[0].status_code == 200
     assert served.expire_idle(now=came + 60.1) == []  # 60 s after the request came, not after it ended
     assert served.expire_idle(now=time.monotonic() + 60.1) == [session["id"]]
+
+
+async def test_an_env_turn_waiting_on_a_session_ended_meanwhile_samples_nothing(fake_engine, tiny_model_dir):
+    """`Tito.generate` (the Env form) queued behind a running turn while the session is ended: it refuses
+    with the reason instead of sampling a reply that no trajectory would ever hold."""
+    served = tito_over(fake_engine, tiny_model_dir)
+    session = served.new_session()
+    outcome = []
+
+    async def turn():
+        try:
+            outcome.append(await served.generate(session, [1, 2, 3]))
+        except Exception as error:
+            outcome.append(error)
+
+    async with anyio.create_task_group() as group, session.lock:  # a turn is running
+        group.start_soon(turn)
+        await anyio.sleep(0.1)
+        served.end_session(session.id)
+    (error,) = outcome
+    assert isinstance(error, ValueError) and "was ended" in str(error), error
+    assert fake_engine.requests == []
+    await served.aclose()

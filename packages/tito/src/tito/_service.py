@@ -200,6 +200,8 @@ class Tito:
             raise ValueError("a turn needs at least one prompt token")
         prompt_ids, images = list(prompt_ids), list(images)
         async with session.lock:
+            if session.id not in self.sessions:  # ended while this turn waited for the one before it
+                raise ValueError(f"session {session.id!r} {self.ended.get(session.id, 'has ended')}")
             params = await self.sampling(session, len(prompt_ids), **sampling)
             routes_from = session.capture.routes_known_after(prompt_ids, images, retry=retry)
             result = await session.engine.generate(prompt_ids, params, images=images, routes_from=routes_from)
