@@ -159,6 +159,22 @@ async def test_anthropic_tool_use_round_trip_streamed_and_not(client, fake_engin
     assert len((await trajectory(client, session)).segments) == 1
 
 
+async def test_an_anthropic_tool_call_before_a_stop_sequence_asks_for_a_tool(client, fake_engine, tokenizer):
+    """The reply holds a whole tool call, then a stop sequence: `stop_reason` is "tool_use" (as the openai
+    route's finish is "tool_calls"), so an agent looping on it runs the tool."""
+    session = await new_session(client)
+    sdk = anthropic_client(client, session)
+    fake_engine.script = [encode(tokenizer, CALL + " END")]
+    tools = [{"name": "add", "description": "a + b", "input_schema": TOOLS[0]["function"]["parameters"]}]
+    reply = await sdk.messages.create(
+        model="tiny", max_tokens=64, messages=[{"role": "user", "content": "2+3?"}], tools=tools,
+        stop_sequences=["END"],
+    )  # fmt: skip
+    assert (reply.stop_reason, reply.stop_sequence) == ("tool_use", None)
+    (call,) = [block for block in reply.content if block.type == "tool_use"]
+    assert (call.name, call.input) == ("add", {"a": 2, "b": 3})
+
+
 async def test_sampled_ids_that_are_not_the_canonical_tokenization_are_kept(client, fake_engine, tokenizer):
     """The engine spelled "fox" letter by letter; the client sees "fox", the trace keeps the letters."""
     session = await new_session(client)

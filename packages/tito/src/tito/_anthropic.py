@@ -219,8 +219,9 @@ def image_url_part(block: dict) -> dict:
 
 
 def stop_reason(turn: ChatTurn) -> dict:
-    """The reply's `stop_reason` and `stop_sequence`."""
-    if turn.generation.stop_reason is not None:
+    """The reply's `stop_reason` and `stop_sequence`: a tool call asks for the tool whatever ended the
+    reply after it (as the openai route's finish says "tool_calls")."""
+    if turn.generation.stop_reason is not None and turn.finish != "tool_calls":
         return {"stop_reason": "stop_sequence", "stop_sequence": turn.generation.stop_reason}
     reason = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_turn"}[turn.finish]
     return {"stop_reason": reason, "stop_sequence": None}
