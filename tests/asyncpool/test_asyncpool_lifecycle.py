@@ -41,6 +41,7 @@ def test_a_rollout_that_keeps_raising_drops_its_group_and_is_logged_once(rollout
             await rollout.settle()
             assert rollout.cancelled == 1  # the failed group's other sample stops using the engine
             assert pool.stats.failed == 1
+            assert pool.discarded == [0]
             assert rollout.running_prompts() == ["b"]  # backfilled: the pool carries on
             rollout.finish("b")
             [group] = await pool.take(1)
@@ -92,6 +93,7 @@ def test_keep_that_raises_or_a_malformed_sample_fails_the_group(caplog):
             [group] = await pool.take(1)
         assert group.prompt == "ok"
         assert pool.stats.failed == 2
+        assert pool.discarded == [0, 1]
 
     with caplog.at_level(logging.ERROR, logger="asyncpool"):
         asyncio.run(main())

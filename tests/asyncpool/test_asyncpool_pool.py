@@ -155,6 +155,7 @@ def test_no_prompt_is_lost_or_duplicated(random_rollout, seed):
             stats = pool.stats
         filtered = [i for i in range(60) if i % 7 == 3]
         assert sorted(returned + filtered) == list(range(60))
+        assert sorted(pool.discarded) == filtered
         assert stats.filtered == len(filtered)
         assert stats.dropped_stale > 0
 

@@ -39,6 +39,7 @@ def test_a_prompt_dropped_stale_past_the_cap_raises_from_take_naming_it(rollout)
             assert (err.value.prompt, err.value.prompt_index, err.value.drops) == ("slow", 0, 3)
             assert str(pickle.loads(pickle.dumps(err.value))) == str(err.value)
             assert rollout.running_prompts() == ["fresh"]  # "slow" is not run again; the pool goes on
+            assert pool.discarded == [0]
             stats = pool.stats
         assert stats.dropped_stale == 5
         ended = stats.returned + stats.dropped_stale + stats.filtered + stats.failed

@@ -72,7 +72,7 @@ class Group[P, S: _Versioned]:
     """All `group_size` samples of one prompt, in index order.
 
     `prompt_index` is the prompt's 0-based position in the `prompts` iterable; it survives requeueing, so a
-    trainer that records the indices it trained on can resume by skipping them.
+    trainer that records the indices it trained on, and the pool's `discarded`, can resume by skipping them.
     """
 
     prompt: P
@@ -174,6 +174,9 @@ class GroupPool[P, S: _Versioned]:
         self._state = "new"  # -> "open" -> "closed"
         self._changed = asyncio.Event()
         self._stats = PoolStats()
+        # the prompt indices of groups dropped for good (filtered, failed, starved), in the order dropped:
+        # with those `take` returned, the prompts a resumed run skips (README, Groups)
+        self.discarded: list[int] = []
 
     async def __aenter__(self) -> Self:
         if self._state != "new":
@@ -286,9 +289,14 @@ class GroupPool[P, S: _Versioned]:
         if drops <= self.max_requeues:
             self._requeued.append((index, group.prompt))
             return
-        del self._stale_drops[index]
+        self._discard(index)
         self._starved.append(PromptStarved(group.prompt, index, drops, self.max_lag))
         logger.error("%s", self._starved[-1])
+
+    def _discard(self, index: int) -> None:
+        """Drop the prompt for good: its stale drops are forgotten, and it is listed in `discarded`."""
+        self._stale_drops.pop(index, None)
+        self.discarded.append(index)
 
     def _admits(self) -> bool:
         """Whether a group started now can still be taken within `max_lag` versions (class docstring)."""
@@ -363,7 +371,7 @@ class GroupPool[P, S: _Versioned]:
             return
         if (err := task.exception()) is not None:
             self._stats.failed += 1
-            self._stale_drops.pop(index, None)
+            self._discard(index)
             while isinstance(err, BaseExceptionGroup):  # the group's TaskGroup wraps the sample's error
                 err = err.exceptions[0]
             what = f"group of prompt {index} dropped: a rollout failed every attempt"
@@ -381,7 +389,7 @@ class GroupPool[P, S: _Versioned]:
             kept = self._keep is None or self._keep(group)
         except Exception:  # a filter that raises drops its group, like a failed rollout
             self._stats.failed += 1
-            self._stale_drops.pop(group.prompt_index, None)
+            self._discard(group.prompt_index)
             logger.exception("keep() raised for the group of prompt %d; group dropped", group.prompt_index)
             return
         if kept:
@@ -389,7 +397,7 @@ class GroupPool[P, S: _Versioned]:
         else:
             self._stats.filtered += 1
             self._spend(group, wasted=True)
-            self._stale_drops.pop(group.prompt_index, None)
+            self._discard(group.prompt_index)
 
 
 def _checked(sample: Any) -> Any:
