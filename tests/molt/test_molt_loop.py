@@ -5,8 +5,9 @@ rows, and the token-level pieces of GAE (where the reward sits, whitening, expla
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import molt_probes as probes
@@ -16,6 +17,7 @@ import torch
 
 from asyncpool import GroupPool, PoolExhausted
 from molt._batch import StepInputs, collate, with_lags
+from molt._checkpoint import latest
 from molt._data import read_rows
 from molt._dumps import read_rollouts
 from molt._flags import resolve
@@ -23,6 +25,7 @@ from molt._metrics import rollout_metrics, staleness_mean
 from molt._objective import explained_variance, last_token_rewards, rollout_sums, whitened
 from molt._restarts import EngineRestarts
 from molt._rollout import Rollout
+from molt.agent import load_agent
 from molt.config import Config, Data
 from molt.loop import check_token_identity, refit_engines, take, train_windows
 from tito import Segment
@@ -344,3 +347,34 @@ def test_a_resumed_runs_dumps_name_each_groups_row_by_its_position_in_the_stream
     config = resolve([*small, "--train.rollout_dump_dir", str(tmp_path / "dumps")])
     probes.loop_run(config, tmp_path, skip=[0, 2])
     assert sorted({record.group for record in read_rollouts(tmp_path / "dumps")}) == [1, 3]
+
+
+class _SolvedWords(probes._Rollouts):
+    """The stand-in rollout, but every sample of a row whose word is in `solved` gets reward 1: an
+    all-correct group, which --algo.filters all_equal_rewards drops."""
+
+    def __init__(self, solved: set[str]) -> None:
+        super().__init__()
+        self.solved = solved
+
+    async def __call__(self, row: dict, index: int) -> Rollout:
+        rollout = await super().__call__(row, index)
+        return replace(rollout, reward=1.0) if row["word"] in self.solved else rollout
+
+
+def test_a_checkpoint_records_the_rows_the_filters_dropped_with_the_trained_ones(tmp_path, monkeypatch):
+    """Two words of the stream are always solved, so the filter drops their groups: an uninterrupted run
+    never draws those rows again, so a run resumed from the checkpoint must skip them as it skips the
+    trained ones; the rows still in the pool, drawn but neither trained nor dropped, it draws again."""
+    monkeypatch.chdir(tmp_path)
+    small = ["--train.num_steps", "2", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2"]
+    config = resolve([*small, "--algo.filters", "all_equal_rewards", "--ckpt.every", "2"])
+    stream = list(itertools.islice(read_rows(config, load_agent(config.agent.module)), 20))
+    solved = {stream[0]["word"], stream[2]["word"]}
+    probes.loop_run(config, tmp_path, _SolvedWords(solved))
+    (ckpt_dir,) = tmp_path.glob("runs/*/checkpoints")
+    recorded = latest(ckpt_dir)[1].consumed_rows
+    dropped = {position for position, row in enumerate(stream) if row["word"] in solved}
+    trained = [position for position in range(len(stream)) if position not in dropped][: 2 * 2]
+    assert [position for position in recorded if position not in dropped] == trained
+    assert {position for position in dropped if position < trained[-1]} <= set(recorded)

@@ -8,7 +8,7 @@ A checkpoint is a directory `<ckpt.dir>/step_000010/` holding:
   their PEFT config, which `molt export` writes beside the adapters and needs to merge them;
 - `critic/`: the same for the PPO critic, when the run has one (the frozen reference and teacher are not
   saved: a resumed run loads them again from the initial weights and `--algo.teacher.model`);
-- `loop.json`: the loop's state (`LoopState`: the step, which rows were trained, the driver's RNG);
+- `loop.json`: the loop's state (`LoopState`: the step, which rows were consumed, the driver's RNG);
 - `model/`: the model's config and tokenizer, so that `molt export` needs nothing else.
 `<ckpt.dir>/latest` names the newest complete checkpoint; it is written last, so a run stopped while
 saving resumes from the one before.
@@ -32,7 +32,7 @@ LORA = "adapter_config.json"  # in <step>/actor of a LoRA policy: its PEFT confi
 
 class LoopState(msgspec.Struct):
     step: int  # the last optimizer step the checkpoint includes (= the engines' weight version)
-    trained_rows: list[int]  # positions in the row stream of every group trained so far
+    consumed_rows: list[int]  # positions in the row stream of every row trained, filtered or failed so far
     torch_rng: list[int]
     python_rng: list
 
@@ -72,11 +72,11 @@ def load_actor(model, optimizer, scheduler, path: Path) -> None:
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
 
 
-def write_loop_state(path: Path, step: int, trained_rows: list[int], model_dir: Path) -> None:
+def write_loop_state(path: Path, step: int, consumed_rows: list[int], model_dir: Path) -> None:
     """The driver's part of a checkpoint; then `latest` points at it (the checkpoint is complete)."""
     state = LoopState(
         step=step,
-        trained_rows=sorted(trained_rows),
+        consumed_rows=sorted(consumed_rows),
         torch_rng=torch.get_rng_state().tolist(),
         python_rng=json.loads(json.dumps(random.getstate())),
     )

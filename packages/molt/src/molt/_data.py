@@ -1,7 +1,7 @@
 """The dataset rows a run trains and evaluates on (`--data.*`, `--eval.path`).
 
 Training rows stream without end: a `--data.path` JSONL file reshuffled every epoch, or the agent module's
-`dataset(seed)`. `RowStream` hands them to the pool and remembers which were trained, so a resumed run
+`dataset(seed)`. `RowStream` hands them to the pool and remembers which the run consumed, so a resumed run
 skips exactly those. Evaluation rows (`eval_rows`) are a fixed list, never trained on, and held out:
 `check_held_out` compares their prompts with the rows the run will train on, refuses an evaluation set
 that is all training prompts and names the overlap of one that is partly. A JSONL row's chat messages are
@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from molt.config import Config
@@ -43,13 +43,14 @@ def _read_jsonl(path: str, flag: str, key: str, limit: int | None = None) -> lis
 
 class RowStream:
     """The dataset rows as the pool draws them. It remembers each drawn row's position in the stream
-    (the pool numbers rows in the order it draws them), so a checkpoint records which rows were trained
-    and a resumed run skips exactly those: rows in flight at the checkpoint are drawn again."""
+    (the pool numbers rows in the order it draws them), so a checkpoint records which rows the run
+    consumed (`consumed`) and a resumed run skips exactly those: rows in flight at the checkpoint are drawn
+    again."""
 
     def __init__(self, rows: Iterator[dict], *, skip: Sequence[int] = ()) -> None:
         self.rows, self.skip = rows, set(skip)
         self.positions: list[int] = []  # pool prompt index -> position in the stream
-        self.trained: list[int] = list(skip)
+        self.trained: list[int] = []  # positions of the rows this run trained
 
     def __iter__(self) -> Iterator[dict]:
         for position, row in enumerate(self.rows):
@@ -59,6 +60,12 @@ class RowStream:
 
     def mark_trained(self, groups) -> None:
         self.trained += [self.positions[group.prompt_index] for group in groups]
+
+    def consumed(self, discarded: Iterable[int]) -> list[int]:
+        """The positions of the rows an uninterrupted run would never draw again: those skipped, trained,
+        and those whose groups the pool dropped for good (`discarded`: its prompt indices), e.g. the
+        all-correct ones of --algo.filters all_equal_rewards."""
+        return [*self.skip, *self.trained, *(self.positions[index] for index in discarded)]
 
 
 def eval_rows(config: Config, agent_module) -> list[dict]:

@@ -53,7 +53,7 @@ class RolloutRecord(msgspec.Struct):
 def write_rollouts(dump_dir: Path, step: int, groups: list, positions: Sequence[int]) -> None:
     """Write the rollouts of one step's `groups` (asyncpool Groups of molt Rollouts) into its file, each
     group named by its row's position in the stream (`positions`: by the pool's prompt index, as
-    `molt._data.RowStream.positions`; a resumed run's pool numbers from 0 the rows it has not trained)."""
+    `molt._data.RowStream.positions`; a resumed run's pool numbers from 0 the rows it has not consumed)."""
     dump_dir.mkdir(parents=True, exist_ok=True)
     with (dump_dir / f"step_{step:06d}.jsonl").open("wb") as out:
         for group in groups:

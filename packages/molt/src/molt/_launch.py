@@ -62,7 +62,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
         for note in start_notes(config):
             progress(f"note: {note}")
         agent_module = load_agent(config.agent.module)
-        rows = RowStream(read_rows(config, agent_module), skip=state.trained_rows if state else [])
+        rows = RowStream(read_rows(config, agent_module), skip=state.consumed_rows if state else [])
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
         if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
             progress(f"note: {overlap}")
@@ -101,7 +101,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
                 groups["critic"].load(checkpoint)
             assert state is not None  # saved with its checkpoint
             restore_rng(state)
-            progress(f"resumed from {checkpoint} (step {state.step}, {len(state.trained_rows)} rows trained)")
+            progress(f"resumed from {checkpoint} (step {state.step}, {len(state.consumed_rows)} rows done)")
         urls = attached or ray.get(engine_urls)
         if attached or checkpoint is not None:  # the engines must serve this run's weights, as its version
             policy.refit(urls, first_step - 1)

@@ -316,5 +316,6 @@ def save_checkpoint(config: Config, run: Run, step: int) -> None:
     run.policy.save(path)  # every rank writes its shards
     if run.critic is not None:
         run.critic.save(path)
-    write_loop_state(path, step, run.rows.trained, run.model_dir)  # last: marks the checkpoint complete
+    consumed = run.rows.consumed(run.pool.discarded)
+    write_loop_state(path, step, consumed, run.model_dir)  # last: marks the checkpoint complete
     progress(f"checkpoint of step {step} in {path}")
