@@ -172,6 +172,21 @@ async def test_a_negative_chunk_size_is_a_broken_reply(chunks):
         await wire.aclose()
 
 
+async def test_a_chunk_its_size_line_miscounts_is_a_broken_reply():
+    # Five bytes sent as a chunk of four: its fifth byte stands where the chunk's CRLF belongs, and the
+    # rest ("\n0\r\n") reads as the last chunk's size line, so unchecked it ends a body one byte short.
+    body = ("close", b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\nabcde\r\n0\r\n\r\n")
+    server = RawServer([body, body])
+    async with server as url:
+        wire = Http1Wire(timeout=5.0)
+        with pytest.raises(ConnectionError, match="malformed chunk"):
+            await wire.request("GET", f"{url}/a")
+        with pytest.raises(ConnectionError, match="malformed chunk"):
+            async with wire.stream(f"{url}/generate", b"{}") as (_, lines):
+                assert [line async for line in lines]
+        await wire.aclose()
+
+
 async def test_a_stream_left_before_its_end_closes_its_connection():
     server = RawServer([chunked(b"data: 1\n\n", b"data: 2\n\n"), reply(b"after")])
     async with server as url:

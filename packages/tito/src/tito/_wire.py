@@ -151,7 +151,10 @@ async def _chunks(reader, chunked: bool, length: int | None, done: list, timeout
         done.append(True)
         return
     while size := _chunk_size(await within(reader.readuntil(b"\r\n"))):
-        yield (await within(reader.readexactly(size + 2)))[:-2]
+        chunk = await within(reader.readexactly(size + 2))
+        if chunk[size:] != b"\r\n":  # a size line that miscounts its data would read on as other bytes
+            raise ConnectionError(f"malformed chunk: {size} bytes, then {chunk[size:]!r} where CRLF ends it")
+        yield chunk[:size]
     while await within(reader.readuntil(b"\r\n")) != b"\r\n":  # trailers, then the blank line
         pass
     done.append(True)
