@@ -118,12 +118,13 @@ def test_rows_come_from_jsonl_reshuffled_each_epoch(tmp_path):
     assert sorted(next(rows)["i"] for _ in range(3)) == [0, 1, 2]  # the next epoch, reshuffled
 
 
-def test_rows_without_the_messages_field_are_refused(tmp_path):
+def test_rows_without_the_messages_field_are_refused_before_any_is_drawn(tmp_path):
+    # `launch` calls read_rows before Ray starts; the pool draws the first row only once engines are up
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"question": "x"}) + "\n")
     config = msgspec.structs.replace(Config(), data=Data(path=str(path)))
     with pytest.raises(ValueError, match="needs a 'messages' field"):
-        next(read_rows(config, agent_module=None))
+        read_rows(config, agent_module=None)
 
 
 def _rows(*lengths: int) -> list[tuple[list[int], list[int], list[float], float]]:

@@ -22,14 +22,13 @@ EVAL_SEED_OFFSET = 7_919  # a generated dataset's evaluation rows come from anot
 
 
 def read_rows(config: Config, agent_module) -> Iterator[dict]:
-    """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`."""
+    """Dataset rows: `--data.path` JSONL (reshuffled every epoch), or the agent module's `dataset(seed)`.
+    The file is read in this call, not at the first row drawn: a malformed one fails before Ray starts."""
     if not config.data.path:  # the agent module has dataset(seed) (`molt._checks.check_agent`)
-        yield from agent_module.dataset(config.data.seed)
-        return
+        return iter(agent_module.dataset(config.data.seed))
     rows = _read_jsonl(config.data.path, "--data.path", config.data.messages_key)
     rng = random.Random(config.data.seed)
-    while True:
-        yield from rng.sample(rows, len(rows))
+    return (row for _ in itertools.count() for row in rng.sample(rows, len(rows)))  # one sample per epoch
 
 
 def _read_jsonl(path: str, flag: str, key: str, limit: int | None = None) -> list[dict]:
