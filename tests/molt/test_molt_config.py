@@ -93,6 +93,16 @@ def test_toml_then_flags_precedence(tmp_path):
         ),
         pytest.param(["--algo.gae.lam", "0.95"], ["--algo.gae.*", "estimator reinforce_pp"], id="gae-unused"),
         pytest.param(["--algo.critic.lr", "1e-4"], ["--algo.critic.*"], id="critic-unused"),
+        pytest.param(
+            ["--algo.loss.kind", "cispo", "--algo.loss.dual_clip", "3"],
+            ["--algo.loss.dual_clip 3", "--algo.loss.kind cispo"],
+            id="dual-clip-without-a-surrogate",
+        ),
+        pytest.param(
+            ["--algo.loss.kind", "pg", "--algo.loss.clip_high", "0.5"],
+            ["--algo.loss.clip_high", "--algo.loss.kind pg"],
+            id="clip-unused-by-pg",
+        ),
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),

@@ -117,6 +117,18 @@ def check_algorithm(config: Config) -> None:
             "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
             "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
         )
+    loss, default_loss = algo.loss, Config().algo.loss
+    if loss.dual_clip is not None and loss.kind not in ("ppo", "gspo"):  # rlestimators.policy_loss refuses it
+        raise ConfigError(
+            f"--algo.loss.dual_clip {loss.dual_clip} bounds the clipped surrogate of ppo and gspo, which "
+            f"--algo.loss.kind {loss.kind} does not have: drop it, or pick ppo or gspo"
+        )
+    clips = [name for name in ("clip_low", "clip_high") if getattr(loss, name) != getattr(default_loss, name)]
+    if loss.kind == "pg" and clips:
+        raise ConfigError(
+            f"--algo.loss.{clips[0]} is set, but --algo.loss.kind pg clips nothing: drop it, or pick ppo, "
+            "gspo or cispo"
+        )
     if not algo.filters and algo.filter_max_batches != Config().algo.filter_max_batches:
         raise ConfigError(
             "--algo.filter_max_batches bounds the groups --algo.filters drop, and none is on: name a filter "
