@@ -103,6 +103,16 @@ def test_toml_then_flags_precedence(tmp_path):
             ["--algo.loss.clip_high", "--algo.loss.kind pg"],
             id="clip-unused-by-pg",
         ),
+        pytest.param(
+            ["--algo.correction.mode", "mis", "--algo.correction.token_bounds", "1.5,3"],
+            ["--algo.correction.token_bounds (1.5, 3.0)", "leaves out 1"],
+            id="token-bounds-without-1",
+        ),
+        pytest.param(
+            ["--algo.correction.mode", "seq-mask-tis", "--algo.correction.seq_bounds", "0.5,0.9"],
+            ["--algo.correction.seq_bounds (0.5, 0.9)", "leaves out 1"],
+            id="seq-bounds-without-1",
+        ),
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),

@@ -28,6 +28,11 @@ def check_pairs(config: Config) -> None:
         low, high = getattr(config.algo.correction, flag)
         if not low < high:
             raise ConfigError(f"--algo.correction.{flag} is (low, high) with low < high, got ({low}, {high})")
+        if not low <= 1 <= high:  # 1: the ratio where the engine and the trainer agree, as on-policy
+            raise ConfigError(
+                f"--algo.correction.{flag} ({low}, {high}) leaves out 1, the ratio of a token the engine and "
+                "the trainer score alike: every on-policy token would weigh 0; pick low <= 1 <= high"
+            )
     if config.eval.k > config.eval.n:
         raise ConfigError(f"--eval.k {config.eval.k} must lie in 1..--eval.n ({config.eval.n})")
     if 0 < config.vllm.kv_cache_tokens < config.vllm.max_model_len:
