@@ -19,12 +19,13 @@ import pytest
 from asyncpool import GroupPool
 from molt._batch import collate
 from molt._dumps import read_rollouts, write_rollouts
+from molt._flags import resolve
 from molt._metrics import rollout_metrics
 from molt._rollout import BUILT_IN, RolloutRunner, sampling
 from molt._runners import AgentHost, launch_hosts
 from molt._validate import validate
 from molt.agent import Result
-from molt.config import Agent, Config, Data, Rollout
+from molt.config import Agent, Config, ConfigError, Data, Rollout
 from molt.loop import check_token_identity
 from tito import Tito, create_app, serve_on_loop
 
@@ -353,3 +354,11 @@ def test_a_chat_agents_info_cannot_overwrite_molts_count_of_unparsed_tool_calls(
     error, runner = asyncio.run(run())
     assert isinstance(error, ValueError) and "'tool_parse_failed'" in str(error), error
     assert runner.failures["raised"] == 1
+
+
+@pytest.mark.parametrize("flag", [["--agent.max_turns", "3"], ["--rollout.seed_requests"]])
+def test_a_chat_agent_refuses_the_flags_of_env_turns(flag):
+    # a ChatAgent's own SDK loop makes its turns and requests; these flags act on an Env's alone
+    with pytest.raises(ConfigError, match=f"{flag[0]} .*ChatAgent"):
+        resolve(["--agent.module", str(EXAMPLES / "openai_agent.py"), *flag])
+    resolve(["--agent.module", str(EXAMPLES / "calculator_env.py"), *flag])  # an Env reads them

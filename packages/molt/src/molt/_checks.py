@@ -226,5 +226,17 @@ def check_agent(config: Config) -> None:
             "renders with the chat template; --data.apply_chat_template false (rows already rendered as "
             "text) serves only Env agents"
         )
+    # An Env's turns are molt's loop (`molt._rollout`); a ChatAgent's SDK makes its own turns and requests.
+    env_only = [
+        flag
+        for flag in ("agent.max_turns", "rollout.seed_requests")
+        if field_value(config, flag) != field_value(Config(), flag)
+    ]
+    if issubclass(module.AgentRunner, ChatAgent) and env_only:
+        raise ConfigError(
+            f"--{env_only[0]} acts on an Env's turns, and --agent.module {config.agent.module} is a "
+            "ChatAgent, whose own SDK loop makes its turns and requests: drop it (bound the turns, or seed "
+            "the requests, in the agent)"
+        )
     if not config.data.path and not hasattr(module, "dataset"):
         raise ConfigError(f"--agent.module {config.agent.module} has no dataset(seed); pass --data.path")
