@@ -113,6 +113,18 @@ def test_toml_then_flags_precedence(tmp_path):
             ["--algo.correction.seq_bounds (0.5, 0.9)", "leaves out 1"],
             id="seq-bounds-without-1",
         ),
+        pytest.param(
+            [
+                "--algo.advantage.estimator",
+                "gae",
+                "--rollout.group_size",
+                "1",
+                "--algo.filters",
+                "all_equal_rewards",
+            ],
+            ["--algo.filters all_equal_rewards", "--rollout.group_size 1"],
+            id="equal-rewards-filter-on-groups-of-one",
+        ),
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),

@@ -139,6 +139,11 @@ def check_algorithm(config: Config) -> None:
             "--algo.filter_max_batches bounds the groups --algo.filters drop, and none is on: name a filter "
             "(--algo.filters all_equal_rewards), or drop it"
         )
+    if rollout.group_size == 1 and "all_equal_rewards" in algo.filters:  # one reward is always all equal
+        raise ConfigError(
+            "--algo.filters all_equal_rewards drops every group of --rollout.group_size 1, so no step would "
+            "fill: raise --rollout.group_size, or take the filter out"
+        )
     if twice := next((name for name in algo.filters if algo.filters.count(name) > 1), None):
         raise ConfigError(f"--algo.filters names {twice} twice: name each filter once")
     needs, estimator = estimator_needs(algo.advantage.estimator), algo.advantage.estimator
