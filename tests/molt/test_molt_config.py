@@ -125,6 +125,9 @@ def test_toml_then_flags_precedence(tmp_path):
             ["--algo.filters all_equal_rewards", "--rollout.group_size 1"],
             id="equal-rewards-filter-on-groups-of-one",
         ),
+        pytest.param(
+            ["--algo.kl.in_reward", "true"], ["--algo.kl.in_reward", "--algo.kl.coef is 0"], id="kl-unused"
+        ),
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),

@@ -19,7 +19,7 @@ import msgspec
 
 from molt._bounds import field_value
 from molt._config_algo import estimator_needs, loss_agg
-from molt.config import Config, ConfigError, OutcomeEstimator
+from molt.config import KL, Config, ConfigError, OutcomeEstimator
 
 
 def check_pairs(config: Config) -> None:
@@ -114,6 +114,12 @@ def check_algorithm(config: Config) -> None:
         raise ConfigError(
             f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
             "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
+        )
+    kl_set = [name for name in ("kind", "in_reward") if getattr(algo.kl, name) != getattr(KL(), name)]
+    if not algo.kl.coef and kl_set:
+        raise ConfigError(
+            f"--algo.kl.{kl_set[0]} is set, but --algo.kl.coef is 0 (no KL penalty, no reference model): "
+            "pass a coefficient, or drop it"
         )
     if algo.kl.coef and not algo.kl.in_reward and algo.kl.kind == "k1":
         raise ConfigError(
