@@ -85,6 +85,15 @@ def test_estimator_gives_zero_without_signal(name, rewards, groups):
     assert_close(adv_B, torch.zeros(len(rewards)))
 
 
+def test_rloo_keeps_the_rewards_precision():
+    # Ahmadian et al. 2024: A_i = r_i - mean of the other n - 1. One success among 7: the success gets
+    # 1 - 0 = 1, each failure 0 - 1/6, to float64 rounding; n/(n-1) = 7/6 is no float32 number, and a float32
+    # factor would put every advantage off by ~3e-8.
+    rewards_B = torch.tensor([1.0] + [0.0] * 6, dtype=torch.float64)
+    adv_B = rlestimators.rloo(rewards_B, torch.zeros(7, dtype=torch.int64))
+    assert_close(adv_B, torch.tensor([1.0] + [-1 / 6] * 6, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
 @pytest.mark.parametrize(
     ("rewards", "expected"),
     [

@@ -61,9 +61,10 @@ def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     A group of size 1 has no other member, so its advantage is 0.
     """
     centered_B, inverse_B, count_G = _centered(rewards, group_ids)
-    # n/(n-1); the clamp only guards n == 1, where centered_B is already exactly 0.
-    scale_G = count_G / (count_G - 1).clamp(min=1)
-    return centered_B * scale_G[inverse_B].to(centered_B.dtype)
+    # n/(n-1) in the rewards' dtype (int / int would be float32); the clamp only guards n == 1, where
+    # centered_B is already exactly 0.
+    scale_G = count_G.to(centered_B.dtype) / (count_G - 1).clamp(min=1)
+    return centered_B * scale_G[inverse_B]
 
 
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
