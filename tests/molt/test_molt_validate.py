@@ -558,12 +558,31 @@ def test_the_command_refuses_an_out_of_range_flag_before_anything_starts(tmp_pat
             id="cispo-one-step",
         ),
         pytest.param(["--actor.compute_dtype", "bfloat16"], "CPU engine samples in float32", id="bf16-actor"),
+        pytest.param(
+            ["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true"],
+            "--algo.kl.kind k2 in the reward",
+            id="k2-in-the-reward",
+        ),
+        pytest.param(
+            ["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true", "--algo.kl.kind", "k3"],
+            "--algo.kl.kind k3 in the reward",
+            id="k3-in-the-reward",
+        ),
     ],
 )
 def test_the_run_says_at_start_what_acts_otherwise_than_its_name(cpu_only, args, says):
     from molt._validate import start_notes
 
     assert any(says in note for note in start_notes(resolve(args)))
+
+
+def test_k1_in_the_reward_and_k2_in_the_loss_get_no_kl_note(cpu_only):
+    # k1 through the score function, and k2 differentiated, each follow the gradient of KL(pi || ref)
+    from molt._validate import start_notes
+
+    for args in (["--algo.kl.in_reward", "true", "--algo.kl.kind", "k1"], ["--algo.kl.kind", "k2"]):
+        notes = start_notes(resolve(["--algo.kl.coef", "0.1", *args]))
+        assert not any("--algo.kl.kind" in note for note in notes)
 
 
 def test_a_model_that_cannot_pack_is_said_to_pad_at_start(cpu_only, tmp_path, tiny_model_dir):

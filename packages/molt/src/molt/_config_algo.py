@@ -106,7 +106,8 @@ class KL(Group):
     kind: KLKind = "k2"
     """KL estimator (Schulman 2020). As a loss term, k2's expected gradient is that of KL(pi || ref); k3's
     (GRPO's) is that of KL(ref || pi), the other direction, though its value estimates KL(pi || ref); k1's
-    is zero, so k1 is refused there and belongs in the reward (--algo.kl.in_reward true)."""
+    is zero, so k1 is refused there and belongs in the reward (--algo.kl.in_reward true), where k2's and
+    k3's are second order in the log-ratio (the run says so at start)."""
     in_reward: bool = False
     """true: subtract the KL from the reward; false: add it to the loss."""
 

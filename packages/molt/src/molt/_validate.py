@@ -172,6 +172,14 @@ def start_notes(config: Config) -> list[str]:
             "optimizer step, so the ratio to the old policy is 1 and the surrogate reduces to pg (the "
             "clip never binds); raise --train.mini_batches for a trust region"
         )
+    kl = config.algo.kl
+    if kl.coef and kl.in_reward and kl.kind != "k1":  # tests/rlestimators/test_rlestimators_kl_gradients.py
+        notes.append(
+            f"--algo.kl.kind {kl.kind} in the reward (--algo.kl.in_reward): a reward penalty reaches the "
+            "policy through the score function, where only k1's expected gradient is that of KL(pi || ref); "
+            f"{kl.kind}'s is second order in the log-ratio, so the penalty barely acts near the reference; "
+            "pass --algo.kl.kind k1"
+        )
     # The tiny default model packs.
     if config.actor.pack and config.model.path and (refusal := why_not_packed(config.model.path)):
         notes.append(f"the actor pads its micro-batches (--actor.pack): {refusal}")

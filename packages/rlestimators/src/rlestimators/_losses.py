@@ -185,8 +185,9 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor
 
     A loss term therefore takes k2 (or k3, naming KL(pi_ref || pi)), never k1. A penalty in the reward is
     detached and enters through the score function, where E[k1 * grad logp] = grad KL(pi || pi_ref): k1
-    is right there. Each statement holds per token for samples of pi itself (on-policy); tests/rlestimators
-    checks them by exact enumeration.
+    is right there, and k2 and k3 are not (k3 gives grad KL(pi || pi_ref) - grad KL(pi_ref || pi)); both
+    are second order in log_r, so such a penalty barely acts near the reference. Each statement holds per
+    token for samples of pi itself (on-policy); tests/rlestimators checks them by exact enumeration.
 
     Returns [B, T] with gradient through `logp` only; reduce it with `masked_sum`.
     """
