@@ -95,7 +95,9 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor
     """REINFORCE++-baseline (Hu et al. 2025, "REINFORCE++", §3): subtract the group mean, then divide by the
     std over the whole batch of those group-centred values (Bessel-corrected) plus 1e-6.
 
-    The batch mean of group-centred values is exactly 0, so the global normalisation only divides. With
+    Each sample counts once (DESIGN §3); the paper normalises the per-token advantages A_{q,o_t}, where a
+    sample counts once per token and a long one weighs more in the batch mean and std. Per sample, the
+    batch mean of group-centred values is exactly 0, so the global normalisation only divides. With
     B == 1 (or only singleton groups) every centred value is 0, the std is taken as 0, and advantages are 0.
     """
     centered_B = _centered(rewards, group_ids)[0]
