@@ -48,8 +48,8 @@ def rollout_correction(
 
     Metrics: `mismatch_kl` (mean over trainable tokens of the k3 estimate of KL(rollout || old), on samples
     from the engine), `seq_masked_frac` (fraction of the B sequences not kept), `token_masked_frac`
-    (trainable tokens whose weight is 0), `token_capped_frac` (trainable tokens whose weight was capped at
-    `token_cap`).
+    (trainable tokens whose weight is 0), `token_capped_frac` (trainable tokens whose ratio exceeds
+    `token_cap` under tis and seq-mask-tis, those of a rejected sequence, which weigh 0, included).
     """
     check_bt("mask", mask, old_logp=old_logp, rollout_logp=rollout_logp)
     check_choice("rollout correction mode", mode, get_args(CorrectionMode))
