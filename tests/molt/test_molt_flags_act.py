@@ -137,7 +137,7 @@ PROBES: dict[str, Probe] = {
     "rollout.queue_depth": P(probes.pool, "48"),
     "rollout.max_lag": P(probes.pool),
     "rollout.stale": P(probes.pool),
-    "rollout.max_stale_requeues": P(probes.pool),
+    "rollout.max_stale_requeues": P(probes.pool, "", "--rollout.stale", "drop"),
     "rollout.partial_rollout": P(probes.loop_run, "", *SMALL, part="refits"),  # the pool holds during refits
     "rollout.seed_requests": P(probes.episode, "", *MODEL, part="requests"),
     "train.num_steps": P(probes.loop_run, "2", *SMALL, "--train.num_steps", "1", part="metrics"),

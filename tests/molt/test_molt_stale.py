@@ -26,6 +26,11 @@ from molt.loop import take
     [
         pytest.param(["--rollout.max_stale_requeues", "0"], ["--rollout.max_stale_requeues"], id="cap"),
         pytest.param(
+            ["--rollout.max_stale_requeues", "3"],
+            ["--rollout.max_stale_requeues 3", "--rollout.stale keep", "--rollout.stale drop"],
+            id="cap-without-drops",
+        ),
+        pytest.param(
             ["--rollout.stale", "keep", "--algo.correction.mode", "none"],
             ["--algo.correction.mode none needs on-policy rollouts"],
             id="keep-without-correction",

@@ -22,6 +22,11 @@ from molt._config_algo import estimator_needs, loss_agg
 from molt.config import KL, Config, ConfigError, OutcomeEstimator
 
 
+def _changed(config: Config, *flags: str) -> list[str]:
+    """Those of the dotted `flags` whose value differs from the default: the ones the run was given."""
+    return [flag for flag in flags if field_value(config, flag) != field_value(Config(), flag)]
+
+
 def check_pairs(config: Config) -> None:
     """The bounds that tie one numeric field to another (each one's own: `molt._bounds`)."""
     for flag in ("token_bounds", "seq_bounds"):
@@ -108,8 +113,15 @@ def check_algorithm(config: Config) -> None:
             f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
             "or pass --train.force_on_policy"
         )
-    # --rollout.stale keep needs no check of its own: a group can go stale only with max_lag >= 1 (the
-    # pool admits no more than one step of groups at max_lag 0), which already needs the correction.
+    # --rollout.stale keep needs no check against the correction: a group can go stale only with max_lag
+    # >= 1 (the pool admits no more than one step of groups at max_lag 0), which already needs it. And
+    # asyncpool.GroupPool reads max_requeues only when it drops a stale group, which keep never does.
+    if rollout.stale == "keep" and _changed(config, "rollout.max_stale_requeues"):
+        raise ConfigError(
+            f"--rollout.max_stale_requeues {rollout.max_stale_requeues} caps the reruns of a prompt whose "
+            "groups were dropped as stale, and --rollout.stale keep drops none: pass --rollout.stale drop, "
+            "or drop it"
+        )
     if rollout.group_size == 1 and algo.advantage.estimator in get_args(OutcomeEstimator):
         raise ConfigError(
             f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "

@@ -238,7 +238,7 @@ class Rollout(_Group):
     this is rare: one overtaken by faster ones): keep it and train it corrected, or drop it and rerun its
     prompt (its tokens wasted)."""
     max_stale_requeues: Annotated[int, Meta(ge=1)] = 16
-    """Reruns of one prompt after stale drops before the run stops, naming it (>= 1)."""
+    """With --rollout.stale drop: reruns of one prompt after stale drops before the run stops, naming it."""
     partial_rollout: bool = True
     """Keep in-flight requests across weight refits (their tokens mix versions)."""
     seed_requests: bool = False
