@@ -114,6 +114,26 @@ def test_toml_then_flags_precedence(tmp_path):
             id="seq-bounds-without-1",
         ),
         pytest.param(
+            ["--algo.correction.mode", "mis", "--algo.correction.token_cap", "3"],
+            ["--algo.correction.token_cap 3.0", "--algo.correction.mode mis"],
+            id="token-cap-unused-by-mis",
+        ),
+        pytest.param(
+            ["--algo.correction.token_bounds", "0.25,4"],
+            ["--algo.correction.token_bounds (0.25, 4.0)", "--algo.correction.mode tis"],
+            id="token-bounds-unused-by-tis",
+        ),
+        pytest.param(
+            ["--algo.correction.mode", "mis", "--algo.correction.seq_bounds", "0.9,1.1"],
+            ["--algo.correction.seq_bounds (0.9, 1.1)", "--algo.correction.mode mis"],
+            id="seq-bounds-unused-by-mis",
+        ),
+        pytest.param(
+            ["--train.force_on_policy", "--algo.correction.mode", "none", "--algo.correction.token_cap", "3"],
+            ["--algo.correction.token_cap 3.0", "--algo.correction.mode none"],
+            id="token-cap-unused-by-none",
+        ),
+        pytest.param(
             [
                 "--algo.advantage.estimator",
                 "gae",
@@ -280,7 +300,8 @@ def test_none_and_tuple_and_negative_values():
     assert (config.algo.loss.dual_clip, config.vllm.max_num_batched_tokens) == (3.0, 4096)
     assert resolve(["--algo.loss.dual_clip", "none"]).algo.loss.dual_clip is None
     assert resolve(["--ray.num_cpus=None"]).ray.num_cpus is None
-    assert resolve(["--algo.correction.token_bounds", "0.25, 4"]).algo.correction.token_bounds == (0.25, 4.0)
+    mis = resolve(["--algo.correction.mode", "mis", "--algo.correction.token_bounds", "0.25, 4"])
+    assert mis.algo.correction.token_bounds == (0.25, 4.0)
     assert resolve(["--eval.pass_reward", "-0.5"]).eval.pass_reward == -0.5
     assert resolve(["--actor.lr", "3e-6"]).actor.lr == 3e-6
     assert resolve(["--vllm.urls", "http://a:1, http://b:2"]).vllm.urls == ["http://a:1", "http://b:2"]
@@ -293,7 +314,8 @@ def test_last_repeated_flag_wins():
 
 def test_render_toml_round_trips(tmp_path):
     args = ["--algo.loss.dual_clip", "3", "--data.messages_key", 'say "hi"\\\x7f é', "--actor.lr", "1e-05"]
-    args += ["--algo.correction.seq_bounds", "0.9,1.1", "--train.force_on_policy", "--ray.num_cpus", "2"]
+    args += ["--algo.correction.mode", "seq-mask-tis", "--algo.correction.seq_bounds", "0.9,1.1"]
+    args += ["--train.force_on_policy", "--ray.num_cpus", "2"]
     args += ["--vllm.urls", "http://a:1,http://b:2"]
     config = resolve(args)
     text = render_toml(config)

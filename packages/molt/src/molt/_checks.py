@@ -113,6 +113,16 @@ def check_algorithm(config: Config) -> None:
             f"{str(rollout.partial_rollout).lower()}: pick a correction mode (tis, mis, seq-mask-tis) "
             "or pass --train.force_on_policy"
         )
+    # The bounds each mode reads in `rlestimators.rollout_correction` (none reads none); the rest do nothing.
+    mode = algo.correction.mode
+    reads = {"tis": ("token_cap",), "mis": ("token_bounds",), "seq-mask-tis": ("token_cap", "seq_bounds")}
+    unread = [name for name in ("token_cap", "token_bounds", "seq_bounds") if name not in reads.get(mode, ())]
+    if unused := _changed(config, *(f"algo.correction.{name}" for name in unread)):
+        raise ConfigError(
+            f"--{unused[0]} {field_value(config, unused[0])} is set, but --algo.correction.mode {mode} does "
+            "not read it (tis reads token_cap, mis token_bounds, seq-mask-tis token_cap and seq_bounds): "
+            "drop it, or pick a mode that reads it"
+        )
     # --rollout.stale keep needs no check against the correction: a group can go stale only with max_lag
     # >= 1 (the pool admits no more than one step of groups at max_lag 0), which already needs it. And
     # asyncpool.GroupPool reads max_requeues only when it drops a stale group, which keep never does.
