@@ -148,6 +148,11 @@ def test_toml_then_flags_precedence(tmp_path):
         pytest.param(
             ["--algo.kl.in_reward", "true"], ["--algo.kl.in_reward", "--algo.kl.coef is 0"], id="kl-unused"
         ),
+        pytest.param(
+            ["--data.messages_key", "prompt"],
+            ["--data.messages_key prompt", "--data.path", "--eval.path"],
+            id="messages-key-without-a-file",
+        ),
         pytest.param(["--actor.lr", "0"], ["--actor.lr"], id="lr"),
         pytest.param(["--train.num_steps", "0"], ["--train.num_steps"], id="num-steps"),
         pytest.param(["--rollout.temperature", "0"], ["--rollout.temperature"], id="temperature"),
@@ -316,7 +321,9 @@ def test_render_toml_round_trips(tmp_path):
     args = ["--algo.loss.dual_clip", "3", "--data.messages_key", 'say "hi"\\\x7f é', "--actor.lr", "1e-05"]
     args += ["--algo.correction.mode", "seq-mask-tis", "--algo.correction.seq_bounds", "0.9,1.1"]
     args += ["--train.force_on_policy", "--ray.num_cpus", "2"]
-    args += ["--vllm.urls", "http://a:1,http://b:2"]
+    rows = tmp_path / "rows.jsonl"  # the file whose rows --data.messages_key names a field of
+    rows.write_text("")
+    args += ["--vllm.urls", "http://a:1,http://b:2", "--data.path", str(rows)]
     config = resolve(args)
     text = render_toml(config)
     tomllib.loads(text)

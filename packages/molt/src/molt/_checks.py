@@ -235,6 +235,13 @@ def check_paths(config: Config) -> None:
         )
     if not config.data.messages_key:
         raise ConfigError("--data.messages_key is empty: name the rows' field that holds chat messages")
+    # `molt._data` reads the key from JSONL rows only; an agent's dataset() rows hold theirs under messages.
+    if not config.data.path and not config.eval.path and _changed(config, "data.messages_key"):
+        raise ConfigError(
+            f"--data.messages_key {config.data.messages_key} names a field of the rows of --data.path or "
+            "--eval.path, and neither is set (the agent module's rows are read under messages): pass a file, "
+            "or drop it"
+        )
     address = config.ray.address
     if address and address != "auto" and not re.fullmatch(r"(ray://)?[\w.\-]+:\d+", address):
         raise ConfigError(f"--ray.address {address!r}: pass a Ray head's HOST:PORT, ray://HOST:PORT or auto")

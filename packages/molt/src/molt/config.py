@@ -78,7 +78,7 @@ class Data(_Group):
     """true: rows hold chat messages (and optional tools), rendered once at generation (Env: by molt,
     ChatAgent: by tito, the same renderer); false: rows hold text already rendered (Env agents only)."""
     messages_key: str = "messages"
-    """Key of the chat-message list in each dataset row."""
+    """Key of the chat-message list in each row of --data.path and --eval.path (JSONL files)."""
     seed: Annotated[int, Meta(ge=0)] = 0
     """Seed of the prompt order."""
 
