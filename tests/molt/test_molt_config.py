@@ -286,14 +286,14 @@ def test_ill_typed_toml_value_names_the_file_and_the_flag(tmp_path):
     ],
 )
 def test_bool_values(text, value):
-    assert resolve(["--actor.freeze_moe_router", text]).actor.freeze_moe_router is value
-    assert resolve([f"--actor.freeze_moe_router={text}"]).actor.freeze_moe_router is value
+    assert resolve(["--logger.verbose", text]).logger.verbose is value
+    assert resolve([f"--logger.verbose={text}"]).logger.verbose is value
 
 
 def test_bare_bool_flag_means_true():
-    assert resolve(["--actor.freeze_moe_router"]).actor.freeze_moe_router is True
-    config = resolve(["--actor.freeze_moe_router", "--rollout.seed_requests", "--rollout.group_size", "4"])
-    assert (config.actor.freeze_moe_router, config.rollout.seed_requests, config.rollout.group_size) == (
+    assert resolve(["--logger.verbose"]).logger.verbose is True
+    config = resolve(["--logger.verbose", "--rollout.seed_requests", "--rollout.group_size", "4"])
+    assert (config.logger.verbose, config.rollout.seed_requests, config.rollout.group_size) == (
         True,
         True,
         4,

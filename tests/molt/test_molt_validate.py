@@ -201,10 +201,11 @@ def test_num_experts_reads_each_family_key(fields, expected):
     assert num_experts(fields) == expected
 
 
-def test_routing_replay_on_a_dense_model_is_refused(with_cuda, tmp_path, tiny_model_dir):
-    with pytest.raises(ConfigError, match=r"--train\.routing_replay .*dense"):
-        check_model(_config(train={"routing_replay": True}), tiny_model_dir)
-    check_model(_config(train={"routing_replay": True}), _model(tmp_path, num_experts=8))
+@pytest.mark.parametrize(("group", "flag"), [("train", "routing_replay"), ("actor", "freeze_moe_router")])
+def test_a_router_flag_on_a_dense_model_is_refused(with_cuda, tmp_path, tiny_model_dir, group, flag):
+    with pytest.raises(ConfigError, match=rf"--{group}\.{flag} .*dense"):
+        check_model(_config(**{group: {flag: True}}), tiny_model_dir)
+    check_model(_config(**{group: {flag: True}}), _model(tmp_path, num_experts=8))
 
 
 @pytest.mark.parametrize("key", ["num_experts", "n_routed_experts", "num_local_experts"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from molt._bounds import field_value
 from molt._config_algo import estimator_needs
 from molt._placement import plain_kv_layout
 from molt.config import Config, ConfigError
@@ -36,7 +37,7 @@ def why_not_packed(model_dir: str | Path) -> str | None:
 
 
 def check_model(config: Config, model_dir: str | Path) -> None:
-    """Sizes that do not divide the model's heads or experts, routing replay without experts, and what a
+    """Sizes that do not divide the model's heads or experts, router flags without experts, and what a
     vision-language policy cannot run. No --model.path: the seeded tiny model's shape (`molt.tiny`)."""
     # --actor.shared_prefix lays rows out in packed micro-batches (the tiny model packs).
     if config.actor.shared_prefix == "on" and model_dir and (refusal := why_not_packed(model_dir)):
@@ -75,10 +76,12 @@ def check_model(config: Config, model_dir: str | Path) -> None:
         )
     model_config = model_config.get("text_config", model_config)  # a vision-language model's LLM
     experts = num_experts(model_config)
-    if config.train.routing_replay and not experts:
+    # Both act on the routers `refit.RoutingReplay` finds, and it refuses a dense model once the actor loads.
+    moe_flags = ("train.routing_replay", "actor.freeze_moe_router")
+    if not experts and (routers := [flag for flag in moe_flags if field_value(config, flag)]):
         raise ConfigError(
-            f"--train.routing_replay replays MoE routing, but --model.path {model_dir} is dense (its "
-            f"config.json has none of {', '.join(_EXPERT_KEYS)}): drop --train.routing_replay"
+            f"--{routers[0]} acts on MoE routers, but --model.path {model_dir} is dense (its config.json has "
+            f"none of {', '.join(_EXPERT_KEYS)}): drop --{routers[0]}"
         )
     if fsdp.ep_size > 1 and (not experts or experts % fsdp.ep_size):
         raise ConfigError(
