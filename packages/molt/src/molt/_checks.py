@@ -19,7 +19,7 @@ import msgspec
 
 from molt._bounds import field_value
 from molt._config_algo import estimator_needs, loss_agg
-from molt.config import KL, Config, ConfigError, OutcomeEstimator
+from molt.config import Config, ConfigError, OutcomeEstimator
 
 
 def _changed(config: Config, *flags: str) -> list[str]:
@@ -137,10 +137,9 @@ def check_algorithm(config: Config) -> None:
             f"--algo.advantage.estimator {algo.advantage.estimator} baselines each sample against its group, "
             "so --rollout.group_size 1 gives every advantage 0: raise --rollout.group_size"
         )
-    kl_set = [name for name in ("kind", "in_reward") if getattr(algo.kl, name) != getattr(KL(), name)]
-    if not algo.kl.coef and kl_set:
+    if not algo.kl.coef and (kl_set := _changed(config, "algo.kl.kind", "algo.kl.in_reward")):
         raise ConfigError(
-            f"--algo.kl.{kl_set[0]} is set, but --algo.kl.coef is 0 (no KL penalty, no reference model): "
+            f"--{kl_set[0]} is set, but --algo.kl.coef is 0 (no KL penalty, no reference model): "
             "pass a coefficient, or drop it"
         )
     if algo.kl.coef and not algo.kl.in_reward and algo.kl.kind == "k1":
@@ -150,19 +149,17 @@ def check_algorithm(config: Config) -> None:
             "shows a value. Pass --algo.kl.kind k2 (the gradient of KL(pi || ref)) or k3 (GRPO's: that of "
             "KL(ref || pi)), or keep k1 in the reward with --algo.kl.in_reward true"
         )
-    loss, default_loss = algo.loss, Config().algo.loss
+    loss = algo.loss
     if loss.dual_clip is not None and loss.kind not in ("ppo", "gspo"):  # rlestimators.policy_loss refuses it
         raise ConfigError(
             f"--algo.loss.dual_clip {loss.dual_clip} bounds the clipped surrogate of ppo and gspo, which "
             f"--algo.loss.kind {loss.kind} does not have: drop it, or pick ppo or gspo"
         )
-    clips = [name for name in ("clip_low", "clip_high") if getattr(loss, name) != getattr(default_loss, name)]
-    if loss.kind == "pg" and clips:
+    if loss.kind == "pg" and (clips := _changed(config, "algo.loss.clip_low", "algo.loss.clip_high")):
         raise ConfigError(
-            f"--algo.loss.{clips[0]} is set, but --algo.loss.kind pg clips nothing: drop it, or pick ppo, "
-            "gspo or cispo"
+            f"--{clips[0]} is set, but --algo.loss.kind pg clips nothing: drop it, or pick ppo, gspo or cispo"
         )
-    if not algo.filters and algo.filter_max_batches != Config().algo.filter_max_batches:
+    if not algo.filters and _changed(config, "algo.filter_max_batches"):
         raise ConfigError(
             "--algo.filter_max_batches bounds the groups --algo.filters drop, and none is on: name a filter "
             "(--algo.filters all_equal_rewards), or drop it"
@@ -184,12 +181,10 @@ def check_algorithm(config: Config) -> None:
             f"--algo.kl.in_reward changes the reward, which --algo.advantage.estimator {estimator} does not "
             "use: drop --algo.kl.in_reward (the KL then is a loss term)"
         )
-    read, default = {"gae": needs.critic, "critic": needs.critic, "teacher": needs.teacher}, Config().algo
-    if unused := [
-        name for name, on in read.items() if not on and getattr(algo, name) != getattr(default, name)
-    ]:
+    read = {"gae": needs.critic, "critic": needs.critic, "teacher": needs.teacher}
+    if unused := _changed(config, *(f"algo.{name}" for name, on in read.items() if not on)):
         raise ConfigError(
-            f"--algo.{unused[0]}.* is set, but --algo.advantage.estimator {estimator} does not use it (gae "
+            f"--{unused[0]}.* is set, but --algo.advantage.estimator {estimator} does not use it (gae "
             "reads --algo.gae and --algo.critic, opd --algo.teacher): drop it, or pick that estimator"
         )
     rollouts = rollout.prompts_per_step * rollout.group_size
@@ -267,11 +262,7 @@ def check_agent(config: Config) -> None:
             "text) serves only Env agents"
         )
     # An Env's turns are molt's loop (`molt._rollout`); a ChatAgent's SDK makes its own turns and requests.
-    env_only = [
-        flag
-        for flag in ("agent.max_turns", "rollout.seed_requests")
-        if field_value(config, flag) != field_value(Config(), flag)
-    ]
+    env_only = _changed(config, "agent.max_turns", "rollout.seed_requests")
     if issubclass(module.AgentRunner, ChatAgent) and env_only:
         raise ConfigError(
             f"--{env_only[0]} acts on an Env's turns, and --agent.module {config.agent.module} is a "
