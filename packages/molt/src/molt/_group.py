@@ -96,11 +96,11 @@ class PolicyGroup:
         """One Ray object ref per rank, ready once that rank has loaded its shard."""
         return [w.__ray_ready__.remote() for w in self.workers]
 
-    def _each(self, method: str, *per_rank_args) -> list:
-        """Call `method` on every worker with its own arguments (one tuple per rank) and wait for all."""
-        return ray.get(
-            [getattr(w, method).remote(*args) for w, args in zip(self.workers, per_rank_args, strict=True)]
-        )
+    def _each(self, method: str, *args, shards: list[tuple] | None = None) -> list:
+        """Call `method` on every worker, with `args` or each with its own arguments (`shards`, one tuple per
+        rank), and wait for all."""
+        calls = zip(self.workers, shards or [args] * self.num_ranks, strict=True)
+        return ray.get([getattr(worker, method).remote(*arguments) for worker, arguments in calls])
 
     def _plan(self, batch: TrainBatch) -> list[list[list[int]]]:
         """Each data-parallel rank's micro-batches of `batch`'s rows (`molt._packing`), by the ranks'
@@ -108,7 +108,7 @@ class PolicyGroup:
         share prefixes (--actor.shared_prefix), the rows that share one (`molt._prefix`) kept in one
         micro-batch."""
         if self.layout is None:  # asked once the ranks are up; each rank's (budget, packs, shares)
-            layouts = self._each("micro_batch_layout", *[()] * self.num_ranks)
+            layouts = self._each("micro_batch_layout")
             self.layout = min(budget for budget, _, _ in layouts), *layouts[0][1:]
         budget, packed, shared_prefix = self.layout
         together: Together = ()
@@ -139,7 +139,7 @@ class PolicyGroup:
     def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
         """`method`'s [B, T] result for every row of `batch`, gathered in row order."""
         ranks_rows, shards = self._row_shards(batch)
-        results = self._each(method, *shards)[:: self.replicas]
+        results = self._each(method, shards=shards)[:: self.replicas]
         out_BT = torch.zeros(batch.tokens_BT.shape)
         for rows, result_BT in zip(ranks_rows, results, strict=True):
             if rows:
@@ -152,7 +152,7 @@ class PolicyGroup:
         computing in bfloat16, `actor/mfu` (model FLOPs over peak FLOPs), over the passes this group ran
         since the last call; the TP ranks of a data-parallel group count once. `actor/compiles`: the
         graphs torch.compile built meanwhile (0 once every shape has been seen)."""
-        counts = self._each("take_pass_counts", *[()] * self.num_ranks)[:: self.replicas]
+        counts = self._each("take_pass_counts")[:: self.replicas]
         slots, tokens = sum(c["slots"] for c in counts), sum(c["tokens"] for c in counts)
         saved, seconds = sum(c["saved"] for c in counts), max(c["seconds"] for c in counts)
         if not slots or not seconds:
@@ -176,15 +176,14 @@ class PolicyGroup:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`
         says which inputs it reads)."""
         batch.check_step(inputs)
-        shards = self._row_shards(batch, inputs)[1]
-        return self._each("train_step", *shards)[0]  # every rank reports the same all-reduced metrics
+        # every rank reports the same all-reduced metrics
+        return self._each("train_step", shards=self._row_shards(batch, inputs)[1])[0]
 
     def refit(self, engine_urls: list[str], version: int) -> dict:
         """Refit the engines with the current weights as `version`; returns rank 0's phase seconds.
         Raises `EnginesLost` when some engines failed (the others were updated and resumed). The engines
         reach rank 0 at the driver node's address."""
-        args = (list(engine_urls), self.backend, version, self.master_addr)
-        report = self._each("refit", *[args] * self.num_ranks)[0]
+        report = self._each("refit", list(engine_urls), self.backend, version, self.master_addr)[0]
         if failed := report.pop("failed"):
             raise EnginesLost(failed, updated=[url for url in engine_urls if url not in failed])
         return report
@@ -192,15 +191,15 @@ class PolicyGroup:
     def save(self, path: str | Path) -> None:
         """Checkpoint the model, optimizer and schedule into `path` (each rank writes its shards)."""
         Path(path).mkdir(parents=True, exist_ok=True)
-        self._each("save", *[(str(path),)] * self.num_ranks)
+        self._each("save", str(path))
 
     def load(self, path: str | Path) -> None:
         """Restore the model, optimizer and schedule from a checkpoint written by `save`."""
-        self._each("load", *[(str(path),)] * self.num_ranks)
+        self._each("load", str(path))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full parameters gathered from the shards."""
-        return self._each("full_state", *[()] * self.num_ranks)[0]
+        return self._each("full_state")[0]
 
     def shutdown(self) -> None:
         """Kill the workers (their process group and engine connections go with them)."""
