@@ -41,9 +41,7 @@ REFUSED = {
         "audio": "audio output is not supported",
         "web_search_options": "hosted web search is not supported: offer a function tool",
     },
-    "messages": {
-        "mcp_servers": "remote MCP servers are not supported: offer their tools as client tools",
-    },
+    "messages": {"mcp_servers": "remote MCP servers are not supported: offer their tools as client tools"},
     "responses": {
         "background": "background responses are not supported: send the request and wait for it",
         "conversation": "stored conversations are not supported: use previous_response_id or send input",
