@@ -291,8 +291,8 @@ class ModelRank:
         assert self.optimizer is not None and self.scheduler is not None  # a trainable rank's
         norms = []  # one per parameter group = device mesh (expert parallelism puts experts on their own)
         for group in self.optimizer.param_groups:
-            grads = [p.grad for p in group["params"] if p.grad is not None]
-            if grads:  # a partial norm of sharded gradients (a DTensor) is reduced over ranks
+            # a partial norm of sharded gradients (a DTensor) is reduced over ranks
+            if grads := [p.grad for p in group["params"] if p.grad is not None]:
                 norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
                 norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total_norm = torch.linalg.vector_norm(torch.stack(norms))

@@ -101,8 +101,7 @@ class RolloutRunner:
         try:
             async with asyncio.timeout(self.config.agent.timeout):
                 rollout = await episode(next(self.hosts), row, index)
-            images = self.tito.renderer.images
-            if images is not None and images.image_token_id in rollout.sampled:
+            if (images := self.tito.renderer.images) is not None and images.image_token_id in rollout.sampled:
                 raise ValueError(
                     "the policy sampled an image placeholder token; the trainer's model would read it as "
                     "part of an image, so this rollout cannot be trained as sampled (it is retried)"
