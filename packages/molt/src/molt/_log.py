@@ -115,16 +115,15 @@ class RunLog:
         self.wandb = start_wandb(run_dir, project, msgspec.to_builtins(config)) if project else None
 
     def step(self, step: int, metrics: dict[str, float]) -> None:
-        self._record(step, metrics)
-        print(self._line(step, metrics), flush=True)
+        self._record(step, metrics, self._line(step, metrics))
 
     def evaluation(self, step: int, metrics: dict[str, float]) -> None:
         """An evaluation logged apart from its step's record (the last one of a run whose dataset ran
         out): `molt plot` merges a step's records."""
-        self._record(step, metrics)
-        print(f"eval after step {step} | pass@1 {metrics['eval/pass@1']:.3f}", flush=True)
+        self._record(step, metrics, f"eval after step {step} | pass@1 {metrics['eval/pass@1']:.3f}")
 
-    def _record(self, step: int, metrics: dict[str, float]) -> None:
+    def _record(self, step: int, metrics: dict[str, float], line: str) -> None:
+        """`metrics` into every sink, and `line` on the console."""
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self.jsonl.flush()
         if self.writer is not None:
@@ -133,6 +132,7 @@ class RunLog:
             self.writer.flush()
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        print(line, flush=True)
 
     def _line(self, step: int, m: dict[str, float]) -> str:
         return (
