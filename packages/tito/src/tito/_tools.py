@@ -76,8 +76,7 @@ class ToolCalls:
 
         raw = self._decode_keeping_markers(token_ids) if self._kept else text
         request = ChatCompletionRequest(model="tito", messages=[{"role": "user", "content": ""}], tools=tools)
-        parser = self._parser_class(self.tokenizer, request.tools)
-        found = parser.extract_tool_calls(raw, request)
+        found = self._parser_class(self.tokenizer, request.tools).extract_tool_calls(raw, request)
         if not found.tools_called or not found.tool_calls:  # vLLM's Mistral parser may claim calls, give none
             began = any(marker in raw for marker in self.markers)
             return ParsedReply(text, [], failures=int(began))
