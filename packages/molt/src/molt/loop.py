@@ -316,6 +316,6 @@ def save_checkpoint(config: Config, run: Run, step: int) -> None:
     run.policy.save(path)  # every rank writes its shards
     if run.critic is not None:
         run.critic.save(path)
-    consumed = run.rows.consumed(run.pool.discarded)
-    write_loop_state(path, step, consumed, run.model_dir)  # last: marks the checkpoint complete
+    # last: marks the checkpoint complete
+    write_loop_state(path, step, run.rows.consumed(run.pool.discarded), run.model_dir)
     progress(f"checkpoint of step {step} in {path}")
