@@ -62,9 +62,7 @@ class ResponsesRequest(ChatBody):
     def chat_tools(self) -> list[dict] | None:
         """The tools in the chat-completions form the template renders."""
         keys = ("name", "description", "parameters")
-        functions = [
-            {key: tool[key] for key in keys if tool.get(key) is not None} for tool in self.tools or ()
-        ]
+        functions = [{k: tool[k] for k in keys if tool.get(k) is not None} for tool in self.tools or ()]
         return [{"type": "function", "function": function} for function in functions] or None
 
     def asked(self, tools: list[dict] | None) -> Asked:
