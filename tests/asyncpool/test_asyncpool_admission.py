@@ -98,6 +98,18 @@ def test_no_group_goes_stale_when_rollouts_finish_in_start_order(max_lag):
     assert stats.started == stats.returned + stats.in_flight + stats.ready
 
 
+@pytest.mark.parametrize(("max_lag", "depth"), [(0, 8), (1, 12)])
+def test_a_batch_known_up_front_bounds_the_first_fill_by_max_lag(max_lag, depth):
+    # A queue deeper than (max_lag + 1) x n: before the first take the pool does not know n, and filling to
+    # depth then started groups only a take max_lag + 1 or more versions later could return (max_lag 0:
+    # step 2 trained groups of version 0 at version 1). Given `batch`, the first fill is bounded as the rest.
+    n, rollout = 4, FixedRollout(turns=3)
+    pool = GroupPool(rollout, itertools.count(), group_size=2, depth=depth, max_lag=max_lag, batch=n)
+    rollout.pool = pool
+    lags, _, stats = asyncio.run(_train(pool, n=n, steps=10, train_turns=10))
+    assert max(lags) == max_lag and stats.kept_stale == 0, (lags, stats)
+
+
 @pytest.mark.parametrize(
     ("median_turns", "sigma", "most_dropped"),
     [

@@ -379,3 +379,15 @@ def test_a_checkpoint_records_the_rows_the_filters_dropped_with_the_trained_ones
     trained = [position for position in range(len(stream)) if position not in dropped][: 2 * 2]
     assert [position for position in recorded if position not in dropped] == trained
     assert {position for position in dropped if position < trained[-1]} <= set(recorded)
+
+
+def test_max_lag_0_trains_no_group_of_an_older_version_from_the_first_step_on(tmp_path, monkeypatch):
+    """--rollout.max_lag 0 with the default queue of two steps' groups: the pool knows from the start how
+    many groups a step takes, so its first fill starts one step's, not two (the second of which step 2
+    trained one version late)."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--train.num_steps", "3", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+             "--rollout.max_lag", "0", "--rollout.partial_rollout", "false"]  # fmt: skip
+    result = probes.loop_run(resolve(flags), tmp_path)
+    assert [step["train/staleness_mean"] for step in result["metrics"]] == [0.0, 0.0, 0.0]
+    assert [step["pool/kept_stale"] for step in result["metrics"]] == [0.0, 0.0, 0.0]

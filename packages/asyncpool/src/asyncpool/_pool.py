@@ -127,7 +127,8 @@ class GroupPool[P, S: _Versioned]:
     those takes happen at the current version and the next ones, or from the next version on if the trainer
     has taken its batch at this one and not yet moved the version (it is training). The group is started
     only if that last take is within `max_lag` versions: `held < (max_lag + 1) * n`, or `max_lag * n`
-    between a take and the next version. Before the first take (`n` unknown) the pool fills to `depth`.
+    between a take and the next version. Before the first take the pool takes `n` from `batch` where
+    given, else (`n` unknown) it fills to `depth`.
     With `max_lag=0` nothing starts between a take and the next version (or the next take, so taking twice
     without a refit cannot deadlock); with `depth == n` that is strict on-policy training.
     """
@@ -146,10 +147,13 @@ class GroupPool[P, S: _Versioned]:
         stale: Literal["drop", "keep"] = "keep",
         max_requeues: int = 16,
         cost: Callable[[S], float] | None = None,
+        batch: int | None = None,
     ) -> None:
         at_least: dict[str, tuple[float, int]]  # each number: its value, and the least it may be
         at_least = {"group_size": (group_size, 1), "depth": (depth, 1), "max_requeues": (max_requeues, 1)}
         at_least |= {"max_lag": (max_lag, 0), "retries": (retries, 0), "retry_delay": (retry_delay, 0)}
+        if batch is not None:
+            at_least["batch"] = (batch, 1)
         for name, (value, low) in at_least.items():
             if value < low:
                 raise ValueError(f"GroupPool needs {name} >= {low}, got {value}")
@@ -169,7 +173,8 @@ class GroupPool[P, S: _Versioned]:
         self._ready: list[Group[P, S]] = []  # completion order
         self._version = 0
         self._pauses = 0
-        self._batch: int | None = None  # the n of the latest take(n): the groups consumed per version
+        # the n of the latest take(n), the groups consumed per version; `batch` gives it before the first
+        self._batch = batch
         self._took_at_version = False  # a take returned at this version and none has begun since
         self._state = "new"  # -> "open" -> "closed"
         self._changed = asyncio.Event()
@@ -303,7 +308,7 @@ class GroupPool[P, S: _Versioned]:
         held = len(self._running) + len(self._ready)
         if held >= self.depth:
             return False
-        if self._batch is None:  # no take yet: how many groups a version consumes is unknown
+        if self._batch is None:  # no take nor `batch` yet: how many groups a version consumes is unknown
             return True
         takes_within_lag = self.max_lag + (0 if self._took_at_version else 1)
         return held < takes_within_lag * self._batch

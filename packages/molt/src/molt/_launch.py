@@ -217,6 +217,7 @@ def prompt_pool(config: Config, runner, rows, *, keep: GroupFilters | None = Non
         stale=rollout.stale,
         max_requeues=rollout.max_stale_requeues,
         cost=sampled_tokens,  # pool/wasted_frac counts generated tokens
+        batch=rollout.prompts_per_step,  # admission bounds even the first fill by --rollout.max_lag
     )
 
 
