@@ -74,7 +74,11 @@ def test_a_default_that_would_not_fit_the_engines_memory_share_is_left_to_vllm(t
     model = _model(tmp_path)  # 32 x 8 x 4112 tokens x 112 KiB = 113 GiB > 0.8 x 150 GB - 4 GiB
     assert kv_cache_bytes(_config("--vllm.max_model_len", "4096"), model, H200) is None
     shared = _config("--vllm.placement", "shared")  # 56 GiB > 0.4 x 150 GB - 4 GiB: the actor needs the rest
-    assert kv_cache_bytes(shared, model, H200) is None
+    # a shared GPU's engine gets what fits in its share (about what vLLM would size), so the actor starts
+    # beside it (`engine_starts_first`)
+    assert kv_cache_bytes(shared, model, H200) == int(0.4 * H200 - 4 * 2**30)
+    one_sequence = (2048 + 16) * 2 * 28 * 8 * 128 * 2  # ... unless not even one sequence fits
+    assert kv_cache_bytes(shared, model, int((one_sequence + 4 * 2**30) / 0.4) - 1000) is None
     fits = kv_cache_bytes(_config("--vllm.max_model_len", "1024"), model, H200)  # 29 GiB
     assert fits is not None
     heavy = _model(tmp_path, weights_bytes=1000)  # weights count against the share
@@ -131,7 +135,7 @@ def test_a_shared_engine_starts_before_the_actor_only_where_vllm_sizes_its_cache
     model = _model(tmp_path)
     shared = ("--vllm.placement", "shared")
     assert not engine_starts_first(_config(*shared, "--vllm.max_model_len", "1024"), model)  # 29 GiB fits
-    assert engine_starts_first(_config(*shared), model)  # 56 GiB does not: vLLM sizes it
+    assert not engine_starts_first(_config(*shared), model)  # 56 GiB does not: the engine gets what fits
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_7B | {"kv_lora_rank": 512}))
     assert engine_starts_first(_config(*shared, "--vllm.max_model_len", "1024"), model)  # MLA: vLLM sizes it
     assert not engine_starts_first(_config("--vllm.placement", "separate"), model)  # GPUs of their own

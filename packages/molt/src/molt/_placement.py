@@ -139,7 +139,9 @@ def engine_max_num_seqs(config: Config) -> int | None:
 def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | None:
     """`--kv-cache-memory-bytes` for each engine GPU of `gpu_bytes` memory: --vllm.kv_cache_tokens, or the
     tokens every sequence in flight can take (a partly filled 16-token block each) where that fits beside
-    the weights in the engine's memory share; None leaves the sizing to vLLM (--gpu-memory-utilization)."""
+    the weights in the engine's memory share; on a shared GPU, else, what fits (about the cache vLLM would
+    size from its share, and given, the actor starts beside the engine: `engine_starts_first`); None
+    leaves the sizing to vLLM (--gpu-memory-utilization)."""
     vllm = config.vllm
     model_config = json.loads((model_dir / "config.json").read_text())
     dtype_bytes = 4 if compute_dtype_name(config) == "float32" else 2
@@ -151,7 +153,10 @@ def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | Non
     wanted = sequences_in_flight(config) * (vllm.max_model_len + 16) * per_token
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // vllm.tensor_parallel_size
     room = engine_memory_utilization(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs
-    return wanted if wanted <= room else None
+    if wanted <= room:
+        return wanted
+    fits_a_sequence = room >= (vllm.max_model_len + 16) * per_token
+    return int(room) if vllm.placement == "shared" and fits_a_sequence else None
 
 
 def engine_starts_first(config: Config, model_dir: Path) -> bool:
