@@ -229,6 +229,28 @@ def test_an_info_value_that_is_no_number_loses_the_rollout_naming_its_key(tiny_m
     assert runner.failures["raised"] == 1
 
 
+def chat_episode(model_dir, module: Path, row: dict, reply: list[int]):
+    """One ChatAgent episode of the agent module `module` through tito's loopback app, over a fake engine
+    whose every turn samples `reply`: the rollout or its error, and the runner."""
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake", "max_model_len": 100_000}]})
+        logprobs = {"content": [{"token_id": token, "logprob": -0.5} for token in reply]}
+        choice = {"index": 0, "token_ids": reply, "logprobs": logprobs, "finish_reason": "stop"}
+        return httpx.Response(200, json={"choices": [choice]})
+
+    async def run():
+        tito = Tito(["http://engine"], model_dir, engine_transport=httpx.MockTransport(engine))
+        async with serve_on_loop(create_app(tito, api_key="key")) as url:
+            runner = RolloutRunner(tito, config(), [AgentHost(str(module))], chat_url=url, api_key="key")
+            (result,) = await asyncio.gather(runner(row, 0), return_exceptions=True)
+        await tito.aclose()
+        return result, runner
+
+    return asyncio.run(run())
+
+
 def test_the_openai_example_scores_the_models_answer_not_a_tool_result(tiny_model_dir):
     """The model calls the calculator on every turn, the last time with the expression `Answer: N` (N the
     right answer), which the tool's error echoes: the episode ends without an answer, so it earns 0."""
@@ -240,23 +262,8 @@ def test_the_openai_example_scores_the_models_answer_not_a_tool_result(tiny_mode
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     reply = tokenizer.encode(f"<tool_call>{json.dumps(call)}</tool_call>", add_special_tokens=False)
 
-    def engine(request: httpx.Request) -> httpx.Response:  # every turn samples the same tool call
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "fake", "max_model_len": 100_000}]})
-        logprobs = {"content": [{"token_id": token, "logprob": -0.5} for token in reply]}
-        choice = {"index": 0, "token_ids": reply, "logprobs": logprobs, "finish_reason": "stop"}
-        return httpx.Response(200, json={"choices": [choice]})
-
-    async def run():
-        tito = Tito(["http://engine"], tiny_model_dir, engine_transport=httpx.MockTransport(engine))
-        async with serve_on_loop(create_app(tito, api_key="key")) as url:
-            runner = RolloutRunner(tito, config(), [AgentHost(str(EXAMPLES / "openai_agent.py"))],
-                                   chat_url=url, api_key="key")  # fmt: skip
-            rollout = await runner(row, 0)
-        await tito.aclose()
-        return rollout
-
-    rollout = asyncio.run(run())
+    rollout, _ = chat_episode(tiny_model_dir, EXAMPLES / "openai_agent.py", row, reply)  # every turn alike
+    assert not isinstance(rollout, Exception), rollout
     assert rollout.info["tool_calls"] == 3.0  # every turn called the tool
     assert rollout.reward == 0.0
 
@@ -334,24 +341,8 @@ class AgentRunner(ChatAgent):
 def test_a_chat_agents_info_cannot_overwrite_molts_count_of_unparsed_tool_calls(tiny_model_dir, tmp_path):
     (tmp_path / "agent.py").write_text(CLAIMS_PARSE_COUNT)
 
-    def engine(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "fake", "max_model_len": 512}]})
-        logprobs = {"content": [{"token_id": token, "logprob": -0.5} for token in (7, 8, 9)]}
-        choice = {"index": 0, "token_ids": [7, 8, 9], "logprobs": logprobs, "finish_reason": "stop"}
-        return httpx.Response(200, json={"choices": [choice]})
-
-    async def run():
-        tito = Tito(["http://engine"], tiny_model_dir, engine_transport=httpx.MockTransport(engine))
-        async with serve_on_loop(create_app(tito, api_key="key")) as url:
-            runner = RolloutRunner(tito, config(), [AgentHost(str(tmp_path / "agent.py"))],
-                                   chat_url=url, api_key="key")  # fmt: skip
-            row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
-            (result,) = await asyncio.gather(runner(row, 0), return_exceptions=True)
-        await tito.aclose()
-        return result, runner
-
-    error, runner = asyncio.run(run())
+    row = {"messages": [{"role": "user", "content": "copy the word: fox"}]}
+    error, runner = chat_episode(tiny_model_dir, tmp_path / "agent.py", row, [7, 8, 9])
     assert isinstance(error, ValueError) and "'tool_parse_failed'" in str(error), error
     assert runner.failures["raised"] == 1
 
