@@ -391,3 +391,14 @@ def test_max_lag_0_trains_no_group_of_an_older_version_from_the_first_step_on(tm
     result = probes.loop_run(resolve(flags), tmp_path)
     assert [step["train/staleness_mean"] for step in result["metrics"]] == [0.0, 0.0, 0.0]
     assert [step["pool/kept_stale"] for step in result["metrics"]] == [0.0, 0.0, 0.0]
+
+
+def test_a_checkpoint_written_before_rows_were_counted_consumed_still_resumes(tmp_path):
+    """loop.json keeps the key older checkpoints wrote (`trained_rows`), so a run they saved resumes."""
+    from molt._checkpoint import latest
+
+    (tmp_path / "step_000002").mkdir()
+    (tmp_path / "latest").write_text("step_000002\n")
+    old = {"step": 2, "trained_rows": [0, 1, 3], "torch_rng": [0], "python_rng": [3, [1, 2], None]}
+    (tmp_path / "step_000002" / "loop.json").write_text(json.dumps(old))
+    assert latest(tmp_path)[1].consumed_rows == [0, 1, 3]

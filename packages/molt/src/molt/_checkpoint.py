@@ -32,7 +32,9 @@ LORA = "adapter_config.json"  # in <step>/actor of a LoRA policy: its PEFT confi
 
 class LoopState(msgspec.Struct):
     step: int  # the last optimizer step the checkpoint includes (= the engines' weight version)
-    consumed_rows: list[int]  # positions in the row stream of every row trained, filtered or failed so far
+    # positions in the row stream of every row trained, filtered or failed so far; its key in loop.json is
+    # the one older checkpoints wrote, so that they resume
+    consumed_rows: list[int] = msgspec.field(name="trained_rows")
     torch_rng: list[int]
     python_rng: list
 
