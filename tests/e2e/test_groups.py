@@ -57,7 +57,7 @@ def test_a_kl_penalty_starts_a_frozen_reference(train, plain_run):
     assert steps[1]["train/kl"] == 0.0  # the policy still equals its reference: the plain run's update
     assert steps[1]["train/grad_norm"] == pytest.approx(plain[1]["train/grad_norm"], rel=1e-4)
     assert steps[2]["rollout/reward_mean"] == plain[2]["rollout/reward_mean"]  # the same samples ...
-    assert steps[2]["train/kl"] > 0.0  # ... but the policy has moved from the frozen reference
+    assert steps[2]["train/kl"] != 0.0  # ... but the policy has moved from the frozen reference (k1: signed)
     assert differs(steps[2]["train/grad_norm"], plain[2]["train/grad_norm"])
 
 

@@ -360,7 +360,7 @@ def test_literals_agree_with_rlestimators():
     assert token_level == {"gae", "opd"}
     assert all(callable(getattr(rlestimators, name)) for name in token_level)
     assert get_args(molt.config.PolicyLossKind) == get_args(rlestimators.PolicyLossKind)
-    assert get_args(molt.config.KLKind) == get_args(rlestimators.KLKind)
+    assert get_args(molt.config.KLKind) == ("auto", *get_args(rlestimators.KLKind))
     assert get_args(molt.config.CorrectionMode) == get_args(rlestimators.CorrectionMode)
 
 

@@ -73,9 +73,11 @@ def test_one_window_takes_the_old_logprobs_from_the_steps_own_forward():
     assert passes.calls == [] and scored.policy.old_logp_BT is None
 
 
-def test_a_kl_in_the_reward_lowers_each_rollouts_reward_by_its_rows_penalty():
+@pytest.mark.parametrize("kind", [["--algo.kl.kind", "k1"], []], ids=["k1", "auto"])
+def test_a_kl_in_the_reward_lowers_each_rollouts_reward_by_its_rows_penalty(kind):
+    """auto, the default, is k1 in the reward: the one whose score-function gradient is KL(pi || ref)'s."""
     passes = Passes(reference=True)
-    flags = ["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true", "--algo.kl.kind", "k1"]
+    flags = ["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true", *kind]
     scored = score(
         _batch(), REWARDS_R, ROWS_R, passes, _config("--algo.advantage.estimator", "reinforce", *flags)
     )

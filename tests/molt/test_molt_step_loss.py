@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from molt._config_algo import kl_kind
 from molt._flags import resolve
 from molt._objective import step_loss
 from molt.config import KL, Advantage, Algo, ConfigError, Correction, Loss
@@ -257,7 +258,7 @@ def test_k1_in_the_loss_is_refused_naming_why_and_the_fix_and_stays_valid_in_the
     ):
         assert says in str(error.value), str(error.value)
     assert resolve([*kl_term, "--algo.kl.in_reward", "true"]).algo.kl.kind == "k1"
-    assert resolve(kl_term[:2]).algo.kl.kind == "k2"  # the default: its gradient is KL(pi || ref)'s
+    assert kl_kind(resolve(kl_term[:2]).algo.kl) == "k2"  # auto in the loss: its gradient is KL(pi || ref)'s
 
 
 def test_mismatch_kl_sums_lag_0_tokens_only_and_staleness_kl_the_lagged_ones():

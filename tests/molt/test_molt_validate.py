@@ -560,7 +560,7 @@ def test_the_command_refuses_an_out_of_range_flag_before_anything_starts(tmp_pat
         ),
         pytest.param(["--actor.compute_dtype", "bfloat16"], "CPU engine samples in float32", id="bf16-actor"),
         pytest.param(
-            ["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true"],
+            ["--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true", "--algo.kl.kind", "k2"],
             "--algo.kl.kind k2 in the reward",
             id="k2-in-the-reward",
         ),
@@ -578,10 +578,12 @@ def test_the_run_says_at_start_what_acts_otherwise_than_its_name(cpu_only, args,
 
 
 def test_k1_in_the_reward_and_k2_in_the_loss_get_no_kl_note(cpu_only):
-    # k1 through the score function, and k2 differentiated, each follow the gradient of KL(pi || ref)
+    # k1 through the score function, and k2 differentiated, each follow the gradient of KL(pi || ref);
+    # auto, the default, picks them
     from molt._validate import start_notes
 
-    for args in (["--algo.kl.in_reward", "true", "--algo.kl.kind", "k1"], ["--algo.kl.kind", "k2"]):
+    for args in (["--algo.kl.in_reward", "true", "--algo.kl.kind", "k1"], ["--algo.kl.kind", "k2"],
+                 ["--algo.kl.in_reward", "true"], []):  # fmt: skip
         notes = start_notes(resolve(["--algo.kl.coef", "0.1", *args]))
         assert not any("--algo.kl.kind" in note for note in notes)
 

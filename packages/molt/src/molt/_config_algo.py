@@ -37,7 +37,7 @@ def estimator_needs(name: str) -> Needs:
 
 
 LossAgg = Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLKind = Literal["k1", "k2", "k3"]
+KLKind = Literal["auto", "k1", "k2", "k3"]  # rlestimators.KLKind, and auto (`kl_kind`)
 CorrectionMode = Literal["tis", "mis", "seq-mask-tis", "none"]
 FilterName = Literal["all_equal_rewards", "truncated"]
 """The keys of `molt._filters.FILTERS`: the group filters --algo.filters composes."""
@@ -103,11 +103,12 @@ class KL(Group):
 
     coef: Annotated[float, Meta(ge=0)] = 0.0
     """KL coefficient; 0 disables the penalty and loads no reference model."""
-    kind: KLKind = "k2"
+    kind: KLKind = "auto"
     """KL estimator (Schulman 2020). As a loss term, k2's expected gradient is that of KL(pi || ref); k3's
     (GRPO's) is that of KL(ref || pi), the other direction, though its value estimates KL(pi || ref); k1's
-    is zero, so k1 is refused there and belongs in the reward (--algo.kl.in_reward true), where k2's and
-    k3's are second order in the log-ratio (the run says so at start)."""
+    is zero, so k1 is refused there. In the reward (--algo.kl.in_reward true) only k1's is that of
+    KL(pi || ref); k2's and k3's are second order in the log-ratio (the run says so at start). auto: k2 as
+    a loss term, k1 in the reward."""
     in_reward: bool = False
     """true: subtract the KL from the reward; false: add it to the loss."""
 
@@ -161,6 +162,14 @@ class Algo(Group):
     teacher: Teacher = Teacher()
     gae: GAE = GAE()
     critic: Critic = Critic()
+
+
+def kl_kind(kl: KL) -> Literal["k1", "k2", "k3"]:
+    """--algo.kl.kind with auto resolved (its docstring): the estimator whose gradient is KL(pi || ref)'s
+    where the penalty acts."""
+    if kl.kind != "auto":
+        return kl.kind
+    return "k1" if kl.in_reward else "k2"
 
 
 def loss_agg(algo: Algo) -> LossAgg:

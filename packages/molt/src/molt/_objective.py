@@ -52,7 +52,7 @@ import msgspec
 import torch
 
 from molt._batch import StepInputs, TrainBatch
-from molt._config_algo import estimator_needs, loss_agg
+from molt._config_algo import estimator_needs, kl_kind, loss_agg
 from molt.config import Algo, Config
 from rlestimators import ESTIMATORS, gae, kl, masked_sum, opd, policy_loss, rollout_correction
 
@@ -95,7 +95,7 @@ def score(batch: TrainBatch, rewards_R: torch.Tensor, rows_R: torch.Tensor, grou
     metrics = {}
     if in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
         assert old_logp_BT is not None and ref_logp_BT is not None  # a separate pass; a reference group
-        kl_BT = kl(old_logp_BT, ref_logp_BT, kind=algo.kl.kind) * mask_BT
+        kl_BT = kl(old_logp_BT, ref_logp_BT, kind=kl_kind(algo.kl)) * mask_BT
         metrics["train/kl"] = (kl_BT.sum() / mask_BT.sum()).item()  # per trained token
         rewards_R = rewards_R - algo.kl.coef * rollout_sums(kl_BT, rows_R)
         ref_logp_BT = None  # no loss term
@@ -244,7 +244,7 @@ def step_loss(
         "rows": has_tokens_B.sum(),
     }
     if ref_logp_BT is not None:  # the KL loss term against a reference policy (--algo.kl.coef)
-        kl_BT = kl(logp_BT, ref_logp_BT, kind=algo.kl.kind)
+        kl_BT = kl(logp_BT, ref_logp_BT, kind=kl_kind(algo.kl))
         total = total + algo.kl.coef * masked_sum(kl_BT * scale_BT, mask_BT)
         sums["train/kl"] = masked_sum(kl_BT, mask_BT).detach()
     return total / denominator, sums

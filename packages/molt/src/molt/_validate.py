@@ -173,7 +173,7 @@ def start_notes(config: Config) -> list[str]:
             "clip never binds); raise --train.mini_batches for a trust region"
         )
     kl = config.algo.kl
-    if kl.coef and kl.in_reward and kl.kind != "k1":  # tests/rlestimators/test_rlestimators_kl_gradients.py
+    if kl.coef and kl.in_reward and kl.kind not in ("k1", "auto"):  # tests/rlestimators/..._kl_gradients.py
         notes.append(
             f"--algo.kl.kind {kl.kind} in the reward (--algo.kl.in_reward): a reward penalty reaches the "
             "policy through the score function, where only k1's expected gradient is that of KL(pi || ref); "
