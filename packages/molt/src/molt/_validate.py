@@ -26,6 +26,7 @@ import functools
 from molt._bounds import check_bounds, field_value, leaves
 from molt._checks import check_agent, check_algorithm, check_pairs, check_paths, loss_denominator, on_policy
 from molt._checks_model import check_companions, check_model, why_not_packed
+from molt._config_algo import kl_kind
 from molt._placement import compiles, compute_dtype_name, engine_memory_utilization, resolve_placement
 from molt.config import Config, ConfigError
 
@@ -173,7 +174,7 @@ def start_notes(config: Config) -> list[str]:
             "clip never binds); raise --train.mini_batches for a trust region"
         )
     kl = config.algo.kl
-    if kl.coef and kl.in_reward and kl.kind not in ("k1", "auto"):  # tests/rlestimators/..._kl_gradients.py
+    if kl.coef and kl.in_reward and kl_kind(kl) != "k1":  # tests/rlestimators/..._kl_gradients.py
         notes.append(
             f"--algo.kl.kind {kl.kind} in the reward (--algo.kl.in_reward): a reward penalty reaches the "
             "policy through the score function, where only k1's expected gradient is that of KL(pi || ref); "
