@@ -10,7 +10,13 @@ import pytest
 import molt._validate
 from molt._engines import engine_extra_args
 from molt._flags import resolve
-from molt._placement import engine_max_num_seqs, engine_starts_first, kv_bytes_per_token, kv_cache_bytes
+from molt._placement import (
+    actor_free_bytes,
+    engine_max_num_seqs,
+    engine_starts_first,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+)
 from molt.config import Config, Rollout
 
 QWEN3_1_7B = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -139,3 +145,20 @@ def test_a_shared_engine_starts_before_the_actor_only_where_vllm_sizes_its_cache
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_1_7B | {"kv_lora_rank": 512}))
     assert engine_starts_first(_config(*shared, "--vllm.max_model_len", "1024"), model)  # MLA: vLLM sizes it
     assert not engine_starts_first(_config("--vllm.placement", "separate"), model)  # GPUs of their own
+
+
+def test_an_actor_beside_a_starting_engine_sizes_its_budget_from_its_own_share():
+    """The engine may not have taken its memory yet when the actor sizes its token budget (the two start
+    side by side): free memory alone would hand the actor the engine's share too (on an 80 GB GPU the
+    actor grew to 48.5 GiB, the engine's refit ran out of memory and its restart found too little)."""
+    gib = 2**30
+
+    def left(config: Config, free_gib: int) -> float:  # an 80 GiB GPU; the actor holds 5 GiB
+        return actor_free_bytes(config, free=free_gib * gib, total=80 * gib, held=5 * gib) / gib
+
+    shared = _config("--vllm.placement", "shared")  # the engine's share: 0.4, the actor's 0.6 x 80 = 48 GiB
+    assert left(shared, 75) == 48 - 5  # the engine not started: 75 GiB free
+    assert left(shared, 30) == 30  # the engine up: what is free is the bound
+    # a reference model on the same GPU: the actor groups split their part
+    assert left(_config("--vllm.placement", "shared", "--algo.kl.coef", "0.01"), 75) == 24 - 5
+    assert left(_config("--vllm.placement", "separate"), 75) == 75  # a GPU of its own: all that is free

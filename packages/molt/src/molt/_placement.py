@@ -101,6 +101,18 @@ def engine_memory_utilization(config: Config) -> float:
     return chosen if chosen is not None else (0.4 if shared else 0.8)
 
 
+def actor_free_bytes(config: Config, *, free: int, total: int, held: int) -> int:
+    """The GPU memory one actor rank may still take (its token budget is sized from it): what is free, and
+    on a shared GPU no more than its group's part of what the engine leaves (the rest of `total` after the
+    engine's share, split evenly between the actor groups) less the `held` bytes it has already. The engine
+    may still be starting beside it, its share not yet taken: free memory alone would hand the actor that
+    share too (on an 80 GB GPU the actor grew to 48.5 GiB and the engine's next refit ran out of memory)."""
+    if config.vllm.placement != "shared":
+        return free
+    part = (1 - engine_memory_utilization(config)) * total / (1 + len(extra_groups(config)))
+    return int(min(free, part - held))
+
+
 def plain_kv_layout(model_config: dict) -> bool:
     """Whether every layer caches K and V per token (no MLA, linear attention or sliding windows)."""
     model_config = model_config.get("text_config", model_config)

@@ -51,7 +51,7 @@ from molt._packing import (
     packing_refusal,
     use_packed_attention,
 )
-from molt._placement import shares_prefixes
+from molt._placement import actor_free_bytes, shares_prefixes
 from molt._prefix import SharedPrefixRows
 from molt._sharding import compute_dtype, freeze_moe_routers, params_by_mesh, sum_gradients_over_ranks
 from molt.config import Config, LoRA
@@ -133,8 +133,9 @@ class ModelRank:
 
     def _token_budget(self, trainable: bool) -> int:
         """--actor.micro_batch_tokens, or with 0 the tokens whose activations fit in 85% of the memory this
-        rank has free once loaded, less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB
-        of activations on a CPU). The 15% is measured: with the margin alone, a 1.7B model's multi-turn
+        rank may take once loaded (`molt._placement.actor_free_bytes`: on a shared GPU, not the engine's
+        share), less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB of activations
+        on a CPU). The 15% is measured: with the margin alone, a 1.7B model's multi-turn
         batches ran out of memory on one H200 in the backward (58,368 tokens, where prompt batches peaked
         at 133 of 140 GiB)."""
         if self.config.actor.micro_batch_tokens:
@@ -143,7 +144,10 @@ class ModelRank:
         if self.device.type == "cuda":
             params = [p for p in self.model.parameters() if p.requires_grad]
             local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
-            free = 0.85 * (torch.cuda.mem_get_info()[0] - 12 * local * trainable) - 4 * 2**30
+            free_now, total = torch.cuda.mem_get_info()
+            held = torch.cuda.memory_reserved(self.device)
+            mine = actor_free_bytes(self.config, free=free_now, total=total, held=held)
+            free = 0.85 * (mine - 12 * local * trainable) - 4 * 2**30
         return auto_micro_batch_tokens(
             self.model.config,
             free_bytes=free,
