@@ -14,7 +14,14 @@ from molt._batch import StepInputs, collate
 from molt.config import Actor, Config, Rollout
 from molt.vllm_server import free_port
 
-pytestmark = pytest.mark.gpu
+# torch's own warnings while torch.compile traces and compiles (inductor's TF32 notice; Dynamo's
+# instantiating autograd Functions and reading `.grad` of non-leaf tensors): under warnings-as-errors
+# Dynamo turns each into a failed compile.
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.filterwarnings(r"ignore::UserWarning:torch\."),
+    pytest.mark.filterwarnings(r"ignore::DeprecationWarning:torch\."),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -193,6 +200,17 @@ def test_packed_varlen_rows_train_as_padded_ones_in_bfloat16_and_compile_few_sha
     assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
     assert packed_counts["slots"] < padded_counts["slots"]  # packing saved slots
     assert packed_counts["tokens"] == padded_counts["tokens"]
+
+
+def test_micro_batches_past_inductors_size_thresholds_compile_nothing_after_the_warm_up(tiny_model_dir):
+    """The warm-up's rows are short (`molt._actor._warm_up_batches`); a step's micro-batch of ~97k tokens,
+    past inductor's mix-order reduction thresholds for this model (rows x hidden >= 5 Mi elements), and a
+    short one after it compile no new graph (`molt._sharding.compile_layers`)."""
+    lengths = [1900 + 2 * i for i in range(50)]  # 97,450 tokens, rows of their own lengths: packed
+    batches = [_random_batch(0, lengths), _random_batch(1, [300, 120, 41])]
+    actor = Actor(lr=1e-3, micro_batch_tokens=131072, compile="on", shared_prefix="off")
+    _, graphs, counts = _run_batches(tiny_model_dir, actor, batches)
+    assert counts["compiles"] == 0, f"graphs after the warm-up: {graphs}"
 
 
 def _shared_prompt_batch(seed: int):

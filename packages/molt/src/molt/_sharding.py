@@ -152,11 +152,18 @@ def compile_layers(model: torch.nn.Module) -> None:
     reducing the gradients; `torch._dynamo.config.skip_fsdp_hooks`), which run around it as before. The
     layers share one code object and, with their weights as inputs, one compiled graph; a new row length
     compiles again once, then shapes are dynamic.
+
+    Inductor's mix-order reduction (on CUDA, the backward's norm-weight gradient fused with its row
+    reduction) checks the size of a dynamic graph's first input against thresholds (rows x hidden at
+    least 5 Mi elements, at least 4,096 rows) and keeps the answer as a guard, so a micro-batch on the
+    other side compiled everything again: the warm-up's rows are short, a step's micro-batches long (a
+    1.7B model on one H100 compiled again at 2,560 tokens in its first step). Its non-strict mode skips
+    those checks, made for speed on small inputs, and with them the guards.
     """
     layers = decoder_layers(model)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 2 * len(layers))
     for layer in layers:
-        layer.compile()
+        layer.compile(options={"triton.mix_order_reduction_non_strict_mode": True})
 
 
 def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> None:
