@@ -191,10 +191,13 @@ def report(records: list[dict]) -> None:
             print(f"| {trainer} | " + " | ".join(cells) + " |")
             if done:
                 means[trainer] = {k: statistics.mean(f[k] for f in done) for k in ("step_s", "tokens_per_s")}
+            complete = [r for r in runs if not (r["returncode"] or r["timed_out"]) and len(r["steps"]) > 1]
             if trainer == "molt":  # its actor/compiles: graphs compiled in the step (TRL compiles none)
                 compiling = [sum(s["log"].get("actor/compiles", 0) > 0 for s in r["steps"][1:]) for r in runs]
                 print(f"(molt: steps 2..N in which the actor still compiled, per run: {compiling})")
-                print(profile([r for r in runs if len(r["steps"]) > 1]))
+                print(profile(complete))
+            else:
+                print(trl_profile(complete))
         if "molt" in means and "trl" in means:
             molt, trl = means["molt"], means["trl"]
             ratio = molt["step_s"] / trl["step_s"]
@@ -226,6 +229,27 @@ def profile(runs: list[dict]) -> str:
         + "; a later step's median s: "
         + ", ".join(f"{k[7:]} {seconds(k, True):.2f}" for k in steady)
     )
+
+
+def trl_profile(runs: list[dict]) -> str:
+    """Where TRL's step goes, mean over runs of each run's median over steps 2..N, from its own
+    `step_time` per optimizer step: a generation's first optimizer step also generates and computes the old
+    logprobs, the others only train; the first's time less the others' mean is the generation's part."""
+    if not runs:
+        return "(trl: no run of 2 steps or more to profile)"
+    parts = []
+    for run in runs:
+        times = [[entry["step_time"] for entry in s["log"] if "step_time" in entry] for s in run["steps"][1:]]
+        times = [t for t in times if len(t) > 1]  # one optimizer step a generation: no split to read
+        if times:
+            trains = [statistics.mean(t[1:]) for t in times]
+            parts.append((statistics.median(t[0] - m for t, m in zip(times, trains, strict=True)),
+                          statistics.median(trains), len(times[0])))  # fmt: skip
+    if not parts:
+        return "(trl: one optimizer step a generation, no generation time to read)"
+    generation, train = (statistics.mean(p[i] for p in parts) for i in (0, 1))
+    return (f"trl, a later step's median s: generation and old logprobs {generation:.2f}, training "
+            f"{train:.2f} per optimizer step x {parts[0][2]}")  # fmt: skip
 
 
 def plot(records: list[dict], path: str | Path) -> None:
