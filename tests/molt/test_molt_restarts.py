@@ -38,13 +38,13 @@ class FakeEngineActor:
     """`EngineActor`'s restart surface: each restart serves at a new URL, or fails as a start that
     crashed does (`VLLMServer` raises with its log's report)."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: str = "") -> None:
         self.fail, self.num_restarts = fail, 0
 
     def restart(self) -> str:
         self.num_restarts += 1
         if self.fail:
-            raise RuntimeError("vLLM server exited with 1; its first error:\nValueError: no such model")
+            raise RuntimeError(f"vLLM server exited with 1; its first error:\n{self.fail}")
         return f"http://engine-0-restart-{self.num_restarts}"
 
     def log_report(self) -> str:
@@ -65,7 +65,7 @@ class Policy:
         return {"transfer": 0.01}
 
 
-def restarts_of(ray, num_engines=1, *, fail=False, max_restarts=2):
+def restarts_of(ray, num_engines=1, *, fail="", max_restarts=2):
     router = Router([f"http://engine-{i}" for i in range(num_engines)], transport=httpx.MockTransport(None))
     actors = [ray.remote(FakeEngineActor).remote(fail) for _ in range(num_engines)]
     return EngineRestarts(router, actors, Policy(), max_restarts=max_restarts)
@@ -197,11 +197,32 @@ def test_a_crash_loop_stops_the_run_with_the_engine_logs_first_error(ray_local):
 
 def test_a_restart_that_fails_to_start_stops_the_run_with_its_error(ray_local):
     async def main():
-        restarts = restarts_of(ray_local, fail=True)
+        restarts = restarts_of(ray_local, fail="ValueError: no such model")
         restarts.router.engines[0].alive = False
         await restarted(restarts)
         with pytest.raises(RuntimeError, match="could not be restarted(.|\n)*ValueError: no such model"):
             restarts.check()
+
+    asyncio.run(main())
+
+
+def test_a_restart_short_of_gpu_memory_says_which_flags_share_it(ray_local):
+    """vLLM refuses to start where its share of the GPU is not free (on a shared GPU, the actor holds the
+    rest): the error says which flags split the memory."""
+    full = (
+        "ValueError: Free memory on device cuda:0 (27.53/79.18 GiB) on startup is less than desired GPU "
+        "memory utilization (0.4, 31.67 GiB)."
+    )
+
+    async def main():
+        restarts = restarts_of(ray_local, fail=full)
+        restarts.router.engines[0].alive = False
+        await restarted(restarts)
+        with pytest.raises(RuntimeError) as error:
+            restarts.check()
+        message = str(error.value)
+        assert "27.53/79.18 GiB" in message
+        assert "--actor.micro_batch_tokens" in message and "--vllm.gpu_memory_utilization" in message
 
     asyncio.run(main())
 

@@ -67,9 +67,11 @@ class EngineRestarts:
         try:
             url = await self.actors[index].restart.remote()  # awaited on the loop: a cancel does not wait
         except ray.exceptions.RayError as error:  # the start failed: its error holds the log's report
+            # vLLM starts only where its share of the GPU is free (on a shared GPU the actor holds the rest)
+            short = "is less than desired GPU memory utilization" in str(error)
             self.failure = self.failure or RuntimeError(
                 f"vLLM engine {index} could not be restarted ({self.restarts[index]} of --vllm.max_restarts "
-                f"{self.max_restarts}); stopping. {error}"
+                f"{self.max_restarts}); stopping. {error}" + (_SHORT_OF_MEMORY if short else "")
             )
             return
         finally:
@@ -110,6 +112,13 @@ class EngineRestarts:
         """Stop waiting for the restarts under way (the run is ending)."""
         for task in list(self.restarting.values()):
             task.cancel()
+
+
+_SHORT_OF_MEMORY = (
+    "\nIts GPU's memory was held by other processes when it started again: on a shared GPU the actor takes "
+    "what the engine's share (--vllm.gpu_memory_utilization) leaves, its activations bounded by "
+    "--actor.micro_batch_tokens; lower one of the two."
+)
 
 
 def _log_report(actor) -> str:
