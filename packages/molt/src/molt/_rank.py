@@ -135,9 +135,9 @@ class ModelRank:
         """--actor.micro_batch_tokens, or with 0 the tokens whose activations fit in 85% of the memory this
         rank may take once loaded (`molt._placement.actor_free_bytes`: on a shared GPU, not the engine's
         share), less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB of activations
-        on a CPU). The 15% is measured: with the margin alone, a 1.7B model's multi-turn
-        batches ran out of memory on one H200 in the backward (58,368 tokens, where prompt batches peaked
-        at 133 of 140 GiB)."""
+        on a CPU). The 15% is measured: with the margin alone, a 1.7B model's multi-turn batches ran out
+        of memory on one H200 in the backward (58,368 tokens, where prompt batches peaked at 133 of 140
+        GiB)."""
         if self.config.actor.micro_batch_tokens:
             return self.config.actor.micro_batch_tokens
         free = 4 * 2**30
