@@ -353,6 +353,33 @@ def test_each_loss_kind_gives_its_own_update_once_the_ratio_departs_from_one(gro
 
 
 @pytest.mark.slow
+def test_the_first_window_takes_its_old_logprobs_from_its_own_forward(tiny_model_dir):
+    """`train_windows`: nothing has stepped before the first window, so its step reads no old logprobs
+    (`score` leaves NaN on its rows); the update equals the one that reads the separate pass's."""
+    from molt._actor import PolicyWorker
+    from molt.loop import train_windows
+    from molt.vllm_server import free_port
+
+    batch = collate(_sequences(12, [1.0, -1.0, 0.5, 1.5, -0.5, -1.5], lengths=(8, 9, 7, 8, 9, 7)), pad_id=0)
+    windows = batch.windows(2, [1] * 6, (0, 1))
+    config = _config(temperature=1.0, budget=4096, lr=2e-2, loss_kind="ppo")
+    states, metrics = [], []
+    for first_read in (True, False):
+        worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+        try:
+            old_BT = worker.logprobs(batch)
+            if not first_read:
+                old_BT[windows[0][1]] = torch.nan
+            metrics.append(train_windows(worker, windows, StepInputs(old_logp_BT=old_BT)))
+            states.append(worker.full_state())
+        finally:
+            torch.distributed.destroy_process_group()
+    assert metrics[0]["train/clip_frac"] > 0, metrics  # the second window's ratio departs from 1
+    for name, tensor in states[0].items():
+        torch.testing.assert_close(states[1][name], tensor, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_train_step_refuses_a_batch_without_trainable_tokens(groups):
     batch = collate([([1, 2, 3], [0, 0, 0], [0.0] * 3, 1.0)], pad_id=0)
     with pytest.raises(ValueError, match="at least one trainable token"):

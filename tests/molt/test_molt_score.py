@@ -67,6 +67,22 @@ def test_an_outcome_estimator_gives_each_rollout_its_advantage_on_all_its_rows()
     assert torch.equal(scored.policy.old_logp_BT, torch.full((5, 3), -1.0)) and scored.critic is None
 
 
+def test_the_separate_pass_covers_the_later_windows_rows_alone():
+    """The first window's step takes its old logprobs from its own forward (nothing has stepped before
+    it: `molt.loop.train_windows`): NaN on its rows, which no step reads."""
+    passes, shapes = Passes(), []
+    logprobs = passes.policy.logprobs
+    passes.policy.logprobs = lambda batch: shapes.append(tuple(batch.tokens_BT.shape)) or logprobs(batch)
+    scored = score(_batch(), REWARDS_R, ROWS_R, passes, _config(), first_window=[3, 0])
+    assert shapes == [(3, 3)]  # rows 1, 2 and 4
+    old_BT = scored.policy.old_logp_BT
+    assert old_BT[[0, 3]].isnan().all() and torch.equal(old_BT[[1, 2, 4]], torch.full((3, 3), -1.0))
+    # a KL penalty in the reward reads every row's before any step
+    in_reward = _config("--algo.kl.coef", "0.1", "--algo.kl.in_reward", "true")
+    scored = score(_batch(), REWARDS_R, ROWS_R, Passes(reference=True), in_reward, first_window=[3, 0])
+    assert not scored.policy.old_logp_BT.isnan().any()
+
+
 def test_one_window_takes_the_old_logprobs_from_the_steps_own_forward():
     passes = Passes()
     scored = score(_batch(), REWARDS_R, ROWS_R, passes, _config("--train.mini_batches", "1"))

@@ -154,28 +154,16 @@ class TrainBatch:
     def windows(
         self, count: int, rows_per_rollout: Sequence[int], seed: Sequence[int]
     ) -> list[tuple[TrainBatch, list[int]]]:
-        """The batch as `count` optimizer-step windows (`--train.mini_batches`), each with its OWN counts
-        (its trainable tokens and sequences: each window is one step's mean), and its rows, to cut [B, T]
-        tensors the same way.
+        """The batch as `count` optimizer-step windows (`window_rows`), each with its rows."""
+        return [(self.window(rows), rows) for rows in window_rows(count, rows_per_rollout, seed)]
 
-        A window holds whole rollouts (`rows_per_rollout`: consecutive rows per rollout, a compacted
-        episode's segments), drawn by a permutation seeded by `seed` (the run's seed and the step): not
-        in completion order, where window 1 (ratio 1, never clipped) would always hold the groups that
-        finished first, the short ones, and the trust region would act on the long ones only. A batch of
-        fewer rollouts than `count` (a used-up dataset's last) gets one window per rollout."""
-        num_rollouts = len(rows_per_rollout)
-        count = min(count, num_rollouts)
-        starts = [0, *itertools.accumulate(rows_per_rollout)]
-        order = random.Random(repr(tuple(seed))).sample(range(num_rollouts), num_rollouts)
-        bounds = [round(i * num_rollouts / count) for i in range(count + 1)]
-        windows = []
-        for start, stop in itertools.pairwise(bounds):
-            rows = [row for r in order[start:stop] for row in range(starts[r], starts[r + 1])]
-            window = self.select(rows)
-            trainable_B = (window.loss_mask_BT != 0).any(dim=1)
-            num_tokens, num_seqs = int((window.loss_mask_BT != 0).sum()), int(trainable_B.sum())
-            windows.append((replace(window, num_tokens=num_tokens, num_seqs=num_seqs), rows))
-        return windows
+    def window(self, rows: Sequence[int]) -> TrainBatch:
+        """Rows `rows` as one optimizer step's batch, with its OWN counts (its trainable tokens and
+        sequences: each window is one step's mean)."""
+        window = self.select(rows)
+        trainable_B = (window.loss_mask_BT != 0).any(dim=1)
+        num_tokens, num_seqs = int((window.loss_mask_BT != 0).sum()), int(trainable_B.sum())
+        return replace(window, num_tokens=num_tokens, num_seqs=num_seqs)
 
     def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The vision-language model's extra forward arguments for these rows ({} without images):
@@ -193,6 +181,25 @@ class TrainBatch:
             "image_grid_thw": torch.cat([images.grid_thw_I3 for _, images in rows]).to(device),
             "mm_token_type_ids": token_type_BT.to(device),
         }
+
+
+def window_rows(count: int, rows_per_rollout: Sequence[int], seed: Sequence[int]) -> list[list[int]]:
+    """A batch's rows as `count` optimizer-step windows (`--train.mini_batches`), to cut [B, T] tensors by.
+
+    A window holds whole rollouts (`rows_per_rollout`: consecutive rows per rollout, a compacted episode's
+    segments), drawn by a permutation seeded by `seed` (the run's seed and the step): not in completion
+    order, where window 1 (ratio 1, never clipped) would always hold the groups that finished first, the
+    short ones, and the trust region would act on the long ones only. A batch of fewer rollouts than
+    `count` (a used-up dataset's last) gets one window per rollout."""
+    num_rollouts = len(rows_per_rollout)
+    count = min(count, num_rollouts)
+    starts = [0, *itertools.accumulate(rows_per_rollout)]
+    order = random.Random(repr(tuple(seed))).sample(range(num_rollouts), num_rollouts)
+    bounds = [round(i * num_rollouts / count) for i in range(count + 1)]
+    return [
+        [row for r in order[start:stop] for row in range(starts[r], starts[r + 1])]
+        for start, stop in itertools.pairwise(bounds)
+    ]
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ Legend: B sequences, T tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -78,19 +79,33 @@ class Advantages:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-def score(batch: TrainBatch, rewards_R: torch.Tensor, rows_R: torch.Tensor, groups, config: Config) -> Scored:
+def score(
+    batch: TrainBatch,
+    rewards_R: torch.Tensor,
+    rows_R: torch.Tensor,
+    groups,
+    config: Config,
+    first_window: Sequence[int] = (),
+) -> Scored:
     """`batch`'s advantages under --algo.advantage.estimator and the inputs of its optimizer steps, from
     the rollouts' rewards (`rewards_R`; `rows_R`: each rollout's rows, consecutive in the batch) and the
     passes of `groups` (`.policy`, and `.reference`, `.critic`, `.teacher` where the run has them: these
-    calls block, so the loop runs this in a thread)."""
+    calls block, so the loop runs this in a thread). `first_window`: the rows of the batch's first
+    optimizer step."""
     algo, mask_BT = config.algo, batch.loss_mask_BT
     in_reward = groups.reference is not None and algo.kl.in_reward
-    # The policy's logprobs before the step, which every ratio is taken against: a separate pass where the
-    # batch is several optimizer steps (--train.mini_batches) or they are needed before it (an estimator
-    # that reads them, a KL penalty in the reward); otherwise one step takes them from its own forward.
-    reads_old_logp = estimator_needs(algo.advantage.estimator).old_logp
-    separate = config.train.mini_batches > 1 or reads_old_logp or in_reward
-    old_logp_BT = groups.policy.logprobs(batch) if separate else None
+    # The policy's logprobs before the step, which every ratio is taken against. The first window's step
+    # takes them from its own forward, nothing having stepped before it (`molt.loop.train_windows`); a
+    # separate pass gives them to the later windows' rows (--train.mini_batches), or to every row where
+    # they are needed before any step (an estimator that reads them, a KL penalty in the reward).
+    if estimator_needs(algo.advantage.estimator).old_logp or in_reward:
+        old_logp_BT = groups.policy.logprobs(batch)
+    elif config.train.mini_batches > 1 and (later := sorted(set(range(len(mask_BT))) - set(first_window))):
+        old_logp_BT = torch.full(batch.tokens_BT.shape, torch.nan)  # NaN: read by no step
+        part_BT = groups.policy.logprobs(batch.select(later))
+        old_logp_BT[later, : part_BT.shape[1]] = part_BT
+    else:
+        old_logp_BT = None
     ref_logp_BT = groups.reference.logprobs(batch) if groups.reference is not None else None
     metrics = {}
     if in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term

@@ -256,8 +256,9 @@ class Train(_Group):
     mini_batches: Annotated[int, Meta(ge=1)] = 2
     """Optimizer steps per batch: the batch splits into this many windows of whole rollouts (a seeded
     permutation, from --train.seed and the step), each its own step with its own denominator; the ratio of
-    every loss kind is taken against the policy before the first (its logprobs computed once), so from the
-    second window on the clip acts (train/clip_frac, over those windows). 1: one step, the ratio is 1 and
+    every loss kind is taken against the policy before the first (the first window's logprobs from its own
+    forward, the others' from one pass before it), so from the second window on the clip acts
+    (train/clip_frac, over those windows). 1: one step, the ratio is 1 and
     every kind acts as pg."""
     force_on_policy: bool = False
     """Strict on-policy: sets --rollout.max_lag 0, --rollout.partial_rollout false, queue depth = one step."""

@@ -12,13 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from asyncpool import GroupPool, PromptStarved
-from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, with_images, with_lags, with_routes
+from molt._batch import (
+    NO_INPUTS,
+    StepInputs,
+    TrainBatch,
+    collate,
+    window_rows,
+    with_images,
+    with_lags,
+    with_routes,
+)
 from molt._checkpoint import step_dir, write_loop_state
 from molt._critic import CriticGroup
 from molt._data import RowStream
@@ -92,10 +101,10 @@ async def run_steps(config: Config, run: Run) -> None:
         # window is one optimizer step whose loss, rollout correction included (invariant 2), is
         # `molt._objective.step_loss`, which the policy's ranks call on each micro-batch.
         rows_R = torch.tensor([len(rollout.segments) for rollout in rollouts])  # training rows per rollout
-        scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config)
         # windows of whole rollouts, in a random order seeded by the run's seed and the step
-        parts = scored.batch.windows(config.train.mini_batches, rows_R.tolist(), (config.train.seed, step))
-        windows = [(w, rows) for w, rows in parts if w.num_tokens]
+        plan = window_rows(config.train.mini_batches, rows_R.tolist(), (config.train.seed, step))
+        scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config, plan[0])
+        windows = [(w, rows) for rows in plan if (w := scored.batch.window(rows)).num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, scored.policy)]
         if scored.critic is not None:  # the critic's steps run beside the policy's
             steps.append(asyncio.to_thread(train_windows, run.critic, windows, scored.critic))
@@ -173,12 +182,14 @@ def train_windows(
     group, windows: list[tuple[TrainBatch, list[int]]], inputs: StepInputs = NO_INPUTS
 ) -> dict[str, float]:
     """One optimizer step of `group` (the policy or the critic) per window of the batch, each given its
-    rows of `inputs`. Metrics: the windows' token-weighted mean; a clip fraction over the windows after
-    the first, where the ratio can depart from 1 (0 with one window); the learning rate is the first
-    step's."""
-    results = [
-        group.train_step(window, inputs.rows(rows, window.tokens_BT.shape[1])) for window, rows in windows
-    ]
+    rows of `inputs`; the first takes its old logprobs from its own forward, nothing having stepped
+    before it (`molt._objective.score` gives the later windows' alone). Metrics: the windows'
+    token-weighted mean; a clip fraction over the windows after the first, where the ratio can depart
+    from 1 (0 with one window); the learning rate is the first step's."""
+    results = []
+    for index, (window, rows) in enumerate(windows):
+        given = inputs.rows(rows, window.tokens_BT.shape[1])
+        results.append(group.train_step(window, replace(given, old_logp_BT=None) if index == 0 else given))
     weights = [window.num_tokens for window, _ in windows]
 
     def mean(name: str, first: int = 0) -> float:
