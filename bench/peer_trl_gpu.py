@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -192,10 +193,12 @@ def trl_config(row: dict, seed: int, out_dir: Path) -> dict:
     }
 
 
-def supervise(command: list[str], log_path: Path, timeout_s: float, on_line) -> tuple[int, bool]:
-    """Run a trainer's process, its output into `log_path` and each line to `on_line`; past `timeout_s`,
-    SIGINT to its process group (molt stops its Ray and engines on it), SIGKILL 20 s later. Returns its
-    exit code and whether the timeout stopped it."""
+def supervise(
+    command: list[str], log_path: Path, timeout_s: float, on_line, env: dict | None = None
+) -> tuple[int, bool]:
+    """Run a trainer's process (with `env` added to this one's environment), its output into `log_path`
+    and each line to `on_line`; past `timeout_s`, SIGINT to its process group (molt stops its Ray and
+    engines on it), SIGKILL 20 s later. Returns its exit code and whether the timeout stopped it."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     expired = threading.Event()
 
@@ -213,8 +216,9 @@ def supervise(command: list[str], log_path: Path, timeout_s: float, on_line) -> 
 
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
         timer = threading.Timer(timeout_s, stop)
         timer.daemon = True
         timer.start()
@@ -247,7 +251,11 @@ def run_molt(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float)
 
     log = run_dir.with_suffix(".log")
     launched = time.time()
-    code, expired = supervise(molt_command(row, model, run_dir, seed), log, timeout_s, on_line)
+    # the actor's log names the failed guard of each graph torch.compile builds again (`recompiles`)
+    recompiles_env = {"TORCH_LOGS": "recompiles"}
+    code, expired = supervise(
+        molt_command(row, model, run_dir, seed), log, timeout_s, on_line, recompiles_env
+    )
     path = run_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     samples = row["prompts_per_step"] * row["group_size"]
@@ -259,7 +267,27 @@ def run_molt(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float)
     # an evaluation is logged with its step, whose end (above) comes after it
     evals = [dict(step=s["step"], t=s["t"], pass_at_1=s["log"]["eval/pass@1"]) for s in steps
              if "eval/pass@1" in s["log"]]  # fmt: skip
-    return dict(returncode=code, timed_out=expired, steps=steps, evals=evals, log_file=str(log))
+    actor_log = run_dir / "actor-0.log"
+    why = recompiles(actor_log.read_text(errors="replace")) if actor_log.is_file() else []
+    return dict(
+        returncode=code, timed_out=expired, steps=steps, evals=evals, log_file=str(log), recompiles=why
+    )
+
+
+def recompiles(actor_log: str) -> list[str]:
+    """Each graph the actor compiled again (`TORCH_LOGS=recompiles`), in order: its log's clock, the
+    function and the first failed guard that is not another grad mode's or another layout's (each keeps
+    graphs of its own, which fail on those: `len(kwargs)` is the layout)."""
+    found, lines = [], actor_log.splitlines()
+    for i, line in enumerate(lines):
+        if (head := re.search(r"(\d\d:\d\d:\d\d)\S* .*Recompiling function (\S+)", line)) is None:
+            continue
+        block = itertools.takewhile(lambda x: "Recompiling function" not in x, lines[i + 1 :])
+        guards = [re.sub(r".*\] +- ", "", x).strip() for x in block if re.search(r"\] +- \d+/\d+: ", x)]
+        other = ("GLOBAL_STATE changed: grad_mode", ": len(kwargs) == ")
+        why = next((g for g in guards if not any(o in g for o in other)), "a new layout or grad mode")
+        found.append(f"{head[1]} {head[2]}: {why}")
+    return found
 
 
 def run_trl(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float) -> dict:

@@ -195,6 +195,12 @@ def report(records: list[dict]) -> None:
             if trainer == "molt":  # its actor/compiles: graphs compiled in the step (TRL compiles none)
                 compiling = [sum(s["log"].get("actor/compiles", 0) > 0 for s in r["steps"][1:]) for r in runs]
                 print(f"(molt: steps 2..N in which the actor still compiled, per run: {compiling})")
+                for r in runs:  # the steps' graphs are the log's last (the warm-up's come before them)
+                    built = int(sum(s["log"].get("actor/compiles", 0) for s in r["steps"]))
+                    for line in (
+                        r.get("recompiles", [])[len(r.get("recompiles", [])) - built :] if built else []
+                    ):
+                        print(f"  molt run {r['run']} compiled again at {line[:160]}")
                 print(profile(complete))
             else:
                 print(trl_profile(complete))
