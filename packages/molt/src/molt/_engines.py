@@ -16,9 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 
-import refit
 from molt._checks_model import LORA_RANKS
 from molt._placement import (
     compute_dtype_name,
@@ -97,6 +95,10 @@ class EngineActor:
 def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str]:
     """vLLM flags from `--vllm.*` plus refit's worker extension; `model_dir` sizes a CUDA engine's KV
     cache (`kv_cache_bytes`)."""
+    import torch  # here, not at the top: the engine actors' workers import this module (`EngineActor`)
+
+    import refit
+
     on_gpu, vllm = torch.cuda.is_available(), config.vllm
     args = refit.engine_flags(refit_backend(config, on_gpu=on_gpu))
     args += ["--max-model-len", str(vllm.max_model_len), "--seed", str(config.train.seed)]
@@ -127,6 +129,9 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
 def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
     """Start `--vllm.num_engines` engine actors (none where `--vllm.urls` attaches running servers); they
     load in the background (each actor's `url()` answers once its server does)."""
+    import torch
+
+    import refit
     from molt._sharding import adapter_config
 
     on_gpu = torch.cuda.is_available()
