@@ -195,6 +195,24 @@ def test_a_crash_loop_stops_the_run_with_the_engine_logs_first_error(ray_local):
     asyncio.run(main())
 
 
+def test_a_restarted_engine_whose_refit_fails_past_the_bound_names_the_refits_error(ray_local):
+    """An engine can be up and still not come back: its refit failed. The run that stops then says so,
+    not only what the engine's log holds (nothing, for an engine that did not crash)."""
+
+    async def main():
+        restarts = restarts_of(ray_local, max_restarts=1)
+        restarts.policy.dead.add("http://engine-0-restart-1")
+        restarts.router.engines[0].alive = False
+        await restarted(restarts)
+        with pytest.raises(RuntimeError) as error:
+            await restarts.bring_back(1)
+        message = str(error.value)
+        assert "died after 1 restart(s)" in message
+        assert "its refit after restart 1 failed: pause: ConnectError" in message
+
+    asyncio.run(main())
+
+
 def test_a_restart_that_fails_to_start_stops_the_run_with_its_error(ray_local):
     async def main():
         restarts = restarts_of(ray_local, fail="ValueError: no such model")

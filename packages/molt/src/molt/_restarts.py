@@ -35,6 +35,7 @@ class EngineRestarts:
         self.restarting: dict[int, asyncio.Task] = {}  # engine index -> its restart, until it is up
         self.stale: list[int] = []  # up again, waiting for the current weights
         self.failure: RuntimeError | None = None  # a restart past the bound, or one that failed
+        self.refit_failed: dict[int, str] = {}  # engine index -> why the refit after its last restart failed
 
     @property
     def num_restarts(self) -> int:
@@ -53,9 +54,11 @@ class EngineRestarts:
             if engine.alive or index in self.restarting or index in self.stale or self.failure:
                 continue
             if self.restarts[index] >= self.max_restarts:
+                refit = self.refit_failed.get(index)
+                why = f" (its refit after restart {self.restarts[index]} failed: {refit})" if refit else ""
                 self.failure = RuntimeError(
-                    f"vLLM engine {index} ({engine.url}) died after {self.restarts[index]} restart(s), the "
-                    f"most --vllm.max_restarts allows; stopping. Its log {_log_report(actor)}"
+                    f"vLLM engine {index} ({engine.url}) died after {self.restarts[index]} restart(s){why}, "
+                    f"the most --vllm.max_restarts allows; stopping. Its log {_log_report(actor)}"
                 )
                 continue
             self.restarts[index] += 1
@@ -96,9 +99,12 @@ class EngineRestarts:
             engine = self.router.engines[index]
             try:
                 await asyncio.to_thread(self.policy.refit, [engine.url], version)
-            except EnginesLost:
+            except EnginesLost as lost:  # up, but not serving the current weights: dead again
+                self.refit_failed[index] = lost.failed.get(engine.url, str(lost))
+                progress(f"vLLM engine {index}'s refit after its restart failed: {self.refit_failed[index]}")
                 continue
             engine.alive = True
+            self.refit_failed.pop(index, None)
             progress(f"vLLM engine {index} is back at {engine.url}, serving the weights of version {version}")
         self.check()
 
