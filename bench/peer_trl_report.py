@@ -175,7 +175,8 @@ def report(records: list[dict]) -> None:
         means = {}
         for trainer in sorted({r["trainer"] for r in mine}):
             runs = [r for r in mine if r["trainer"] == trainer]
-            done = [f for r in runs if r["returncode"] == 0 and not r["timed_out"] and (f := figures(r))]
+            finished = [r for r in runs if not (r["returncode"] or r["timed_out"])]
+            done = [f for r in finished if (f := figures(r))]
             hits = [f["reached"] for f in done if f["reached"]]
             cells = [
                 f"{len(done)} ({len(runs) - len(done)})",
@@ -191,15 +192,13 @@ def report(records: list[dict]) -> None:
             print(f"| {trainer} | " + " | ".join(cells) + " |")
             if done:
                 means[trainer] = {k: statistics.mean(f[k] for f in done) for k in ("step_s", "tokens_per_s")}
-            complete = [r for r in runs if not (r["returncode"] or r["timed_out"]) and len(r["steps"]) > 1]
+            complete = [r for r in finished if len(r["steps"]) > 1]
             if trainer == "molt":  # its actor/compiles: graphs compiled in the step (TRL compiles none)
                 compiling = [sum(s["log"].get("actor/compiles", 0) > 0 for s in r["steps"][1:]) for r in runs]
                 print(f"(molt: steps 2..N in which the actor still compiled, per run: {compiling})")
                 for r in runs:  # the steps' graphs are the log's last (the warm-up's come before them)
                     built = int(sum(s["log"].get("actor/compiles", 0) for s in r["steps"]))
-                    for line in (
-                        r.get("recompiles", [])[len(r.get("recompiles", [])) - built :] if built else []
-                    ):
+                    for line in r.get("recompiles", [])[-built:] if built else []:
                         print(f"  molt run {r['run']} compiled again at {line[:160]}")
                 print(profile(complete))
             else:
