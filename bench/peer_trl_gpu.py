@@ -22,13 +22,15 @@ generation (as many optimizer steps, `steps_per_generation`). For every step of 
 tokens and the trainer's own log of it. A row with `eval` (rows 0 and 1) also evaluates, in both trainers,
 the held-out rows molt reads for the run's seed (`--eval.*`; TRL's `eval_dataset`) every `every` steps and
 after the last: pass@1 over `n` samples of each, kept as the run's `evals` (step, seconds since launch,
-pass@1). Runs append, their numbers continuing; run k of both trainers is seeded `--seed` + k - 1 (the
-rows' stream and the trainer). The table (`peer_trl_report.report`), mean ± s.d. over runs: start-up
-(launch to step 1's end), seconds per step (steps 2..N, evaluations included), reply tokens per GPU-second
-(the replies trained on over steps 2..N's wall seconds), time and steps to the row's reward threshold (the
-mean of the last 5 steps' rewards), final reward (the last 5 steps), final eval pass@1 (after the last
-step). `--report` only reads the JSON; `--plot OUT.png` draws reward and, dashed, eval pass@1 against
-wall-clock and against step, every run of both trainers.
+pass@1). Each row's runs by one trainer keep compile caches of their own (`compile_caches`): a trainer's
+first run of a row on a machine starts them cold, its later runs warm, and the table gives start-up and
+time to the threshold of each apart. Runs append, their numbers continuing; run k of both trainers is
+seeded `--seed` + k - 1 (the rows' stream and the trainer). The table (`peer_trl_report.report`), mean ±
+s.d. over runs: start-up (launch to step 1's end), seconds per step (steps 2..N, evaluations included),
+reply tokens per GPU-second (the replies trained on over steps 2..N's wall seconds), time and steps to the
+row's reward threshold (the mean of the last 5 steps' rewards), final reward (the last 5 steps), final eval
+pass@1 (after the last step). `--report` only reads the JSON; `--plot OUT.png` draws reward and, dashed,
+eval pass@1 against wall-clock and against step, every run of both trainers.
 
 On a GPU machine with vLLM 0.26, Ray 2.60, NeMo AutoModel 0.7 and transformers 5.18, TRL's side needs
 `trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19 pyarrow==26.0.1 fsspec==2026.9.0`, and row 1's model
@@ -240,7 +242,7 @@ def echo(trainer: str, line: str) -> None:
         print(f"  {trainer} {line.rstrip()}", flush=True)
 
 
-def run_molt(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float) -> dict:
+def run_molt(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float, env: dict) -> dict:
     """One `molt train` run; a step ends when its line is printed (right after its metrics.jsonl line)."""
     ends: list[float] = []
 
@@ -252,7 +254,7 @@ def run_molt(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float)
     log = run_dir.with_suffix(".log")
     launched = time.time()
     # the actor's log names the failed guard of each graph torch.compile builds again (`recompiles`)
-    recompiles_env = {"TORCH_LOGS": "recompiles"}
+    recompiles_env = {**env, "TORCH_LOGS": "recompiles"}
     code, expired = supervise(
         molt_command(row, model, run_dir, seed), log, timeout_s, on_line, recompiles_env
     )
@@ -290,7 +292,7 @@ def recompiles(actor_log: str) -> list[str]:
     return found
 
 
-def run_trl(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float) -> dict:
+def run_trl(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float, env: dict) -> dict:
     """One TRL run in a process of its own (bench/peer_trl_child.py), which writes a line per step and per
     evaluation. It evaluates the rows molt's run of the same seed does: read by molt's own code from its
     flags (the agent's eval_dataset(--data.seed), or --eval.path; the first --eval.num_prompts)."""
@@ -310,7 +312,7 @@ def run_trl(row: dict, model: Path, run_dir: Path, seed: int, timeout_s: float) 
     )  # fmt: skip
     (run_dir / "spec.json").write_text(json.dumps(spec, indent=1))
     command = [sys.executable, str(Path(__file__).with_name("peer_trl_child.py")), str(run_dir / "spec.json")]
-    code, expired = supervise(command, log, timeout_s, lambda line: echo("trl", line))
+    code, expired = supervise(command, log, timeout_s, lambda line: echo("trl", line), env)
     steps, evals = (
         [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
         for path in (steps_file, evals_file)
@@ -346,6 +348,17 @@ def wait_gpu_idle(limit_s: float = 60) -> None:
 RUNNERS = {"molt": run_molt, "trl": run_trl}
 
 
+def compile_caches(work: Path, row: dict, trainer: str) -> tuple[dict, str]:
+    """The environment pointing the compile caches (vLLM's torch.compile artifacts, inductor's and Triton's
+    kernels) of a row's runs by one trainer at a directory of their own, and whether it is still empty
+    ("cold": the first such run on the machine) or holds an earlier run's ("warm"). Shared caches would
+    hand the second trainer on a machine the first one's kernels."""
+    root = work / "caches" / f"row{row['row']}-{trainer}"
+    state = "warm" if root.is_dir() and any(p.is_file() for p in root.rglob("*")) else "cold"
+    dirs = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+    return {name: str(root / sub) for name, sub in dirs.items()}, state
+
+
 def run_all(rows: list[dict], trainers: list[str], args: argparse.Namespace, data: dict, out: Path) -> None:
     """Each row's runs, trainers interleaved (molt 1, trl 1, molt 2, ...); the JSON written after each, the
     run's figures (`peer_trl_report.figures`) beside its steps."""
@@ -358,15 +371,17 @@ def run_all(rows: list[dict], trainers: list[str], args: argparse.Namespace, dat
                 seed = args.seed + run - 1
                 run_dir = Path(args.work_dir) / "runs" / f"row{row['row']}-{trainer}-{run}"
                 shutil.rmtree(run_dir, ignore_errors=True)
-                print(f"row {row['row']} ({row['name']}) {trainer} run {run}, seed {seed}", flush=True)
-                result = RUNNERS[trainer](row, model_dir(row, args), run_dir, seed, args.run_timeout)
+                env, caches = compile_caches(Path(args.work_dir), row, trainer)
+                print(f"row {row['row']} ({row['name']}) {trainer} run {run}, seed {seed}, compile caches "
+                      f"{caches}", flush=True)  # fmt: skip
+                result = RUNNERS[trainer](row, model_dir(row, args), run_dir, seed, args.run_timeout, env)
                 if result["returncode"] or result["timed_out"]:
                     result["log_tail"] = Path(result["log_file"]).read_text()[-3000:]
                     print(f"{trainer} run {run} failed (exit {result['returncode']}, timed out "
                           f"{result['timed_out']}); its log ends:\n{result['log_tail']}")  # fmt: skip
                 when = datetime.now(UTC).isoformat(timespec="seconds")
                 record = dict(row=row["row"], trainer=trainer, run=run, seed=seed, when=when, machine=machine,
-                              settings=row, **result)  # fmt: skip
+                              caches=caches, settings=row, **result)  # fmt: skip
                 data["records"].append({**record, "figures": figures(record)})
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(data, indent=1))

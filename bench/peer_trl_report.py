@@ -159,6 +159,20 @@ def estimate(records: list[dict], row: dict, trainer: str) -> tuple[float, str]:
     return start + (row["steps"] - 1) * step, "measured" if done else "guessed"
 
 
+def by_caches(runs: list[dict], threshold: float | None) -> str:
+    """Start-up and time to the threshold of runs whose compile caches were empty ("cold": a trainer's
+    first run on a machine) apart from those that found an earlier run's ("warm")."""
+    parts = []
+    for state in ("cold", "warm", None):  # None: recorded before the caches were kept apart
+        done = [f for r in runs if r.get("caches") == state and (f := figures(r))]
+        if done:
+            hits = [f["reached"][0] for f in done if f["reached"]]
+            reach = f", time to {threshold} {mean_sd(hits, '.0f')} s" if threshold is not None else ""
+            startup = mean_sd([f["startup_s"] for f in done], ".0f")
+            parts.append(f"{state or 'caches shared'} {len(done)}: start-up {startup} s{reach}")
+    return "; ".join(parts) or "no complete run"
+
+
 def report(records: list[dict]) -> None:
     """The table of every row in `records` (complete runs only; the failed and stopped are counted), and
     molt over TRL."""
@@ -190,6 +204,7 @@ def report(records: list[dict]) -> None:
                 mean_sd([f["final_eval"] for f in done if f["final_eval"] is not None], ".3f"),
             ]
             print(f"| {trainer} | " + " | ".join(cells) + " |")
+            print(f"({trainer}: {by_caches(finished, threshold)})")
             if done:
                 means[trainer] = {k: statistics.mean(f[k] for f in done) for k in ("step_s", "tokens_per_s")}
             complete = [r for r in finished if len(r["steps"]) > 1]
