@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from molt.vllm_server import VLLMServer, first_error
+from molt.vllm_server import VLLMServer, engine_args, first_error
 
 _ENGINE_CORE_DIED = """\
 (APIServer pid=1903) WARNING 12-02 13:56:10 [system_utils.py:299] Found ulimit of 20000 and failed to \
@@ -44,6 +44,15 @@ def test_the_first_error_is_the_engine_cores_root_cause_with_the_frame_that_rais
 
 def test_a_dotted_exception_name_without_a_process_prefix_is_found():
     assert first_error(_ARGUMENTS_REFUSED).endswith("ValidationError: 1 validation error for ModelConfig")
+
+
+def test_the_engine_command_names_its_context_once():
+    """vLLM warns of a flag given twice ("Found duplicate keys"): the run's own context replaces the
+    default one instead of following it."""
+    default = engine_args("m", port=1, extra=[], on_cpu=True)
+    given = engine_args("m", port=1, extra=["--max-model-len", "512"], on_cpu=True)
+    assert default[default.index("--max-model-len") + 1] == "2048"
+    assert given.count("--max-model-len") == 1 and given[given.index("--max-model-len") + 1] == "512"
 
 
 def test_a_log_without_an_exception_gives_nothing():

@@ -63,14 +63,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def engine_args(model: str | Path, *, port: int, extra: Sequence[str], on_cpu: bool) -> list[str]:
-    """The command line of one engine (see the module docstring for why each flag is there); `extra`
-    flags come last, so they override these (`--max-model-len`)."""
+    """The command line of one engine (see the module docstring for why each flag is there), then the
+    `extra` flags; a context of 2,048 tokens unless they give `--max-model-len`."""
+    context = [] if "--max-model-len" in extra else ["--max-model-len", "2048"]
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--max-model-len", "2048",
+        *context,
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
