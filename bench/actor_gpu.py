@@ -1,14 +1,16 @@
 """One full train step of Molt's policy actor on one GPU, against a plain transformers + AdamW loop.
 
-Two random-initialised models (nothing downloaded): a Qwen3-1.7B-shaped dense model (its sizes, tied
-embeddings, vocabulary 151,936) and a small Qwen3-MoE. Each batch (`--batches`) holds at least
-`--tokens-per-step` tokens, random ids: equal rows of N tokens (the first quarter of each a prompt, loss
-mask 0), or `agentic`: episodes of 1-12 turns with lognormal prompt, reply (trained) and tool-output
-lengths, about 3.2k tokens a row, at most `--agentic-max-len` (bench/agentic_batch.py), or rows that
-share prefixes, whatever `--tokens-per-step` (bench/shared_prefix_batch.py): `prompt4k`, 16 prompts of
-4096 tokens x 8 samples of 512, and `multiturn`, 8-turn agent episodes after a 2048-token system prompt,
-one row per turn, each beginning with the episode's earlier turns. For each model and batch, every case
-runs in its own subprocess, one after the other on the same GPU:
+Random-initialised models (nothing downloaded): a Qwen3-1.7B-shaped dense model (its sizes, tied embeddings,
+vocabulary 151,936), `small`, a Qwen3 of SmolLM2-135M's sizes (a step's fixed costs: `--batches 48
+--tokens-per-step 1536` is about row 1 of bench/peer_trl_gpu.py, 32 rows of 48 tokens), and a small
+Qwen3-MoE. Each batch (`--batches`) holds at least `--tokens-per-step` tokens, random ids: equal rows of N
+tokens (the first quarter of each a prompt, loss mask 0), or `agentic`: episodes of 1-12 turns with
+lognormal prompt, reply (trained) and tool-output lengths, about 3.2k tokens a row, at most
+`--agentic-max-len` (bench/agentic_batch.py), or rows that share prefixes, whatever `--tokens-per-step`
+(bench/shared_prefix_batch.py): `prompt4k`, 16 prompts of 4096 tokens x 8 samples of 512, and `multiturn`,
+8-turn agent episodes after a 2048-token system prompt, one row per turn, each beginning with the episode's
+earlier turns. For each model and batch, every case runs in its own subprocess, one after the other on the
+same GPU:
 
 - `plain`: transformers' `AutoModelForCausalLM` in float32 on the GPU, computing in bf16 under
   `torch.autocast`, activation checkpointing on, naive float32 logprobs (`logits.float().log_softmax(-1)`),
@@ -76,6 +78,10 @@ MODELS = {
     "dense": dict(
         kind="dense", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "small": dict(  # SmolLM2-135M's sizes (row 1 of bench/peer_trl_gpu.py): where fixed costs show
+        kind="dense", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
     ),
     "moe": dict(
         kind="moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=12,
@@ -383,7 +389,7 @@ def machine() -> str:
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
-    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, moe")
+    parser.add_argument("--models", default="dense,moe", help="comma-separated: dense, small, moe")
     parser.add_argument("--batches", default="4096,16384,agentic",
                         help="equal rows of N tokens, agentic, prompt4k or multiturn")  # fmt: skip
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated, of {', '.join(CASES)}")
