@@ -20,6 +20,7 @@ ends the update, and the trainer retries the engine once with a full transfer, t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,9 +28,13 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine, IPCWeightTransferUpdateInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 from vllm.distributed.weight_transfer.packed_tensor import unpack_tensor
+from vllm.logger import init_logger
 
 from refit._transport import device_checksum, verify_checksums
 from refit.vllm_worker import roll_back_reload
+
+# under vLLM's own logger: its handler and level (INFO) put the lines in the engine's log
+logger = init_logger(f"vllm.{__name__}")
 
 __all__ = ["ChecksummedGroup", "IpcUpdateInfo", "VerifiedIpcEngine", "VerifiedNcclEngine"]
 
@@ -90,37 +95,56 @@ class IpcUpdateInfo(IPCWeightTransferUpdateInfo):
 
 
 class VerifiedIpcEngine(IPCWeightTransferEngine):
-    """vLLM's CUDA IPC engine, each bucket checked against the trainer's checksum before it is loaded."""
+    """vLLM's CUDA IPC engine, each bucket checked against the trainer's checksum before it is loaded.
+    Where a refit's time goes on the engine (`last_timings`, seconds, summed over its buckets): opening
+    the handles, the checksum (which waits for the bucket), loading (layerwise reload's buffering and,
+    as a layer completes, its copies) and finishing (the layers' last processing); one log line each."""
 
     update_info_cls = IpcUpdateInfo
 
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.last_verify = _fresh_record()
+        self.last_timings = dict.fromkeys(("start_s", "open_s", "verify_s", "load_s"), 0.0)
 
     def start_weight_update(self) -> None:
+        began = time.perf_counter()
         super().start_weight_update()
         self.last_verify = _fresh_record()  # the transfer's buckets come in calls of their own
+        self.last_timings = dict.fromkeys(("open_s", "verify_s", "load_s"), 0.0)
+        self.last_timings["start_s"] = time.perf_counter() - began
 
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
         assert isinstance(update_info, IpcUpdateInfo)  # parsed as update_info_cls
+        timings, began = self.last_timings, time.perf_counter()
         try:
             if not update_info.packed or update_info.checksum is None:
                 raise ValueError("refit_ipc takes packed buckets with their checksum (refit.update_weights)")
             handles, sizes = update_info.ipc_handles, update_info.tensor_sizes
             assert isinstance(handles, dict) and sizes is not None  # packed: vLLM's __post_init__ checks
             packed_N = _opened(handles, self.device.index)[: sum(sizes)]
+            opened = time.perf_counter()
             index = len(self.last_verify["checksums"])  # one bucket per call, in order
             got = int(device_checksum(packed_N))
             verify_checksums(self.last_verify, [got], [update_info.checksum], first=index)
+            checked = time.perf_counter()
             dtypes = [getattr(torch, name) for name in update_info.dtype_names]
             tensors = unpack_tensor(packed_N, update_info.names, update_info.shapes, dtypes, sizes)
             # Copies, as vLLM's packed_ipc_consumer makes them: layerwise reload holds on to loaded
             # tensors past this call, and the trainer packs its next bucket into the same buffer.
             self.model.load_weights([(name, tensor.clone()) for name, tensor in tensors])
+            timings["open_s"] += opened - began
+            timings["verify_s"] += checked - opened
+            timings["load_s"] += time.perf_counter() - checked
         except BaseException:
             roll_back_reload(self.model, self.model_config)
             raise
+
+    def finish_weight_update(self) -> None:
+        began = time.perf_counter()
+        super().finish_weight_update()
+        self.last_timings["finish_s"] = time.perf_counter() - began
+        logger.info("refit_ipc: %s", ", ".join(f"{k} {v:.4f}" for k, v in self.last_timings.items()))
 
 
 def _opened(handles: dict[str, tuple], device_index: int) -> torch.Tensor:
