@@ -232,6 +232,17 @@ def _shared_prompt_batch(seed: int):
     return collate([(*row, float(i % 3 - 1)) for i, row in enumerate(rows)], pad_id=0)
 
 
+def test_shared_prefixes_without_compiled_layers_build_their_attention_at_start_up(tiny_model_dir):
+    """--actor.compile off, --actor.shared_prefix on: FlexAttention and its block masks are compiled
+    functions of their own, which the warm-up builds (`_run_batches` checks it built graphs); new
+    lengths stop compiling after the first few, as with compiled layers."""
+    batches = [_shared_prompt_batch(seed) for seed in range(8)]
+    eager_layers = Actor(shared_prefix="on", **{**BF16_ACTOR, "compile": "off"})
+    _, graphs, counts = _run_batches(tiny_model_dir, eager_layers, batches)
+    assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
+    assert counts["saved"] > 0
+
+
 def test_shared_prefix_rows_train_as_unshared_ones_on_cuda_and_compile_few_shapes(tiny_model_dir):
     """--actor.shared_prefix on CUDA (compiled FlexAttention over the tree's block masks, in compiled
     layers) against the packed rows: the same logprobs and step, to bfloat16's rounding; new packed
