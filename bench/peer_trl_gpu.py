@@ -397,7 +397,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps of every run (each row's own by default)")
     parser.add_argument("--threshold", type=float, help="the reward whose time is reported (row's own)")
     parser.add_argument("--trl-micro-batch", type=int, help="TRL's rows a micro-batch (row's own)")
-    parser.add_argument("--molt-flags", default="", help="more `molt train` flags (A/B runs: use --out)")
+    parser.add_argument("--molt-flags", default="", help="more molt train flags: --molt-flags='--a 1'")
     parser.add_argument("--run-timeout", type=float, default=250, help="s; a run past it is stopped, kept")
     parser.add_argument("--seed", type=int, default=0, help="run k is seeded seed + k - 1")
     parser.add_argument("--work-dir", default="/tmp/peer-trl-gpu", help="models, runs and their logs")
