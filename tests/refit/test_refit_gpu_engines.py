@@ -58,6 +58,7 @@ def _engine(cls, monkeypatch):
     engine = cls.__new__(cls)
     engine.device, engine.model, engine.model_config = torch.device("cpu"), _Model(), None
     engine.last_verify = {"checked": 0, "failed": None, "error": "", "checksums": []}
+    engine.last_timings = {"start_s": 0.0, "open_s": 0.0, "verify_s": 0.0, "load_s": 0.0}  # as after a start
     engine.rolled_back = 0
 
     def roll_back(model, model_config) -> None:
@@ -201,6 +202,8 @@ def test_refits_ipc_engine_checks_each_bucket_before_loading_it(monkeypatch):
     assert all(torch.equal(engine.model.loaded[name], tensors[name]) for name in first)
     assert engine.last_verify["checked"] == 1 and engine.last_verify["failed"] == 1
     assert engine.rolled_back == 1
+    # the loaded bucket's checksum and load were timed
+    assert engine.last_timings["load_s"] > 0 and engine.last_timings["verify_s"] > 0
     channel.pool.shutdown()
 
 
