@@ -73,9 +73,15 @@ def _is_lora(module: torch.nn.Module) -> bool:
 
 
 def _gather(param: torch.Tensor) -> torch.Tensor:
+    """The whole of `param`: a DTensor shard all-gathered (a collective), unless every rank already holds
+    it whole (each placement replicated or over a mesh dimension of one rank, e.g. FSDP2 on one GPU)."""
     tensor = param.detach()
-    gather = getattr(tensor, "full_tensor", None)  # a DTensor shard: all-gather (a collective)
-    return gather() if callable(gather) else tensor
+    if not callable(getattr(tensor, "full_tensor", None)):
+        return tensor
+    mesh = tensor.device_mesh
+    if all(p.is_replicate() or mesh.size(dim) == 1 for dim, p in enumerate(tensor.placements)):
+        return tensor.to_local()
+    return tensor.full_tensor()
 
 
 def _merged(weight: torch.Tensor, lora: Any) -> torch.Tensor:
