@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from refit._buckets import ParamSpec
 
@@ -76,7 +77,7 @@ def _gather(param: torch.Tensor) -> torch.Tensor:
     """The whole of `param`: a DTensor shard all-gathered (a collective), unless every rank already holds
     it whole (each placement replicated or over a mesh dimension of one rank, e.g. FSDP2 on one GPU)."""
     tensor = param.detach()
-    if not callable(getattr(tensor, "full_tensor", None)):
+    if not isinstance(tensor, DTensor):
         return tensor
     mesh = tensor.device_mesh
     if all(p.is_replicate() or mesh.size(dim) == 1 for dim, p in enumerate(tensor.placements)):
