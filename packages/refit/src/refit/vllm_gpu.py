@@ -98,7 +98,7 @@ class VerifiedIpcEngine(IPCWeightTransferEngine):
     """vLLM's CUDA IPC engine, each bucket checked against the trainer's checksum before it is loaded.
     Where a refit's time goes on the engine (`last_timings`, seconds, summed over its buckets): opening
     the handles, the checksum (which waits for the bucket), loading (layerwise reload's buffering and,
-    as a layer completes, its copies) and finishing (the layers' last processing); one log line each."""
+    as a layer completes, its copies) and finishing (the layers' last processing); a log line a refit."""
 
     update_info_cls = IpcUpdateInfo
 
