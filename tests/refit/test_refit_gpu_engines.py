@@ -11,6 +11,7 @@ to. A fake model records what is loaded. tests/refit/test_refit_ipc_gpu.py runs 
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 
 import pytest
@@ -58,7 +59,7 @@ def _engine(cls, monkeypatch):
     engine = cls.__new__(cls)
     engine.device, engine.model, engine.model_config = torch.device("cpu"), _Model(), None
     engine.last_verify = {"checked": 0, "failed": None, "error": "", "checksums": []}
-    engine.last_timings = {"start_s": 0.0, "open_s": 0.0, "verify_s": 0.0, "load_s": 0.0}  # as after a start
+    engine.last_timings = refit.vllm_gpu._zeroed_timings()  # as after a start
     engine.rolled_back = 0
 
     def roll_back(model, model_config) -> None:
@@ -205,6 +206,34 @@ def test_refits_ipc_engine_checks_each_bucket_before_loading_it(monkeypatch):
     # the loaded bucket's checksum and load were timed
     assert engine.last_timings["load_s"] > 0 and engine.last_timings["verify_s"] > 0
     channel.pool.shutdown()
+
+
+class _Kept(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_an_ipc_refit_logs_its_engine_side_phases_once_in_the_order_they_ran(monkeypatch):
+    from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
+
+    from refit.vllm_gpu import VerifiedIpcEngine
+
+    for step in ("start_weight_update", "finish_weight_update"):  # vLLM's own need a GPU model
+        monkeypatch.setattr(IPCWeightTransferEngine, step, lambda self: None)
+    engine, kept = _engine(VerifiedIpcEngine, monkeypatch), _Kept()
+    refit.vllm_gpu.logger.addHandler(kept)
+    try:
+        engine.start_weight_update()
+        engine.finish_weight_update()
+    finally:
+        refit.vllm_gpu.logger.removeHandler(kept)
+    assert len(kept.lines) == 1 and kept.lines[0].startswith("refit_ipc: ")
+    phases = [part.split()[0] for part in kept.lines[0].removeprefix("refit_ipc: ").split(", ")]
+    assert phases == ["start_s", "open_s", "verify_s", "load_s", "finish_s"]
 
 
 class _Handle(refit.Engine):

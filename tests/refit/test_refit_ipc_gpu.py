@@ -75,25 +75,28 @@ def test_ipc_refit_serves_the_trainers_weights_and_no_stale_prefix_kv(ipc_engine
     from transformers import AutoModelForCausalLM
 
     url, engine = ipc_engine.url, refit.Engine(ipc_engine.url, backend=refit.IPC_BACKEND)
-    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
-    assert _error(url, start) < TOL
-    hits = _prefix_cache_hits(url)
-    _sample(url, LONG_PROMPT)
-    assert _prefix_cache_hits(url) > hits, "the long prompt should be served from the prefix cache"
-    for seed in (11, 12):
-        model = _weights(tmp_path, seed)
-        assert _error(url, model) > 5 * TOL  # the engine still serves other weights
-        stats = refit.update_weights([engine], refit.full_params(model), version=seed, bucket_bytes=64 << 10)
-        assert stats.num_buckets > 1 and set(stats.seconds) >= {"pause", "transfer", "finish", "resume"}
-        # where the engine spent it, over all the buckets, also in its log
-        timings = engine.worker_timings()[0]
-        assert set(timings) == {"start_s", "open_s", "verify_s", "load_s", "finish_s"}
-        assert timings["load_s"] > 0 and all(v >= 0 for v in timings.values())
-        # LONG_PROMPT was cached under the old weights: it must be recomputed, not served from stale KV.
-        assert _error(url, model) < TOL
-        assert not engine.is_paused()
-    assert ipc_engine.log_path.read_text().count("refit_ipc: start_s") >= 2
-    engine.close()
+    try:
+        start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).cuda().eval()
+        assert _error(url, start) < TOL
+        hits = _prefix_cache_hits(url)
+        _sample(url, LONG_PROMPT)
+        assert _prefix_cache_hits(url) > hits, "the long prompt should be served from the prefix cache"
+        for seed in (11, 12):
+            model = _weights(tmp_path, seed)
+            assert _error(url, model) > 5 * TOL  # the engine still serves other weights
+            params = refit.full_params(model)
+            stats = refit.update_weights([engine], params, version=seed, bucket_bytes=64 << 10)
+            assert stats.num_buckets > 1 and set(stats.seconds) >= {"pause", "transfer", "finish", "resume"}
+            # where the engine spent it, over all the buckets, also in its log
+            timings = engine.worker_timings()[0]
+            assert set(timings) == {"start_s", "open_s", "verify_s", "load_s", "finish_s"}
+            assert timings["load_s"] > 0 and all(v >= 0 for v in timings.values())
+            # LONG_PROMPT was cached under the old weights: it must be recomputed, not served from stale KV.
+            assert _error(url, model) < TOL
+            assert not engine.is_paused()
+        assert ipc_engine.log_path.read_text().count("refit_ipc: start_s") >= 2
+    finally:  # a failed check must not leave its connection open for the next test to meet
+        engine.close()
 
 
 @pytest.fixture(scope="module")

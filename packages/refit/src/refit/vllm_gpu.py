@@ -105,13 +105,13 @@ class VerifiedIpcEngine(IPCWeightTransferEngine):
     def __init__(self, config, vllm_config, device, model) -> None:
         super().__init__(config, vllm_config, device, model)
         self.last_verify = _fresh_record()
-        self.last_timings = dict.fromkeys(("start_s", "open_s", "verify_s", "load_s"), 0.0)
+        self.last_timings = _zeroed_timings()
 
     def start_weight_update(self) -> None:
         began = time.perf_counter()
         super().start_weight_update()
         self.last_verify = _fresh_record()  # the transfer's buckets come in calls of their own
-        self.last_timings = dict.fromkeys(("open_s", "verify_s", "load_s"), 0.0)
+        self.last_timings = _zeroed_timings()
         self.last_timings["start_s"] = time.perf_counter() - began
 
     def receive_weights(self, update_info: IPCWeightTransferUpdateInfo) -> None:
@@ -145,6 +145,11 @@ class VerifiedIpcEngine(IPCWeightTransferEngine):
         super().finish_weight_update()
         self.last_timings["finish_s"] = time.perf_counter() - began
         logger.info("refit_ipc: %s", ", ".join(f"{k} {v:.4f}" for k, v in self.last_timings.items()))
+
+
+def _zeroed_timings() -> dict[str, float]:
+    """A refit's engine-side seconds before it starts, in the order the phases run (and are logged)."""
+    return dict.fromkeys(("start_s", "open_s", "verify_s", "load_s", "finish_s"), 0.0)
 
 
 def _opened(handles: dict[str, tuple], device_index: int) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""The engine's own generation rate: vLLM in-process against the server Molt starts, logprobs or not.
+
+A step of the head-to-head's row 2 (16 prompts x 8, replies of 512 tokens, Qwen3-1.7B's shape) took Molt's
+engine about 5.5 s on one H200 (`timing/generation` of a synchronous run, ~11.8k tokens/s), while
+`vllm bench throughput` on the same model and batch made 28k tokens/s on an H100. This script finds where
+the difference lies by sampling the same batch (random prompt tokens, each prompt `--group` times, every
+reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a process of its own:
+
+  offline        vllm.LLM in a child process (what `vllm bench throughput` and TRL's colocated vLLM run),
+                 no logprobs; `offline-logprobs`: the same engine, the sampled token's logprob asked
+                 (`logprobs=0`, the engine started with `--logprobs-mode processed_logprobs`, as Molt's)
+  server         `vllm.entrypoints.openai.api_server` with Molt's own engine flags
+                 (`molt._engines.engine_extra_args` of a run with these sizes on one GPU: its memory share,
+                 KV cache, refit's worker extension and middleware, `refit.engine_env`), the batch sent as
+                 tito sends it (`POST /inference/v1/generate`, token ids, `logprobs=0`, no detokenizing),
+                 all requests at once; `server-nologprobs`: the same server, no logprobs asked
+  plain-server   the API server with vLLM's defaults and only the model's dtype, memory share and context
+                 (`plain-server-nologprobs` likewise)
+
+Each engine first samples a short warm-up batch, then the timed one. It prints, per case, the tokens
+sampled, the wall time from the first request to the last reply, tokens/s, the milliseconds per decode
+step that makes (wall / reply length) and the rate over `offline`'s measured in the same run.
+
+    python3 bench/engine_gpu.py --model /tmp/peer-trl-gpu/models/qwen3-1.7b        # ~4 minutes on an H100
+    uv run python bench/engine_gpu.py --tiny --prompts 2 --group 2 --max-tokens 8  # the script's path, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASES = (
+    "offline", "offline-logprobs", "server", "server-nologprobs", "plain-server", "plain-server-nologprobs",
+)  # fmt: skip
+
+
+def batch(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """`--prompts` random prompts of `--prompt-len` tokens, each `--group` times (a group shares its
+    prompt, as in training: the prefix cache serves the copies)."""
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    return [prompt for prompt in prompts for _ in range(args.group)]
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def run_offline(args: argparse.Namespace, vocab: int) -> dict[str, dict]:
+    """Both offline cases on one in-process engine (run in a child process: `--child`)."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    cpu = on_cpu()
+    engine = LLM(
+        model=args.model, dtype="float32" if cpu else "bfloat16", max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.memory, logprobs_mode="processed_logprobs", seed=0,
+        enforce_eager=cpu, enable_prefix_caching=True,
+    )  # fmt: skip
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in batch(args, vocab)]
+
+    def sample(max_tokens: int, logprobs: int | None) -> tuple[int, float]:
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
+                                detokenize=False)  # fmt: skip
+        began = time.perf_counter()
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs), time.perf_counter() - began
+
+    sample(16, None), sample(16, 0)  # warm-up, both ways
+    results = {}
+    for case, logprobs in (("offline", None), ("offline-logprobs", 0)):
+        tokens, wall = sample(args.max_tokens, logprobs)
+        results[case] = dict(tokens=tokens, wall_s=wall)
+    return results
+
+
+async def send_all(url: str, prompts: list[list[int]], max_tokens: int, logprobs: bool) -> tuple[int, float]:
+    """Every prompt at once to `/inference/v1/generate`, as tito sends them; tokens sampled and wall s."""
+    import httpx
+
+    params = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "detokenize": False}
+    params |= {"logprobs": 0} if logprobs else {}
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        async def one(ids: list[int]) -> int:
+            reply = await client.post(f"{url}/inference/v1/generate",
+                                      json={"token_ids": ids, "sampling_params": params})  # fmt: skip
+            reply.raise_for_status()
+            return len(reply.json()["choices"][0]["token_ids"])
+
+        began = time.perf_counter()
+        counts = await asyncio.gather(*(one(ids) for ids in prompts))
+        return sum(counts), time.perf_counter() - began
+
+
+def server_flags(args: argparse.Namespace, molt_flags: bool) -> tuple[list[str], dict[str, str]]:
+    """The engine flags and environment `molt train` would start with these sizes on one GPU, or vLLM's
+    defaults with only the dtype, memory share and context."""
+    if not molt_flags:
+        plain = [] if on_cpu() else ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.memory)]
+        return [*plain, "--max-model-len", str(args.max_model_len)], {}
+    import refit
+    from molt._engines import engine_extra_args
+    from molt._flags import resolve
+    from molt._placement import refit_backend, resolve_placement
+
+    config = resolve([
+        "--model.dtype", "bfloat16", "--rollout.prompts_per_step", str(args.prompts),
+        "--rollout.group_size", str(args.group), "--rollout.max_new_tokens", str(args.max_tokens),
+        "--vllm.max_model_len", str(args.max_model_len),
+    ])  # fmt: skip
+    gpu = not on_cpu()
+    config = resolve_placement(config, 1) if gpu else config
+    return engine_extra_args(config, Path(args.model)), refit.engine_env(refit_backend(config, on_gpu=gpu))
+
+
+def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool) -> dict[str, dict]:
+    from molt.vllm_server import VLLMServer
+
+    prefix = "server" if molt_flags else "plain-server"
+    flags, env = server_flags(args, molt_flags)
+    prompts, results = batch(args, vocab), {}
+    log = Path(args.work_dir) / f"{prefix}.log"
+    with VLLMServer(args.model, extra_args=flags, log_path=log, env=env) as server:
+        for logprobs in (True, False):  # warm-up, both ways
+            asyncio.run(send_all(server.url, prompts, 16, logprobs))
+        for case, logprobs in ((prefix, True), (f"{prefix}-nologprobs", False)):
+            tokens, wall = asyncio.run(send_all(server.url, prompts, args.max_tokens, logprobs))
+            results[case] = dict(tokens=tokens, wall_s=wall)
+    return results
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"1 x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    return f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}"
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--model", default="", help="model directory (default: build Qwen3-1.7B's shape)")
+    parser.add_argument("--tiny", action="store_true", help="the seeded tiny Qwen3 (the CPU check)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8, help="samples of each prompt")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=512, help="every reply's length (ignore_eos)")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--memory", type=float, default=0.4, help="the offline and plain engines' share")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "engine-gpu"))
+    parser.add_argument("--out", default="", help="also write the results here (JSON)")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cases = [case for case in args.cases.split(",") if case]
+    if unknown := sorted(set(cases) - set(CASES)):
+        parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+    Path(args.work_dir).mkdir(parents=True, exist_ok=True)
+    if not args.model:
+        if args.tiny:
+            from molt.tiny import build_tiny_model
+
+            args.model = str(build_tiny_model(Path(args.work_dir) / "tiny", seed=0))
+        else:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from loop_gpu import build_model
+
+            args.model = str(build_model(Path(args.work_dir) / "qwen3", args.max_model_len))
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    if args.child:  # the offline engine, in a process of its own; its results as the last line
+        print(json.dumps(run_offline(args, vocab)))
+        return
+
+    results: dict[str, dict] = {}
+    if {"offline", "offline-logprobs"} & set(cases):
+        command = [sys.executable, __file__, *sys.argv[1:], "--model", args.model, "--child", "offline"]
+        env = {**os.environ, **({"VLLM_CPU_KVCACHE_SPACE": "1"} if on_cpu() else {})}
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode:
+            raise SystemExit(f"the offline engine failed:\n{done.stderr[-3000:]}")
+        results |= json.loads(done.stdout.strip().splitlines()[-1])
+    for molt_flags in (True, False):
+        prefix = "server" if molt_flags else "plain-server"
+        if {prefix, f"{prefix}-nologprobs"} & set(cases):
+            results |= run_server(args, vocab, molt_flags)
+
+    base = results.get("offline")
+    print(f"\n{machine()}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
+          f"replies of {args.max_tokens}")  # fmt: skip
+    print("| case | tokens | wall s | tokens/s | ms a decode step | x offline |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for case in [case for case in CASES if case in results and case in cases]:
+        r = results[case]
+        r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+        ratio = f"{r['tokens_per_s'] / (base['tokens'] / base['wall_s']):.2f}" if base else "-"
+        print(f"| {case} | {r['tokens']:,} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+              f"{1e3 * r['wall_s'] / args.max_tokens:.2f} | {ratio} |")  # fmt: skip
+    if args.out:
+        record = dict(machine=machine(), args=vars(args), results=results)
+        Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
