@@ -13,13 +13,17 @@ reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a pr
                  (`molt._engines.engine_extra_args` of a run with these sizes on one GPU: its memory share,
                  KV cache, refit's worker extension and middleware, `refit.engine_env`), the batch sent as
                  tito sends it (`POST /inference/v1/generate`, token ids, `logprobs=0`, no detokenizing),
-                 all requests at once; `server-nologprobs`: the same server, no logprobs asked
+                 all requests at once; `server-nologprobs`: the same server, no logprobs asked;
+                 `server-final`: logprobs asked, and `output_kind` 2 (vLLM's FINAL_ONLY: the server builds
+                 a request's output once, when it finishes, instead of its whole output so far after
+                 every step, which vLLM 0.26 does for a generate request that is not streamed)
   plain-server   the API server with vLLM's defaults and only the model's dtype, memory share and context
-                 (`plain-server-nologprobs` likewise)
+                 (`plain-server-nologprobs`, `plain-server-final` likewise)
 
 Each engine first samples a short warm-up batch, then the timed one. It prints, per case, the tokens
 sampled, the wall time from the first request to the last reply, tokens/s, the milliseconds per decode
-step that makes (wall / reply length) and the rate over `offline`'s measured in the same run.
+step that makes (wall / reply length), the rate over `offline`'s measured in the same run and, for a
+server, the CPU seconds its API server process and its engine core spent on the timed batch (from /proc).
 
     python3 bench/engine_gpu.py --model /tmp/peer-trl-gpu/models/qwen3-1.7b        # ~4 minutes on an H100
     uv run python bench/engine_gpu.py --tiny --prompts 2 --group 2 --max-tokens 8  # the script's path, CPU
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -39,9 +44,14 @@ import tempfile
 import time
 from pathlib import Path
 
+# a server case: (logprobs asked, vLLM's output kind: 0 every step's whole output so far, as vLLM 0.26
+# sends a non-streamed generate request by default; 2 the final output only)
+SERVED = {"": (True, 0), "-nologprobs": (False, 0), "-final": (True, 2)}
 CASES = (
-    "offline", "offline-logprobs", "server", "server-nologprobs", "plain-server", "plain-server-nologprobs",
-)  # fmt: skip
+    "offline",
+    "offline-logprobs",
+    *(f"{engine}{kind}" for engine in ("server", "plain-server") for kind in SERVED),
+)
 
 
 def batch(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -85,12 +95,12 @@ def run_offline(args: argparse.Namespace, vocab: int) -> dict[str, dict]:
     return results
 
 
-async def send_all(url: str, prompts: list[list[int]], max_tokens: int, logprobs: bool) -> tuple[int, float]:
-    """Every prompt at once to `/inference/v1/generate`, as tito sends them; tokens sampled and wall s."""
+async def send_all(url: str, prompts: list[list[int]], max_tokens: int, logprobs: bool, output_kind: int):
+    """Every prompt at once to `/inference/v1/generate`, as tito sends them: (tokens sampled, wall s)."""
     import httpx
 
     params = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "detokenize": False}
-    params |= {"logprobs": 0} if logprobs else {}
+    params |= ({"logprobs": 0} if logprobs else {}) | ({"output_kind": output_kind} if output_kind else {})
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
@@ -103,6 +113,25 @@ async def send_all(url: str, prompts: list[list[int]], max_tokens: int, logprobs
         began = time.perf_counter()
         counts = await asyncio.gather(*(one(ids) for ids in prompts))
         return sum(counts), time.perf_counter() - began
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the server process `pid` and of its descendants (the engine
+    core), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def own(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    def children(p: int) -> list[int]:
+        found = []
+        for task in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):
+                found += [int(c) for c in (task / "children").read_text().split()]
+        return found + [d for c in found for d in children(c)]
+
+    return {"api_server_cpu_s": own(pid), "engine_core_cpu_s": sum(own(c) for c in children(pid))}
 
 
 def server_flags(args: argparse.Namespace, molt_flags: bool) -> tuple[list[str], dict[str, str]]:
@@ -126,7 +155,7 @@ def server_flags(args: argparse.Namespace, molt_flags: bool) -> tuple[list[str],
     return engine_extra_args(config, Path(args.model)), refit.engine_env(refit_backend(config, on_gpu=gpu))
 
 
-def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool) -> dict[str, dict]:
+def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool, cases: list[str]) -> dict[str, dict]:
     from molt.vllm_server import VLLMServer
 
     prefix = "server" if molt_flags else "plain-server"
@@ -134,11 +163,16 @@ def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool) -> dict[s
     prompts, results = batch(args, vocab), {}
     log = Path(args.work_dir) / f"{prefix}.log"
     with VLLMServer(args.model, extra_args=flags, log_path=log, env=env) as server:
-        for logprobs in (True, False):  # warm-up, both ways
-            asyncio.run(send_all(server.url, prompts, 16, logprobs))
-        for case, logprobs in ((prefix, True), (f"{prefix}-nologprobs", False)):
-            tokens, wall = asyncio.run(send_all(server.url, prompts, args.max_tokens, logprobs))
-            results[case] = dict(tokens=tokens, wall_s=wall)
+        assert server.process is not None
+        for kind, how in SERVED.items():
+            if prefix + kind not in cases:
+                continue
+            asyncio.run(send_all(server.url, prompts, 16, *how))  # warm-up
+            before = cpu_seconds(server.process.pid)
+            tokens, wall = asyncio.run(send_all(server.url, prompts, args.max_tokens, *how))
+            after = cpu_seconds(server.process.pid)
+            spent = {name: seconds - before[name] for name, seconds in after.items()}
+            results[prefix + kind] = dict(tokens=tokens, wall_s=wall, **spent)
     return results
 
 
@@ -196,20 +230,21 @@ def main() -> None:
         results |= json.loads(done.stdout.strip().splitlines()[-1])
     for molt_flags in (True, False):
         prefix = "server" if molt_flags else "plain-server"
-        if {prefix, f"{prefix}-nologprobs"} & set(cases):
-            results |= run_server(args, vocab, molt_flags)
+        if {prefix + kind for kind in SERVED} & set(cases):
+            results |= run_server(args, vocab, molt_flags, cases)
 
     base = results.get("offline")
     print(f"\n{machine()}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
           f"replies of {args.max_tokens}")  # fmt: skip
-    print("| case | tokens | wall s | tokens/s | ms a decode step | x offline |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| case | tokens | wall s | tokens/s | ms a step | x offline | API server, engine core CPU s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in [case for case in CASES if case in results and case in cases]:
         r = results[case]
         r["tokens_per_s"] = r["tokens"] / r["wall_s"]
         ratio = f"{r['tokens_per_s'] / (base['tokens'] / base['wall_s']):.2f}" if base else "-"
+        cpu = f"{r['api_server_cpu_s']:.2f}, {r['engine_core_cpu_s']:.2f}" if "api_server_cpu_s" in r else "-"
         print(f"| {case} | {r['tokens']:,} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-              f"{1e3 * r['wall_s'] / args.max_tokens:.2f} | {ratio} |")  # fmt: skip
+              f"{1e3 * r['wall_s'] / args.max_tokens:.2f} | {ratio} | {cpu} |")  # fmt: skip
     if args.out:
         record = dict(machine=machine(), args=vars(args), results=results)
         Path(args.out).write_text(json.dumps(record, indent=1))
