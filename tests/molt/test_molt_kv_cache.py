@@ -91,6 +91,27 @@ def test_a_default_that_would_not_fit_the_engines_memory_share_is_left_to_vllm(t
     assert kv_cache_bytes(_config("--vllm.max_model_len", "1024"), heavy, fits + 4 * 2**30 + 999) is None
 
 
+def test_engines_sharing_a_gpu_each_hold_their_part_of_the_sequences_in_their_part_of_the_memory(
+    tmp_path, monkeypatch
+):
+    model, per_token = _model(tmp_path), 2 * 28 * 8 * 128 * 2
+    flags = ("--vllm.placement", "shared", "--vllm.max_model_len", "1024")
+    one, two = _config(*flags), _config(*flags, "--vllm.num_engines", "2")
+    assert kv_cache_bytes(one, model, H200) == 32 * 8 * (1024 + 16) * per_token  # 29 GiB of 0.4 x 150 GB
+    assert kv_cache_bytes(two, model, H200) == 16 * 8 * (1024 + 16) * per_token  # each: half of them
+    assert engine_max_num_seqs(one) is None and engine_max_num_seqs(two) == 16 * 8
+    three = _config(*flags, "--vllm.num_engines", "3", "--rollout.prompts_per_step", "4")  # 64 sequences
+    assert engine_max_num_seqs(three) == 22  # 64 / 3, rounded up
+    # each engine's room is its part of the share: 2048-token sequences no longer all fit in 0.2 x 150 GB
+    crowded = _config("--vllm.placement", "shared", "--vllm.num_engines", "2")
+    assert kv_cache_bytes(crowded, model, H200) == int(0.2 * H200 - 4 * 2**30)
+    # separate GPUs: each engine has a GPU of its own and keeps room for every sequence in flight
+    monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 3)
+    separate = _config("--vllm.num_engines", "2", "--vllm.max_model_len", "1024")
+    assert separate.vllm.placement == "separate"
+    assert kv_cache_bytes(separate, model, H200) == 32 * 8 * (1024 + 16) * per_token
+
+
 def test_a_cuda_engine_is_started_with_the_size(tmp_path, monkeypatch):
     import torch
 

@@ -330,9 +330,16 @@ def test_one_gpu_is_enough_the_engine_and_the_actor_share_it(with_cuda, monkeypa
     lora = resolve(["--actor.lora.rank", "8", "--actor.compute_dtype", "bfloat16"])
     assert refit_backend(lora, on_gpu=True) == "refit_gloo"
     assert any("LoRA adapter refits go over gloo" in note for note in start_notes(lora))
+    # several engines on the one GPU, when asked, split the engines' share and Ray's GPU between them
+    _refused(["--vllm.num_engines", "2"], ["needs 3 GPUs but Ray sees 1"])  # auto: one engine a GPU
+    two = resolve(["--vllm.num_engines", "2", "--vllm.placement", "shared"])
+    assert gpu_share(two) == engine_gpus(two) == 0.3333
+    two_args = engine_extra_args(two)
+    assert two_args[two_args.index("--gpu-memory-utilization") + 1] == "0.2"
+    assert any("its 2 engines take (evenly) 40%" in note for note in start_notes(two))
     for flags, named in [
         (["--actor.num_ranks", "2"], "--actor.num_ranks 2"),
-        (["--vllm.tensor_parallel_size", "2"], "more than one engine GPU"),
+        (["--vllm.tensor_parallel_size", "2"], "an engine over more than one GPU"),
     ]:
         _refused(flags, ["needs 3 GPUs but Ray sees 1", "--vllm.placement shared"])  # auto: separate
         _refused([*flags, "--vllm.placement", "shared"], ["--vllm.placement shared", named])

@@ -22,7 +22,7 @@ from molt._placement import (
     compute_dtype_name,
     engine_gpus,
     engine_max_num_seqs,
-    engine_memory_utilization,
+    engine_memory_share,
     kv_cache_bytes,
     refit_backend,
 )
@@ -109,7 +109,7 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
         args += ["--dtype", compute_dtype_name(config)]
         args += ["--tensor-parallel-size", str(vllm.tensor_parallel_size)]
         args += ["--data-parallel-size", str(vllm.data_parallel_size)]
-        args += ["--gpu-memory-utilization", str(engine_memory_utilization(config))]
+        args += ["--gpu-memory-utilization", str(engine_memory_share(config))]
         max_num_seqs = engine_max_num_seqs(config)  # fewer CUDA graphs to capture for a small run
         args += ["--max-num-seqs", str(max_num_seqs)] if max_num_seqs else []
         if model_dir is not None:

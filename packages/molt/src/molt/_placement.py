@@ -5,15 +5,17 @@
   checked). The paper's disaggregated layout.
 - shared: one GPU holds the engine and every actor group, one process each. The engine takes
   `--vllm.gpu_memory_utilization` of the GPU's memory (0.4 unless set); the actor groups use the rest.
+  `--vllm.num_engines` engines split that share and the sequences in flight evenly (each its own server:
+  more API server processes, for agents whose requests one server's Python cannot keep up with).
   Where vLLM sizes its KV cache from the memory it finds free, the engine starts first
   (`engine_starts_first`); where the run gives the cache's size (`kv_cache_bytes`), both start side by
   side. The refit hands the engine CUDA IPC handles of the trainer's bucket buffers (refit's `refit_ipc`:
   vLLM's CUDA IPC weight transfer, every bucket checked): NCCL refuses two ranks on one device.
-- auto: shared when a local Ray would have fewer GPUs than separate needs and the run fits on one GPU;
-  separate otherwise (and always on a joined cluster, whose GPUs are counted once joined).
+- auto: shared when a local Ray would have fewer GPUs than separate needs and the run fits on one GPU
+  with one engine; separate otherwise (and always on a joined cluster, whose GPUs are counted once joined).
 
 A CPU run has no placement (gloo refit, `placement` stays auto). This module refuses layouts that cannot
-run: a shared GPU holds one actor rank and one single-GPU engine.
+run: a shared GPU holds one actor rank and single-GPU engines.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def _fits_one_gpu(config: Config) -> str:
     vllm = config.vllm
     if config.actor.num_ranks > 1:
         return f"--actor.num_ranks {config.actor.num_ranks} (a shared GPU holds one actor rank)"
-    if not vllm.urls and vllm.num_engines * vllm.tensor_parallel_size * vllm.data_parallel_size > 1:
-        return "more than one engine GPU (--vllm.num_engines x tensor_parallel_size x data_parallel_size)"
+    if not vllm.urls and vllm.tensor_parallel_size * vllm.data_parallel_size > 1:
+        return "an engine over more than one GPU (--vllm.tensor_parallel_size x data_parallel_size)"
     return ""
 
 
@@ -59,8 +61,9 @@ def resolve_placement(config: Config, num_gpus: float) -> Config:
     """The config with `--vllm.placement auto` decided for a Ray with `num_gpus` GPUs; refuses a layout
     that does not fit them. Call on a CUDA machine only."""
     placement, needed, why = config.vllm.placement, gpus_needed(config), _fits_one_gpu(config)
-    if placement == "auto":
-        placement = "shared" if needed > num_gpus and num_gpus >= 1 and not why else "separate"
+    if placement == "auto":  # several engines share a GPU only when asked (--vllm.placement shared)
+        one_engine = config.vllm.num_engines == 1
+        placement = "shared" if needed > num_gpus and num_gpus >= 1 and not why and one_engine else "separate"
     if placement == "shared" and why:
         raise ConfigError(
             f"--vllm.placement shared puts the engine and the actor on one GPU; {why}: lower it"
@@ -74,7 +77,7 @@ def resolve_placement(config: Config, num_gpus: float) -> Config:
             f"{config.actor.num_ranks} x the groups {['policy', *extra_groups(config)]} "
             f"+ --vllm.num_engines {vllm.num_engines} x --vllm.tensor_parallel_size "
             f"{vllm.tensor_parallel_size} x --vllm.data_parallel_size {vllm.data_parallel_size}; lower them, "
-            "join a larger cluster with --ray.address, or (one actor rank, one single-GPU engine) share one "
+            "join a larger cluster with --ray.address, or (one actor rank, single-GPU engines) share one "
             "GPU with --vllm.placement shared"
         )
     return msgspec.structs.replace(config, vllm=msgspec.structs.replace(config.vllm, placement=placement))
@@ -99,6 +102,17 @@ def engine_memory_utilization(config: Config) -> float:
     """--vllm.gpu_memory_utilization, or the layout's default (a shared GPU leaves the actors the rest)."""
     chosen, shared = config.vllm.gpu_memory_utilization, config.vllm.placement == "shared"
     return chosen if chosen is not None else (0.4 if shared else 0.8)
+
+
+def engines_per_gpu(config: Config) -> int:
+    """The engines on one GPU: --vllm.num_engines on a shared GPU, else one (TP x DP GPUs each)."""
+    shared = config.vllm.placement == "shared" and not config.vllm.urls
+    return config.vllm.num_engines if shared else 1
+
+
+def engine_memory_share(config: Config) -> float:
+    """Each engine's `--gpu-memory-utilization`: the engines' share of their GPU, split between them."""
+    return engine_memory_utilization(config) / engines_per_gpu(config)
 
 
 def actor_free_bytes(config: Config, *, free: int, total: int, held: int) -> int:
@@ -139,12 +153,18 @@ def sequences_in_flight(config: Config) -> int:
     return groups_in_flight(config) * config.rollout.group_size + evaluated
 
 
+def sequences_per_engine(config: Config) -> int:
+    """The sequences one engine serves at once: all in flight, split between the engines of a shared GPU
+    (tito sends each new session to the least busy engine)."""
+    return math.ceil(sequences_in_flight(config) / engines_per_gpu(config))
+
+
 def engine_max_num_seqs(config: Config) -> int | None:
-    """`--max-num-seqs` of a CUDA engine: the sequences the run keeps in flight where they are fewer than
+    """`--max-num-seqs` of a CUDA engine: the sequences it serves at once where they are fewer than
     vLLM's smallest default (256; 1024 on a large GPU), so that it captures CUDA graphs at start-up for
     the batches it can get (up to twice this, at most 512), not for 512; None keeps vLLM's default, which
     neither lowers the engine's batches below what is in flight nor raises them past its batch budget."""
-    in_flight = sequences_in_flight(config)
+    in_flight = sequences_per_engine(config)
     return in_flight if in_flight < 256 else None
 
 
@@ -162,9 +182,9 @@ def kv_cache_bytes(config: Config, model_dir: Path, gpu_bytes: int) -> int | Non
         return None
     if vllm.kv_cache_tokens:
         return vllm.kv_cache_tokens * per_token
-    wanted = sequences_in_flight(config) * (vllm.max_model_len + 16) * per_token
+    wanted = sequences_per_engine(config) * (vllm.max_model_len + 16) * per_token
     weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) // vllm.tensor_parallel_size
-    room = engine_memory_utilization(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs
+    room = engine_memory_share(config) * gpu_bytes - weights - 4 * 2**30  # activations, graphs
     if wanted <= room:
         return wanted
     fits_a_sequence = room >= (vllm.max_model_len + 16) * per_token

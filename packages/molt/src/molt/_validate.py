@@ -27,7 +27,13 @@ from molt._bounds import check_bounds, field_value, leaves
 from molt._checks import check_agent, check_algorithm, check_pairs, check_paths, loss_denominator, on_policy
 from molt._checks_model import check_companions, check_model, why_not_packed
 from molt._config_algo import kl_kind
-from molt._placement import compiles, compute_dtype_name, engine_memory_utilization, resolve_placement
+from molt._placement import (
+    compiles,
+    compute_dtype_name,
+    engine_memory_utilization,
+    engines_per_gpu,
+    resolve_placement,
+)
 from molt.config import Config, ConfigError
 
 # What needs CUDA, by flag, at a value other than its default: on a CPU each would do nothing (or cannot
@@ -201,10 +207,11 @@ def start_notes(config: Config) -> list[str]:
             "their logprobs differ by the rounding (train/mismatch_kl shows it; the correction weighs it)"
         )
     if config.vllm.placement == "shared":
-        share = engine_memory_utilization(config)
+        share, engines = engine_memory_utilization(config), engines_per_gpu(config)
         refits = "LoRA adapter refits go over gloo" if config.actor.lora.rank else "refits go over CUDA IPC"
+        who = "the engine takes" if engines == 1 else f"its {engines} engines take (evenly)"
         notes.append(
-            f"the engine and the actor share one GPU (--vllm.placement shared): the engine takes {share:.0%} "
+            f"the engine and the actor share one GPU (--vllm.placement shared): {who} {share:.0%} "
             f"of its memory (--vllm.gpu_memory_utilization), the actor the rest; {refits}"
         )
     return notes
