@@ -178,7 +178,8 @@ class VLLM(_Group):
     """The rollout engines."""
 
     num_engines: Annotated[int, Meta(ge=1)] = 1
-    """Number of vLLM engines."""
+    """Number of vLLM engines: each on GPUs of its own, or with --vllm.placement shared all on the one GPU,
+    splitting the engines' memory share and the sequences in flight."""
     urls: list[str] = []
     """Running vLLM servers to use instead of starting engines (flags: molt.vllm_server + refit's); the
     run first pushes its initial weights into them. The flags of the engines molt starts are then refused."""
