@@ -40,13 +40,14 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from peer_trl_gpu import machine_line
 
 # a server case: (logprobs asked, vLLM's output kind: 0 every step's whole output so far, as vLLM 0.26
 # sends a non-streamed generate request by default; 2 the final output only)
@@ -220,14 +221,6 @@ def run_front_ends(args: argparse.Namespace, vocab: int, case: str) -> dict[str,
     return {case: dict(tokens=tokens, wall_s=wall)}
 
 
-def machine() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return f"1 x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    return f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), torch {torch.__version__}"
-
-
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -257,7 +250,6 @@ def main() -> None:
 
             args.model = str(build_tiny_model(Path(args.work_dir) / "tiny", seed=0))
         else:
-            sys.path.insert(0, str(Path(__file__).parent))
             from loop_gpu import build_model
 
             args.model = str(build_model(Path(args.work_dir) / "qwen3", args.max_model_len))
@@ -281,8 +273,8 @@ def main() -> None:
     for case in [case for case in FRONT_ENDS if case in cases]:
         results |= run_front_ends(args, vocab, case)
 
-    base = results.get("offline")
-    print(f"\n{machine()}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
+    base, machine = results.get("offline"), machine_line(not on_cpu())
+    print(f"\n{machine}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
           f"replies of {args.max_tokens}")  # fmt: skip
     print("| case | tokens | wall s | tokens/s | ms a step | x offline | API server, engine core CPU s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -294,7 +286,7 @@ def main() -> None:
         print(f"| {case} | {r['tokens']:,} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | "
               f"{1e3 * r['wall_s'] / args.max_tokens:.2f} | {ratio} | {cpu} |")  # fmt: skip
     if args.out:
-        record = dict(machine=machine(), args=vars(args), results=results)
+        record = dict(machine=machine, args=vars(args), results=results)
         Path(args.out).write_text(json.dumps(record, indent=1))
 
 
