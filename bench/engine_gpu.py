@@ -16,9 +16,14 @@ reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a pr
                  all requests at once; `server-nologprobs`: the same server, no logprobs asked;
                  `server-final`: logprobs asked, and `output_kind` 2 (vLLM's FINAL_ONLY: the server builds
                  a request's output once, when it finishes, instead of its whole output so far after
-                 every step, which vLLM 0.26 does for a generate request that is not streamed)
+                 every step, which vLLM 0.26 does for a generate request that is not streamed);
+                 `server-flat`: logprobs asked with `flat_logprobs` (the API server keeps a request's
+                 logprobs in flat lists instead of a dict and an object per token); `server-stream`:
+                 logprobs asked, the reply streamed (its tokens' logprob objects built as they come,
+                 not all at once when it finishes; `--engine-flags "--stream-interval 16"` sends them
+                 16 tokens at a time)
   plain-server   the API server with vLLM's defaults and only the model's dtype, memory share and context
-                 (`plain-server-nologprobs`, `plain-server-final` likewise)
+                 (`plain-server-nologprobs`, `-final`, `-flat`, `-stream` likewise)
   two-servers    two plain servers side by side on the GPU, each with half the memory share and half the
                  groups (logprobs asked): twice the API server processes, two engines
   api-servers-2  one plain engine behind two API server processes (`vllm serve --api-server-count 2`), half
@@ -46,12 +51,28 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from peer_trl_gpu import machine_line
 
-# a server case: (logprobs asked, vLLM's output kind: 0 every step's whole output so far, as vLLM 0.26
-# sends a non-streamed generate request by default; 2 the final output only)
-SERVED = {"": (True, 0), "-nologprobs": (False, 0), "-final": (True, 2)}
+
+class Ask(NamedTuple):
+    """How a server case asks for the batch."""
+
+    logprobs: bool  # the sampled token's logprob (`logprobs=0`), as tito asks
+    output_kind: int = 0  # vLLM's: 0 every step's whole output so far (a non-streamed request's default
+    # in vLLM 0.26), 2 the final output only
+    flat: bool = False  # vLLM's `flat_logprobs`: a request's logprobs in a few flat lists, not a dict a token
+    stream: bool = False  # server-sent events, each with the tokens (and logprobs) since the last
+
+
+SERVED = {
+    "": Ask(logprobs=True),
+    "-nologprobs": Ask(logprobs=False),
+    "-final": Ask(logprobs=True, output_kind=2),
+    "-flat": Ask(logprobs=True, flat=True),
+    "-stream": Ask(logprobs=True, stream=True),
+}
 FRONT_ENDS = ("two-servers", "api-servers-2")  # the batch over two API front ends (`run_front_ends`)
 CASES = (
     "offline",
@@ -102,20 +123,29 @@ def run_offline(args: argparse.Namespace, vocab: int) -> dict[str, dict]:
     return results
 
 
-async def send_all(url: str, prompts: list[list[int]], max_tokens: int, logprobs: bool, output_kind: int):
+async def send_all(url: str, prompts: list[list[int]], max_tokens: int, ask: Ask) -> tuple[int, float]:
     """Every prompt at once to `/inference/v1/generate`, as tito sends them: (tokens sampled, wall s)."""
     import httpx
 
     params = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "detokenize": False}
-    params |= ({"logprobs": 0} if logprobs else {}) | ({"output_kind": output_kind} if output_kind else {})
+    params |= ({"logprobs": 0} if ask.logprobs else {}) | ({"flat_logprobs": True} if ask.flat else {})
+    params |= {"output_kind": ask.output_kind} if ask.output_kind else {}
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
         async def one(ids: list[int]) -> int:
-            reply = await client.post(f"{url}/inference/v1/generate",
-                                      json={"token_ids": ids, "sampling_params": params})  # fmt: skip
-            reply.raise_for_status()
-            return len(reply.json()["choices"][0]["token_ids"])
+            body = {"token_ids": ids, "sampling_params": params, "stream": ask.stream}
+            if not ask.stream:
+                reply = await client.post(f"{url}/inference/v1/generate", json=body)
+                reply.raise_for_status()
+                return len(reply.json()["choices"][0]["token_ids"])
+            count = 0
+            async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as reply:
+                reply.raise_for_status()
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: {"):
+                        count += sum(len(choice["token_ids"]) for choice in json.loads(line[6:])["choices"])
+            return count
 
         began = time.perf_counter()
         counts = await asyncio.gather(*(one(ids) for ids in prompts))
@@ -149,7 +179,7 @@ def server_flags(
     if not molt_flags:
         share = str(memory or args.memory)
         plain = [] if on_cpu() else ["--dtype", "bfloat16", "--gpu-memory-utilization", share]
-        return [*plain, "--max-model-len", str(args.max_model_len)], {}
+        return [*plain, "--max-model-len", str(args.max_model_len), *args.engine_flags.split()], {}
     import refit
     from molt._engines import engine_extra_args
     from molt._flags import resolve
@@ -162,7 +192,8 @@ def server_flags(
     ])  # fmt: skip
     gpu = not on_cpu()
     config = resolve_placement(config, 1) if gpu else config
-    return engine_extra_args(config, Path(args.model)), refit.engine_env(refit_backend(config, on_gpu=gpu))
+    flags = [*engine_extra_args(config, Path(args.model)), *args.engine_flags.split()]
+    return flags, refit.engine_env(refit_backend(config, on_gpu=gpu))
 
 
 def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool, cases: list[str]) -> dict[str, dict]:
@@ -174,12 +205,12 @@ def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool, cases: li
     log = Path(args.work_dir) / f"{prefix}.log"
     with VLLMServer(args.model, extra_args=flags, log_path=log, env=env) as server:
         assert server.process is not None
-        for kind, how in SERVED.items():
+        for kind, ask in SERVED.items():
             if prefix + kind not in cases:
                 continue
-            asyncio.run(send_all(server.url, prompts, 16, *how))  # warm-up
+            asyncio.run(send_all(server.url, prompts, 16, ask))  # warm-up
             before = cpu_seconds(server.process.pid)
-            tokens, wall = asyncio.run(send_all(server.url, prompts, args.max_tokens, *how))
+            tokens, wall = asyncio.run(send_all(server.url, prompts, args.max_tokens, ask))
             after = cpu_seconds(server.process.pid)
             spent = {name: seconds - before[name] for name, seconds in after.items()}
             results[prefix + kind] = dict(tokens=tokens, wall_s=wall, **spent)
@@ -212,7 +243,10 @@ def run_front_ends(args: argparse.Namespace, vocab: int, case: str) -> dict[str,
         async def both(max_tokens: int) -> tuple[int, float]:
             began = time.perf_counter()
             done = await asyncio.gather(
-                *(send_all(url, half, max_tokens, True, 0) for url, half in zip(urls, halves, strict=True))
+                *(
+                    send_all(url, half, max_tokens, Ask(logprobs=True))
+                    for url, half in zip(urls, halves, strict=True)
+                )
             )
             return sum(tokens for tokens, _ in done), time.perf_counter() - began
 
@@ -234,6 +268,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--memory", type=float, default=0.4, help="the offline and plain engines' share")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-flags", default="", help="vLLM flags added to every server's, e.g. '--stream-interval 16'"
+    )
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "engine-gpu"))
     parser.add_argument("--out", default="", help="also write the results here (JSON)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -274,8 +311,9 @@ def main() -> None:
         results |= run_front_ends(args, vocab, case)
 
     base, machine = results.get("offline"), machine_line(not on_cpu())
+    given = f"; servers also given {args.engine_flags}" if args.engine_flags else ""
     print(f"\n{machine}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
-          f"replies of {args.max_tokens}")  # fmt: skip
+          f"replies of {args.max_tokens}{given}")  # fmt: skip
     print("| case | tokens | wall s | tokens/s | ms a step | x offline | API server, engine core CPU s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in [case for case in CASES if case in results and case in cases]:

@@ -103,6 +103,20 @@ def test_micro_batches_follow_the_plan_or_pack_within_the_budget():
     assert given.micro_batches(16) == [[4], [], [0, 1, 2, 3]]
 
 
+def test_a_rank_starts_with_torchs_expandable_segments_on_cuda_unless_the_driver_sets_the_allocator(
+    monkeypatch,
+):
+    # Fixed-size segments fragmented under the packed micro-batches' changing shapes until the agentic
+    # loop ran out of memory on one H100 (BENCHMARKS, the packed actor); a user's own setting is kept.
+    from molt._group import worker_env
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert worker_env(on_gpu=False) == {"OMP_NUM_THREADS": "1"}
+    assert worker_env(on_gpu=True) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert worker_env(on_gpu=True) == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
+
+
 def test_train_batch_refuses_mismatched_tensors():
     batch = collate(_sequences(2, [1.0] * 2, lengths=(5, 6)), pad_id=0)
     with pytest.raises(ValueError, match="advantages_BT must be float32"):
