@@ -30,9 +30,11 @@ reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a pr
                  the groups sent to each (the port is shared: the kernel spreads the connections)
 
 Each engine first samples a short warm-up batch, then the timed one. It prints, per case, the tokens
-sampled, the wall time from the first request to the last reply, tokens/s, the milliseconds per decode
-step that makes (wall / reply length), the rate over `offline`'s measured in the same run and, for a
-server, the CPU seconds its API server process and its engine core spent on the timed batch (from /proc).
+sampled, the wall time from the first request to the last reply, for a server also to the first reply
+(every reply has the same length, so all finish decoding in one step: what follows the first reply is
+the server answering them), tokens/s, the milliseconds per decode step that makes (wall / reply length),
+the rate over `offline`'s measured in the same run and, for a server, the CPU seconds its API server
+process and its engine core spent on the timed batch (from /proc).
 
     python3 bench/engine_gpu.py --model /tmp/peer-trl-gpu/models/qwen3-1.7b        # ~7 minutes on an H100
     uv run python bench/engine_gpu.py --tiny --prompts 2 --group 2 --max-tokens 8  # the script's path, CPU
@@ -123,8 +125,10 @@ def run_offline(args: argparse.Namespace, vocab: int) -> dict[str, dict]:
     return results
 
 
-async def send_all(url: str, prompts: list[list[int]], max_tokens: int, ask: Ask) -> tuple[int, float]:
-    """Every prompt at once to `/inference/v1/generate`, as tito sends them: (tokens sampled, wall s)."""
+async def send_all(url: str, prompts: list[list[int]], max_tokens: int, ask: Ask) -> tuple[int, float, float]:
+    """Every prompt at once to `/inference/v1/generate`, as tito sends them: (tokens sampled, wall s, s to
+    the first complete reply). Every reply has the same length, so they finish decoding in the same step:
+    the gap from the first reply to the last is the server's time to answer them."""
     import httpx
 
     params = {"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, "detokenize": False}
@@ -133,23 +137,25 @@ async def send_all(url: str, prompts: list[list[int]], max_tokens: int, ask: Ask
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
-        async def one(ids: list[int]) -> int:
+        async def one(ids: list[int]) -> tuple[int, float]:
             body = {"token_ids": ids, "sampling_params": params, "stream": ask.stream}
+            count = 0
             if not ask.stream:
                 reply = await client.post(f"{url}/inference/v1/generate", json=body)
                 reply.raise_for_status()
-                return len(reply.json()["choices"][0]["token_ids"])
-            count = 0
-            async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as reply:
-                reply.raise_for_status()
-                async for line in reply.aiter_lines():
-                    if line.startswith("data: {"):
-                        count += sum(len(choice["token_ids"]) for choice in json.loads(line[6:])["choices"])
-            return count
+                count = len(reply.json()["choices"][0]["token_ids"])
+            else:
+                async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as reply:
+                    reply.raise_for_status()
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {"):
+                            count += sum(len(c["token_ids"]) for c in json.loads(line[6:])["choices"])
+            return count, time.perf_counter()
 
         began = time.perf_counter()
-        counts = await asyncio.gather(*(one(ids) for ids in prompts))
-        return sum(counts), time.perf_counter() - began
+        done = await asyncio.gather(*(one(ids) for ids in prompts))
+        first = min(at for _, at in done) - began
+        return sum(count for count, _ in done), time.perf_counter() - began, first
 
 
 def cpu_seconds(pid: int) -> dict[str, float]:
@@ -210,10 +216,10 @@ def run_server(args: argparse.Namespace, vocab: int, molt_flags: bool, cases: li
                 continue
             asyncio.run(send_all(server.url, prompts, 16, ask))  # warm-up
             before = cpu_seconds(server.process.pid)
-            tokens, wall = asyncio.run(send_all(server.url, prompts, args.max_tokens, ask))
+            tokens, wall, first = asyncio.run(send_all(server.url, prompts, args.max_tokens, ask))
             after = cpu_seconds(server.process.pid)
             spent = {name: seconds - before[name] for name, seconds in after.items()}
-            results[prefix + kind] = dict(tokens=tokens, wall_s=wall, **spent)
+            results[prefix + kind] = dict(tokens=tokens, wall_s=wall, first_reply_s=first, **spent)
     return results
 
 
@@ -240,7 +246,7 @@ def run_front_ends(args: argparse.Namespace, vocab: int, case: str) -> dict[str,
             server.args[1:3] = ["-m", "vllm.entrypoints.cli.main", "serve"]  # the CLI starts several
             urls = [stack.enter_context(server).url] * 2
 
-        async def both(max_tokens: int) -> tuple[int, float]:
+        async def both(max_tokens: int) -> tuple[int, float, float]:
             began = time.perf_counter()
             done = await asyncio.gather(
                 *(
@@ -248,11 +254,12 @@ def run_front_ends(args: argparse.Namespace, vocab: int, case: str) -> dict[str,
                     for url, half in zip(urls, halves, strict=True)
                 )
             )
-            return sum(tokens for tokens, _ in done), time.perf_counter() - began
+            first = min(first for _, _, first in done)  # both halves began within microseconds
+            return sum(tokens for tokens, _, _ in done), time.perf_counter() - began, first
 
         asyncio.run(both(16))  # warm-up
-        tokens, wall = asyncio.run(both(args.max_tokens))
-    return {case: dict(tokens=tokens, wall_s=wall)}
+        tokens, wall, first = asyncio.run(both(args.max_tokens))
+    return {case: dict(tokens=tokens, wall_s=wall, first_reply_s=first)}
 
 
 def main() -> None:
@@ -314,14 +321,16 @@ def main() -> None:
     given = f"; servers also given {args.engine_flags}" if args.engine_flags else ""
     print(f"\n{machine}; {args.prompts} prompts x {args.group}, {args.prompt_len} prompt tokens, "
           f"replies of {args.max_tokens}{given}")  # fmt: skip
-    print("| case | tokens | wall s | tokens/s | ms a step | x offline | API server, engine core CPU s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| case | tokens | wall s | first reply s | tokens/s | ms a step | x offline | "
+          "API server, engine core CPU s |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for case in [case for case in CASES if case in results and case in cases]:
         r = results[case]
         r["tokens_per_s"] = r["tokens"] / r["wall_s"]
         ratio = f"{r['tokens_per_s'] / (base['tokens'] / base['wall_s']):.2f}" if base else "-"
         cpu = f"{r['api_server_cpu_s']:.2f}, {r['engine_core_cpu_s']:.2f}" if "api_server_cpu_s" in r else "-"
-        print(f"| {case} | {r['tokens']:,} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | "
+        first = f"{r['first_reply_s']:.2f}" if "first_reply_s" in r else "-"
+        print(f"| {case} | {r['tokens']:,} | {r['wall_s']:.2f} | {first} | {r['tokens_per_s']:,.0f} | "
               f"{1e3 * r['wall_s'] / args.max_tokens:.2f} | {ratio} | {cpu} |")  # fmt: skip
     if args.out:
         record = dict(machine=machine, args=vars(args), results=results)
