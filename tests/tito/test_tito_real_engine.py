@@ -270,3 +270,22 @@ def test_env_form_on_the_real_engine(tiny_model_dir, vllm_server, tokenizer):
     (segment,) = session.capture.trajectory().segments
     assert segment.token_ids == follow + second.token_ids
     assert sum(segment.loss_mask) == len(first.token_ids) + len(second.token_ids)
+
+
+def test_a_reply_streamed_from_the_real_engine_is_the_reply_it_sends_whole(
+    tiny_model_dir, vllm_server, tokenizer
+):
+    """`stream_replies`: vLLM's token endpoint streams the same seeded tokens and logprobs it sends whole."""
+    prompt = tokenizer("<|im_start|>user\ncount: one two<|im_end|>\n<|im_start|>assistant\n",
+                       add_special_tokens=False)["input_ids"]  # fmt: skip
+
+    async def sample(stream_replies: bool):
+        tito = Tito([vllm_server.url], tiny_model_dir, stream_replies=stream_replies)
+        result = await tito.generate(tito.new_session(), prompt, max_tokens=12, temperature=1.0, seed=5)
+        await tito.aclose()
+        return result
+
+    whole, streamed = asyncio.run(sample(False)), asyncio.run(sample(True))
+    assert len(streamed.token_ids) == len(streamed.logprobs) == len(streamed.versions) > 1
+    assert streamed.token_ids == whole.token_ids and streamed.finish_reason == whole.finish_reason
+    assert streamed.logprobs == pytest.approx(whole.logprobs, abs=1e-5)

@@ -118,3 +118,35 @@ def test_routes_that_do_not_fit_the_segment_are_refused():
     encoded = base64.b64encode(buffer.getvalue()).decode()
     with pytest.raises(ValueError, match="routes for tokens 0..4 of a segment of 3 tokens"):
         capture.commit_turn([1, 2], [], Generation([7], [-0.1], routed_experts=encoded))
+
+
+async def test_a_reply_streamed_from_the_engine_for_a_whole_turn_captures_what_one_reply_does(
+    tiny_model_dir, fake_engine
+):
+    # `stream_replies`: the engine streams every reply and tito gathers the chunks (one a token here);
+    # tokens, logprobs, weight versions, finish and routes must come out as from the one whole reply.
+    import httpx
+
+    from tito import Tito
+
+    fake_engine.route_shape, fake_engine.version = (2, 1), "7"
+    captured = []
+    for stream_replies in (False, True):
+        fake_engine.script = [[21, 22, 23, 24]]
+        transport = httpx.ASGITransport(app=fake_engine.app)
+        tito = Tito(
+            ["http://engine"], tiny_model_dir, engine_transport=transport, stream_replies=stream_replies
+        )
+        session = tito.new_session()
+        result = await tito.generate(session, [1, 2, 3], max_tokens=3)
+        assert fake_engine.requests[-1].get("stream", False) is stream_replies
+        assert tito.router.engines[0].num_in_flight == 0
+        (segment,) = session.capture.trajectory().segments
+        captured.append((result, msgspec.to_builtins(segment)))
+        await tito.aclose()
+    (whole, whole_segment), (streamed, streamed_segment) = captured
+    assert streamed.token_ids == whole.token_ids == [21, 22, 23]
+    assert streamed.logprobs == whole.logprobs and streamed.versions == whole.versions == [7] * 3
+    assert streamed.finish_reason == whole.finish_reason == "length"
+    assert streamed.routed_experts == whole.routed_experts is not None
+    assert streamed_segment == whole_segment

@@ -123,6 +123,7 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
             args += ["--speculative-config", spec]
     if vllm.max_num_batched_tokens:
         args += ["--max-num-batched-tokens", str(vllm.max_num_batched_tokens)]
+    args += ["--stream-interval", str(vllm.stream_interval)] if vllm.stream_interval else []  # tito streams
     return args
 
 

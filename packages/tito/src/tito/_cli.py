@@ -53,6 +53,15 @@ def serve(
             "listens on port + 1 + i, which its sessions' URLs name.",
         ),
     ] = 1,
+    stream_replies: Annotated[
+        bool,
+        typer.Option(
+            help="Have the engines stream every reply, also those a client takes whole: vLLM builds a whole "
+            "reply's logprobs when it finishes, so replies that finish together wait on one another; "
+            "streamed, they are built while the engine decodes (start it with --stream-interval N to "
+            "send N tokens at a time)."
+        ),
+    ] = False,
 ) -> None:
     """Serve OpenAI chat completions and responses and Anthropic messages, capturing token-exact
     trajectories."""
@@ -75,6 +84,7 @@ def serve(
         "dump": dump,
         "idle_timeout": idle_timeout,
         "max_sessions": max_sessions,
+        "stream_replies": stream_replies,
     }
     if workers > 1:
         from ._launch import serve_workers

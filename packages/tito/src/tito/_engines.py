@@ -139,11 +139,25 @@ def _generation(reply: _Reply) -> Generation | None:
 
 
 class Engine:
-    """One vLLM server. Counts the sessions bound to it and the requests it is serving."""
+    """One vLLM server. Counts the sessions bound to it and the requests it is serving.
 
-    def __init__(self, url: str, wire: Http1Wire | _HttpxWire, model: str | None = None) -> None:
+    `stream_replies`: ask for every reply streamed, also those the caller takes whole (`generate` then
+    gathers the chunks). vLLM's token endpoint builds a whole reply's per-token logprob objects when the
+    request finishes, so replies that finish in one step are answered one after another while the engine
+    waits; streamed, they are built as the engine decodes (a server started with `--stream-interval N`
+    sends N tokens at a time)."""
+
+    def __init__(
+        self,
+        url: str,
+        wire: Http1Wire | _HttpxWire,
+        model: str | None = None,
+        *,
+        stream_replies: bool = False,
+    ) -> None:
         self.url = url.rstrip("/")
         self.model = model  # named in every generate request: a LoRA adapter the engine serves
+        self.stream_replies = stream_replies
         self.generate_url = f"{self.url}/inference/v1/generate"
         self.wire = wire
         self.num_sessions = self.num_in_flight = 0
@@ -174,6 +188,11 @@ class Engine:
             body["features"] = await self._image_features(images)
         if stream:
             return self._stream(body)
+        if self.stream_replies:
+            gathered = Generation()
+            async for chunk in self._stream({**body, "stream": True}):
+                gathered.extend(chunk)
+            return gathered
         self.num_in_flight += 1  # while the engine serves it (`Router.assign` weighs this first)
         try:
             generation = _generation(_decode_reply(await self._request(self.generate_url, body)))
@@ -298,11 +317,12 @@ class Router:
         timeout: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
         model: str | None = None,
+        stream_replies: bool = False,
     ) -> None:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
         self.wire = Http1Wire(timeout) if transport is None else _HttpxWire(timeout, transport)
-        self.engines = [Engine(url, self.wire, model) for url in urls]
+        self.engines = [Engine(url, self.wire, model, stream_replies=stream_replies) for url in urls]
 
     def assign(self) -> Engine:
         live = [engine for engine in self.engines if engine.alive]
@@ -319,7 +339,7 @@ class Router:
         """A restarted engine, at `url`, takes `engine`'s place. It takes no session until its owner marks
         it `alive` (once it serves the current weights); the sessions bound to the old one stay bound to
         it, and fail."""
-        new = Engine(url, self.wire, engine.model)
+        new = Engine(url, self.wire, engine.model, stream_replies=engine.stream_replies)
         new.alive = False
         self.engines[self.engines.index(engine)] = new
         return new

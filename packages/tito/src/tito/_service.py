@@ -76,7 +76,8 @@ class Tito:
     (index, count) of this process among `tito serve --workers` processes; its sessions get the ids
     `_workers.session_owner` maps to it.
     `engine_model`: the model every engine request names, a LoRA adapter the engines serve (None: their
-    base model).
+    base model). `stream_replies`: every reply is streamed from its engine, also those a client takes
+    whole (`_engines.Engine`).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class Tito:
         max_sessions: int | None = None,
         worker: tuple[int, int] = (0, 1),
         engine_model: str | None = None,
+        stream_replies: bool = False,
     ) -> None:
         from transformers import AutoProcessor
 
@@ -111,7 +113,13 @@ class Tito:
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
         self.vocab_size = len(self.tokenizer)
         self.tool_calls = ToolCalls(self.tokenizer)  # the template's tool-call family and its parser
-        self.router = Router(engines, timeout=request_timeout, transport=engine_transport, model=engine_model)
+        self.router = Router(
+            engines,
+            timeout=request_timeout,
+            transport=engine_transport,
+            model=engine_model,
+            stream_replies=stream_replies,
+        )
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
         self.fixed_sampling = dict(fixed_sampling or {})
