@@ -438,7 +438,7 @@ _BAD_NUMBERS: dict[str, list[str]] = {
     "actor.micro_batch_tokens": ["-1"], "actor.warmup_steps": ["-1"], "actor.num_ranks": ["0"],
     "fsdp.tp_size": ["0"], "fsdp.ep_size": ["0"], "fsdp.cp_size": ["0"],
     "vllm.num_engines": ["0"], "vllm.max_restarts": ["-1"], "vllm.tensor_parallel_size": ["0"],
-    "vllm.data_parallel_size": ["0"],
+    "vllm.data_parallel_size": ["0"], "vllm.stream_interval": ["-1"],
     "vllm.max_num_batched_tokens": ["0"], "vllm.mtp_num_speculative_tokens": ["-1"],
     "vllm.max_model_len": ["1", "0"], "vllm.gpu_memory_utilization": ["0", "1.01", "nan"],
     "vllm.kv_cache_tokens": ["-1"],

@@ -56,10 +56,11 @@ def serve(
     stream_replies: Annotated[
         bool,
         typer.Option(
+            "--stream-replies",
             help="Have the engines stream every reply, also those a client takes whole: vLLM builds a whole "
             "reply's logprobs when it finishes, so replies that finish together wait on one another; "
             "streamed, they are built while the engine decodes (start it with --stream-interval N to "
-            "send N tokens at a time)."
+            "send N tokens at a time).",
         ),
     ] = False,
 ) -> None:
