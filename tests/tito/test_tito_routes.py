@@ -9,12 +9,13 @@ from __future__ import annotations
 import base64
 import io
 
+import httpx
 import msgspec
 import numpy as np
 import openai
 import pytest
 
-from tito import Capture, Generation, Segment, create_app, serve_on_loop
+from tito import Capture, Generation, Segment, Tito, create_app, serve_on_loop
 
 pytestmark = pytest.mark.anyio
 
@@ -125,10 +126,6 @@ async def test_a_reply_streamed_from_the_engine_for_a_whole_turn_captures_what_o
 ):
     # `stream_replies`: the engine streams every reply and tito gathers the chunks (one a token here);
     # tokens, logprobs, weight versions, finish and routes must come out as from the one whole reply.
-    import httpx
-
-    from tito import Tito
-
     fake_engine.route_shape, fake_engine.version = (2, 1), "7"
     captured = []
     for stream_replies in (False, True):
