@@ -47,7 +47,9 @@ counted as done, so that its tokens/s compares with molt-packed's. The table nam
 the same batch.
 
 `--profile`: each case runs one more step under torch's profiler and prints GPU time by kernel kind, the
-slowest kernels and the torch ops (with input shapes) that launched the most GPU time.
+slowest kernels, the torch ops (with input shapes) that launched the most GPU time and those that took
+the most host time; then one more under cProfile, the Python functions by cumulative time (where a step
+of little arithmetic, `small`'s, spends its wall clock).
 
     python bench/actor_gpu.py --models dense --batches 16384,agentic     # the ratio table, ~12 minutes
     python bench/actor_gpu.py --models dense --batches 4096 --steps 1 --cases plain,molt-packed   # smoke
@@ -266,9 +268,35 @@ def profile_step(step, batch) -> dict:
         for op in prof.key_averages(group_by_input_shape=True)
         if op.self_device_time_total > 0 and op.device_type == DeviceType.CPU
     ]
+    host_ops = [  # torch ops by their own host (CPU) time: where a step of small work goes
+        (f"{op.key} x{op.count}"[:110], op.self_cpu_time_total / 1e3)
+        for op in prof.key_averages()
+        if op.device_type == DeviceType.CPU
+    ]
     return {"wall_ms": 1e3 * wall, "gpu_ms": sum(by_kernel.values()), "by_kind": by_kind,
             "slowest": [(name[:110], ms) for name, ms in slowest],
-            "ops": sorted(ops, key=lambda item: -item[1])[:25]}  # fmt: skip
+            "ops": sorted(ops, key=lambda item: -item[1])[:25],
+            "host_ops": sorted(host_ops, key=lambda item: -item[1])[:20],
+            "python": python_profile(step, batch)}  # fmt: skip
+
+
+def python_profile(step, batch) -> list[tuple[str, float, float]]:
+    """One more step under cProfile: the 30 Python functions with the most cumulative time (ms), with
+    their own time, outside the profiler's torch ops (what the host spends around the kernels)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step(batch)
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, cumulative s, _)
+    rows = [
+        (f"{Path(file).name}:{line}({name}) x{calls}", 1e3 * cumulative, 1e3 * own)
+        for (file, line, name), (calls, _, own, cumulative, _) in stats.items()
+    ]
+    return sorted(rows, key=lambda row: -row[1])[:30]
 
 
 def print_profile(label: str, profile: dict) -> None:
@@ -282,6 +310,12 @@ def print_profile(label: str, profile: dict) -> None:
     print("    torch ops by own GPU time:")
     for name, ms in profile["ops"]:
         print(f"      {ms:8.1f} ms  {name}")
+    print("    torch ops by own host time:")
+    for name, ms in profile["host_ops"]:
+        print(f"      {ms:8.1f} ms  {name}")
+    print("    Python functions by cumulative time (one more step, cProfile), with their own:")
+    for name, cumulative, own in profile["python"]:
+        print(f"      {cumulative:8.1f} ms {own:8.1f} ms  {name}")
 
 
 def run_case(args: argparse.Namespace) -> dict:
