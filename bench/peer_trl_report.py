@@ -35,7 +35,6 @@ ASYMMETRIES = [
     "longest and runs eager, accumulating gradients over micro-batches (`micro-batch` above)",
     "precision 'mixed': molt's FSDP2 mixed precision (float32 master weights, bf16 compute, float32 gradient "
     "reduction); TRL's torch autocast over float32 weights. 'bf16' and 'fp32': the same weights in both",
-    "optimizer kernel: torch AdamW in both, TRL's fused, molt's foreach",
     "processes: molt's driver, Ray, the engine's two processes, the actor and an agent host; TRL one process",
     "rows: TRL's step k trains exactly the stream's next prompts; molt's takes the first of its groups in "
     "flight to finish. Sampling: TRL seeds its LLM with 0 every run; molt's requests are unseeded",

@@ -110,8 +110,11 @@ class ModelRank:
             if config.actor.freeze_moe_router:
                 freeze_moe_routers(self.model)
             actor, lr = config.actor, self._learning_rate()
-            groups = [{"params": p} for p in params_by_mesh(self.model)]  # foreach never mixes meshes
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=actor.weight_decay)
+            groups = [{"params": p} for p in params_by_mesh(self.model)]  # a fused step never mixes meshes
+            # fused: one kernel over a group's tensors (CUDA and CPU), as transformers' default AdamW;
+            # torch's default dispatches each of a dozen ops per step through DTensor, or on a CPU one
+            # tensor at a time (333 small sharded parameters on the 2-core CPU: 105 ms, 13 ms fused).
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=actor.weight_decay, fused=True)
             # Linear warm-up: step s (from 0) runs at lr * (s + 1) / warmup_steps until it reaches lr.
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda step: min(1.0, (step + 1) / max(1, actor.warmup_steps))
