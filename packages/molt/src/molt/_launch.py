@@ -177,7 +177,8 @@ async def _serve_and_run(
         fixed_sampling=sampling(config),  # every turn, whatever an SDK agent asks
         # every request samples from the refitted adapter
         engine_model=ADAPTER if config.actor.lora.rank else None,
-        stream_replies=config.vllm.stream_interval > 0,  # the engines send each reply in chunks
+        # the engines molt starts send each reply in chunks (attached ones keep their own flags)
+        stream_replies=config.vllm.stream_interval > 0 and not config.vllm.urls,
     )
     restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=config.vllm.max_restarts)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents

@@ -195,11 +195,13 @@ class VLLM(_Group):
     """Expert parallelism per engine (EP = TP x DP)."""
     max_num_batched_tokens: Annotated[int, Meta(ge=1)] | None = None
     """Scheduler token budget per engine step; none = vLLM's default."""
-    stream_interval: Annotated[int, Meta(ge=0)] = 0
-    """0: a reply comes from its engine whole, once it finishes. N: the engines stream every reply to tito,
-    N tokens at a time (vLLM's --stream-interval). vLLM builds a whole reply's per-token logprobs when it
-    finishes, so replies that finish in the same step are answered one after another; streamed, that work
-    is done while the engine decodes."""
+    stream_interval: Annotated[int, Meta(ge=0)] = 16
+    """N: the engines molt starts stream every reply to tito, N tokens at a time (vLLM's
+    --stream-interval), also those an agent takes whole. 0: each reply comes whole, once it finishes:
+    vLLM then builds its per-token logprobs at the end, and replies that finish in the same step are
+    answered one after another while the GPU waits (on one H100, 128 replies of 512 tokens: 2.4 s from
+    the first answered to the last whole, 0.4 s streamed; BENCHMARKS.md). Attached engines (--vllm.urls)
+    answer whole."""
     mtp_num_speculative_tokens: Annotated[int, Meta(ge=0)] = 0
     """MTP speculative tokens per step (rollout only); 0 disables speculative decoding."""
     enable_prefix_caching: bool = True
