@@ -122,7 +122,7 @@ PROBES: dict[str, Probe] = {
     "vllm.data_parallel_size": P(probes.engines, cuda=True),
     "vllm.enable_expert_parallel": P(probes.engines, cuda=True),
     "vllm.max_num_batched_tokens": P(probes.engines, "4096"),
-    "vllm.stream_interval": P(probes.engines, "0"),  # no --stream-interval (tito takes replies whole: _launch)
+    "vllm.stream_interval": P(probes.engines, "0"),  # no --stream-interval (tito takes replies whole)
     "vllm.mtp_num_speculative_tokens": P(probes.engines, cuda=True),
     "vllm.enable_prefix_caching": P(probes.engines),
     "vllm.cuda_graphs": P(probes.engines, cuda=True),
