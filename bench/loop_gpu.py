@@ -168,6 +168,8 @@ def train(name: str, flags: list[str], root: Path, env: dict) -> tuple[Path, lis
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         for line in proc.stdout:
             log.write(line)
+            if line.startswith("[molt") or STEP_LINE.match(line):  # its progress, as it comes
+                print(f"  {name}: {line.rstrip()}", flush=True)
             if ready := ENGINES_READY.search(line):
                 urls = [url.rstrip("/") for url in ready[1].split(", ")]
             elif urls and STEP_LINE.match(line):  # printed right after the step's metrics.jsonl line
@@ -270,11 +272,13 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="--rollout.group_size")
     parser.add_argument("--seed", type=int, default=0, help="--train.seed and the agentic turns' seed")
     parser.add_argument("--out", default="", help="also write the reports and every step's metrics here")
+    parser.add_argument("--work-dir", default="", help="the runs' directories and logs (default: a new temp)")
     parser.add_argument("extra", nargs="*", help="more molt train flags (after --), for every run")
     args = parser.parse_args()
     import torch
 
-    root = Path(tempfile.mkdtemp(prefix="loop-gpu-"))
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="loop-gpu-"))
+    root.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(root, max(args.context, args.agentic_context))
     peak_tflops = matmul_tflops()
     torch.cuda.empty_cache()
