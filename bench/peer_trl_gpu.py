@@ -405,6 +405,7 @@ def main() -> None:
     parser.add_argument("--out", default="", help="the JSON runs append to (WORK_DIR/results.json)")
     parser.add_argument("--plot", default="", help="also draw reward over wall-clock into this PNG")
     parser.add_argument("--report", action="store_true", help="only read --out: the table and --plot")
+    parser.add_argument("--since", default="", help="--report: only the runs from this ISO date or time on")
     parser.add_argument("--plan", action="store_true", help="print settings and the estimate, run nothing")
     parser.add_argument("--prepare-only", action="store_true", help="write the rows' models, run nothing")
     parser.add_argument("--prepare-row", type=int, help=argparse.SUPPRESS)  # the process prepare() runs in
@@ -413,10 +414,13 @@ def main() -> None:
     out = Path(args.out or work / "results.json")
     args.smollm2 = args.smollm2 or str(work / "models" / "smollm2-135m")
     data = json.loads(out.read_text()) if out.is_file() else {"records": []}
-    if args.report:
+    if args.report:  # --since: runs of the current code only, where a file holds older ones too
+        records = [r for r in data["records"] if r["when"] >= args.since]
+        if not records:
+            raise SystemExit(f"{out}: no run from {args.since} on (its runs: {len(data['records'])})")
         print("what differs:\n" + "\n".join(f"- {a}" for a in ASYMMETRIES))
-        report(data["records"])
-        return plot(data["records"], args.plot) if args.plot else None
+        report(records)
+        return plot(records, args.plot) if args.plot else None
     import torch
 
     args.cuda = torch.cuda.is_available()  # creates no CUDA context: the runs have the GPU to themselves
