@@ -3,6 +3,7 @@ left between them, the cost estimate, and the figures over runs read back from i
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 
@@ -272,8 +273,10 @@ def trl_profile(runs: list[dict]) -> str:
 
 
 def plot(records: list[dict], path: str | Path) -> None:
-    """Reward against seconds since launch (left) and against step (right), a row a line of panels, every
-    run of both trainers; dashed, the held-out eval pass@1 of rows that evaluate (0/1 rewards: one scale)."""
+    """A row a line of panels, every run of both trainers. A row with a reward threshold: reward against
+    seconds since launch (left) and against step (right); dashed, the held-out eval pass@1 of rows that
+    evaluate (0/1 rewards: one scale). A throughput row (no threshold: random weights learn nothing): the
+    steps done against seconds since launch (left) and each step's seconds (right; from step 2)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -283,24 +286,30 @@ def plot(records: list[dict], path: str | Path) -> None:
     fig, axes = plt.subplots(len(numbers), 2, figsize=(11, 3.6 * len(numbers)), squeeze=False)
     colours = {"molt": "tab:blue", "trl": "tab:orange"}
     for (by_time, by_step), number in zip(axes, numbers, strict=True):
-        labelled = set()
+        settings = next(r["settings"] for r in records if r["row"] == number)
+        learns, labelled = settings["threshold"] is not None, set()
         for r in (r for r in records if r["row"] == number and r["steps"]):
             label = None if r["trainer"] in labelled else r["trainer"]
             labelled.add(r["trainer"])
-            reward, evals = [s["reward"] for s in r["steps"]], r.get("evals") or []
             style = dict(color=colours[r["trainer"]], alpha=0.7, marker=".", label=label)
-            by_time.plot([s["t"] for s in r["steps"]], reward, **style)
-            by_step.plot([s["step"] for s in r["steps"]], reward, **style)
+            times, steps = [s["t"] for s in r["steps"]], [s["step"] for s in r["steps"]]
+            if not learns:
+                by_time.plot(times, steps, **style)
+                by_step.plot(steps[1:], [b - a for a, b in itertools.pairwise(times)], **style)
+                continue
+            reward, evals = [s["reward"] for s in r["steps"]], r.get("evals") or []
+            by_time.plot(times, reward, **style)
+            by_step.plot(steps, reward, **style)
             if evals:  # records from before evaluation have none
                 dashed = dict(style, linestyle="--", marker="x", label=label and f"{label} eval pass@1")
                 by_time.plot([e["t"] for e in evals], [e["pass_at_1"] for e in evals], **dashed)
                 by_step.plot([e["step"] for e in evals], [e["pass_at_1"] for e in evals], **dashed)
-        settings = next(r["settings"] for r in records if r["row"] == number)
-        for ax, x in ((by_time, "seconds since launch"), (by_step, "step")):
-            if settings["threshold"] is not None:
+        reward_label = "mean reward of the step; eval pass@1 (dashed)"
+        for ax, x, y in ((by_time, "seconds since launch", reward_label if learns else "steps done"),
+                         (by_step, "step", reward_label if learns else "seconds the step took")):  # fmt: skip
+            if learns:
                 ax.axhline(settings["threshold"], color="grey", linestyle=":", linewidth=1)
-            ylabel = "mean reward of the step; eval pass@1 (dashed)"
-            ax.set(xlabel=x, ylabel=ylabel, title=f"row {number}: {settings['name']}")
+            ax.set(xlabel=x, ylabel=y, title=f"row {number}: {settings['name']}")
             ax.grid(alpha=0.3)
             ax.legend()
     fig.tight_layout()
