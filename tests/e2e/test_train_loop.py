@@ -61,6 +61,7 @@ def test_a_short_on_policy_run_with_two_actor_ranks(tmp_path, tiny_model_dir, mo
     for step in steps:
         assert step.keys() >= REQUIRED_METRICS, REQUIRED_METRICS - step.keys()
         assert step["train/mismatch_kl"] < 1e-3  # float32 engine vs float32 trainer on the same weights
+        assert 0.0 < step["timing/score"] < step["timing/policy_train"]  # a part of the actor's time
         assert 0.0 <= step["rollout/reward_mean"] <= 1.0
     # On policy, every token of step s was sampled by version s - 1: the engine reports the versions the
     # trainer pushed, so its weights changed at every refit.

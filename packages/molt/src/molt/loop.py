@@ -104,6 +104,7 @@ async def run_steps(config: Config, run: Run) -> None:
         # windows of whole rollouts, in a random order seeded by the run's seed and the step
         plan = window_rows(config.train.mini_batches, rows_R.tolist(), (config.train.seed, step))
         scored = await asyncio.to_thread(score, batch, rewards_R, rows_R, run, config, plan[0])
+        score_s = time.monotonic() - train_started  # the passes advantages need, then the advantages
         windows = [(w, rows) for rows in plan if (w := scored.batch.window(rows)).num_tokens]
         steps = [asyncio.to_thread(train_windows, policy, windows, scored.policy)]
         if scored.critic is not None:  # the critic's steps run beside the policy's
@@ -140,6 +141,7 @@ async def run_steps(config: Config, run: Run) -> None:
                 "engines/restarts": float(run.restarts.num_restarts),
                 "timing/generation": generation_s,
                 "timing/policy_train": train_s,
+                "timing/score": score_s,  # of it: `score` (later windows' old logprobs, reference, values)
                 "timing/broadcast": broadcast_s,
                 # where it went; refit/verify_failed: engines whose refit failed its check and was redone
                 **{(k if "/" in k else f"timing/refit_{k}"): float(v) for k, v in refit_s.items()},
