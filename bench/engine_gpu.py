@@ -11,17 +11,19 @@ reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a pr
                  (`logprobs=0`, the engine started with `--logprobs-mode processed_logprobs`, as Molt's)
   server         `vllm.entrypoints.openai.api_server` with Molt's own engine flags
                  (`molt._engines.engine_extra_args` of a run with these sizes on one GPU: its memory share,
-                 KV cache, refit's worker extension and middleware, `refit.engine_env`), the batch sent as
-                 tito sends it (`POST /inference/v1/generate`, token ids, `logprobs=0`, no detokenizing),
-                 all requests at once; `server-nologprobs`: the same server, no logprobs asked;
+                 KV cache, `--stream-interval`, refit's worker extension and middleware,
+                 `refit.engine_env`), the batch sent as tito sends it with `--vllm.stream_interval 0`
+                 (`POST /inference/v1/generate`, token ids, `logprobs=0`, no detokenizing, each reply
+                 whole), all requests at once; `server-nologprobs`: the same server, no logprobs asked;
                  `server-final`: logprobs asked, and `output_kind` 2 (vLLM's FINAL_ONLY: the server builds
                  a request's output once, when it finishes, instead of its whole output so far after
                  every step, which vLLM 0.26 does for a generate request that is not streamed);
                  `server-flat`: logprobs asked with `flat_logprobs` (the API server keeps a request's
                  logprobs in flat lists instead of a dict and an object per token); `server-stream`:
-                 logprobs asked, the reply streamed (its tokens' logprob objects built as they come,
-                 not all at once when it finishes; `--engine-flags "--stream-interval 16"` sends them
-                 16 tokens at a time)
+                 logprobs asked, the reply streamed, as molt's tito sends it by default (its tokens'
+                 logprob objects built as they come, not all at once when it finishes; Molt's flags
+                 send them 16 tokens at a time, a plain server with `--engine-flags "--stream-interval
+                 16"` too)
   plain-server   the API server with vLLM's defaults and only the model's dtype, memory share and context
                  (`plain-server-nologprobs`, `-final`, `-flat`, `-stream` likewise)
   two-servers    two plain servers side by side on the GPU, each with half the memory share and half the
