@@ -3,6 +3,7 @@ verification of every refit (a byte corrupted on the wire) and delta refit."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -93,6 +94,54 @@ def test_request_in_flight_finishes_across_the_refit_with_both_versions(
         want = reference_logprobs(model, PROMPTS[1], result["token_ids"])
         torch.testing.assert_close(engine_logp[part], want[part], rtol=0, atol=TOL)
     engine.close()
+
+
+def _streamed(url: str, path: str, body: dict) -> list[dict]:
+    """The choices of every event of a streamed generate reply."""
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=300) as reply:
+        reply.raise_for_status()
+        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: {")]
+    return [choice for event in events for choice in json.loads(event)["choices"]]
+
+
+def _joined(choices: list[dict], logprobs) -> tuple[list, list, list, str]:
+    """A streamed reply's tokens, their logprobs (`logprobs(choice)`: a chunk's), each token's weight
+    version and the finish reason (how the tokens split into events varies run to run)."""
+    versions = {
+        i: s["version"] for c in choices for s in c["weight_versions"] for i in range(s["start"], s["end"])
+    }
+    tokens = [t for c in choices for t in c["token_ids"]]
+    return (
+        tokens,
+        [lp for c in choices for lp in logprobs(c)],
+        [versions[i] for i in range(len(tokens))],
+        choices[-1]["finish_reason"],
+    )
+
+
+def test_the_compact_route_streams_vllms_tokens_logprobs_and_versions_and_refuses_alike(
+    refit_servers, tiny_model_dir
+):
+    server = refit_servers.serve(tiny_model_dir)
+    params = {"max_tokens": 40, "temperature": 1.0, "seed": 3, "ignore_eos": True, "logprobs": 0}
+    body = {"token_ids": PROMPTS[0], "sampling_params": params, "stream": True}
+    theirs = _joined(
+        _streamed(server.url, "/inference/v1/generate", body),
+        lambda choice: [item["logprob"] for item in choice["logprobs"]["content"]],
+    )
+    assert len(theirs[0]) == len(theirs[1]) == 40 and theirs[3] == "length"
+    flat = {**body, "sampling_params": {**params, "flat_logprobs": True}}
+    for ask in (body, flat):  # the same tokens, logprobs (bit for bit) and versions
+        assert _joined(_streamed(server.url, "/refit/generate", ask), lambda c: c["token_logprobs"]) == theirs
+    no_logprobs = {**body, "sampling_params": {**params, "logprobs": None}}
+    unasked = _streamed(server.url, "/refit/generate", no_logprobs)
+    assert "token_logprobs" not in unasked[0] and sum(len(c["token_ids"]) for c in unasked) == 40
+
+    malformed = httpx.post(f"{server.url}/refit/generate", json={"sampling_params": params}, timeout=30)
+    assert malformed.status_code == 400 and "token_ids" in malformed.text
+    for path in ("/refit/generate", "/inference/v1/generate"):  # vLLM's refusal, its status kept
+        unknown = httpx.post(f"{server.url}{path}", json={**body, "model": "nope"}, timeout=30)
+        assert unknown.status_code == 404 and "nope" in unknown.text, (path, unknown.text)
 
 
 def test_mismatch_is_refused_before_any_engine_is_touched(refit_servers, tiny_model_dir, tmp_path):

@@ -10,6 +10,8 @@ This ASGI middleware adds the three in the server process, with the semantics la
 - `GET /weight_info` answers `{"weight_version": v}` ("default" until the first refit).
 - every choice of a generate reply, and of each streamed chunk, carries `weight_versions`: spans
   `{version, start, end}` (token positions in the whole output) saying which weights sampled its tokens.
+It also serves `POST /refit/generate`: the same requests, streamed in compact events
+(`refit.vllm_compact`), their choices labelled alike.
 
 Why the counts are right: the engine samples nothing between `/pause` and `/resume`, and the outputs
 of every step before the pause reach the server ahead of the pause's own reply, so the output processor
@@ -29,6 +31,7 @@ import msgspec
 __all__ = ["WeightVersions"]
 
 GENERATE = "/inference/v1/generate"
+COMPACT = "/refit/generate"  # GENERATE's requests, streamed compactly (refit.vllm_compact)
 INITIAL = "default"  # the label of the weights the server loaded, as later vLLM releases name it
 
 
@@ -68,7 +71,11 @@ class WeightVersions:
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path") if scope["type"] == "http" else None
         if path == GENERATE:
-            await self._generate(scope, receive, send)
+            await self._generate(scope, receive, send, self.app)
+        elif path == COMPACT and scope["method"] == "POST":
+            from refit.vllm_compact import serve_compact  # vLLM's serving modules: in its server only
+
+            await self._generate(scope, receive, send, serve_compact)
         elif path == "/finish_weight_update":
             await self._finish(scope, receive, send)
         elif path == "/weight_info" and scope["method"] == "GET":
@@ -76,7 +83,8 @@ class WeightVersions:
         else:
             await self.app(scope, receive, send)
 
-    async def _generate(self, scope, receive, send) -> None:
+    async def _generate(self, scope, receive, send, app) -> None:
+        """A generate request served by `app` (vLLM's, or the compact one), its choices labelled."""
         # vLLM names the request after the X-Request-Id header: ours, so the output processor can be asked.
         request_id = uuid.uuid4().hex
         headers = [(k, v) for k, v in scope["headers"] if k != b"x-request-id"]
@@ -84,7 +92,7 @@ class WeightVersions:
         key = f"generate-tokens-{request_id}"
         request = self.in_flight[key] = _InFlight(self.label)
         try:
-            await self.app(scope, receive, _Labeller(request, send).send)
+            await app(scope, receive, _Labeller(request, send).send)
         finally:
             del self.in_flight[key]
 
