@@ -54,8 +54,11 @@ def real_tito(tiny_model_dir, vllm_server, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vl_tito(tiny_vl_model_dir, vl_vllm_server, tmp_path_factory):
-    """tito on loopback in front of the session's vision-language vLLM server: (Tito, base URL)."""
+    """tito on loopback in front of the session's vision-language vLLM server: (Tito, base URL). The server
+    runs a molt engine's flags, refit's middleware among them: tito speaks to it as molt's does, every
+    reply streamed from the compact route (images as vLLM's features there too)."""
     dump = tmp_path_factory.mktemp("tito-vl") / "dump.jsonl"
-    tito = Tito([vl_vllm_server.url], tiny_vl_model_dir, served_model_name="tiny-vl", dump=dump)
+    flags = {"stream_replies": True, "compact_stream": True}
+    tito = Tito([vl_vllm_server.url], tiny_vl_model_dir, served_model_name="tiny-vl", dump=dump, **flags)
     with LiveServer(create_app(tito)) as server:
         yield tito, server.url

@@ -179,6 +179,7 @@ async def _serve_and_run(
         engine_model=ADAPTER if config.actor.lora.rank else None,
         # the engines molt starts send each reply in chunks (attached ones keep their own flags)
         stream_replies=config.vllm.stream_interval > 0 and not config.vllm.urls,
+        compact_stream=True,  # every engine of a run runs refit's middleware, attached ones too
     )
     restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=config.vllm.max_restarts)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents

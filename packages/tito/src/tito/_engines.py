@@ -105,6 +105,7 @@ class _Span(msgspec.Struct):
 class _Choice(msgspec.Struct):
     token_ids: list[int] | None = None
     logprobs: _Logprobs | None = None
+    token_logprobs: list[float] | None = None  # the compact stream's (`Engine`'s `compact_stream`)
     finish_reason: str | None = None
     weight_versions: list[_Span] | None = None  # per chunk, from refit's middleware (refit.vllm_versions)
     # An engine started with `--enable-return-routed-experts`: base64 `.npy`, (tokens, layers, top_k),
@@ -131,7 +132,9 @@ def _generation(reply: _Reply) -> Generation | None:
     choice = reply.choices[0]
     return Generation(
         token_ids=choice.token_ids or [],
-        logprobs=[entry.logprob for entry in (choice.logprobs and choice.logprobs.content) or ()],
+        logprobs=[entry.logprob for entry in (choice.logprobs and choice.logprobs.content) or ()]
+        if choice.token_logprobs is None
+        else choice.token_logprobs,
         spans=[(_version(s.version), s.start, s.end) for s in choice.weight_versions or ()],
         finish_reason=choice.finish_reason,
         routed_experts=choice.routed_experts,
@@ -145,7 +148,11 @@ class Engine:
     gathers the chunks). vLLM's token endpoint builds a whole reply's per-token logprob objects when the
     request finishes, so replies that finish in one step are answered one after another while the engine
     waits; streamed, they are built as the engine decodes (a server started with `--stream-interval N`
-    sends N tokens at a time)."""
+    sends N tokens at a time).
+
+    `compact_stream`: the engine runs refit's middleware (`refit.engine_flags`), and streamed replies come
+    from its compact route (`refit.vllm_compact`: the same request and tokens, each token's logprob a bare
+    float instead of the two JSON objects vLLM's endpoint builds for it one by one)."""
 
     def __init__(
         self,
@@ -154,11 +161,14 @@ class Engine:
         model: str | None = None,
         *,
         stream_replies: bool = False,
+        compact_stream: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
         self.model = model  # named in every generate request: a LoRA adapter the engine serves
         self.stream_replies = stream_replies
+        self.compact_stream = compact_stream
         self.generate_url = f"{self.url}/inference/v1/generate"
+        self.stream_url = f"{self.url}/refit/generate" if compact_stream else self.generate_url
         self.wire = wire
         self.num_sessions = self.num_in_flight = 0
         self.alive = True
@@ -202,9 +212,11 @@ class Engine:
         return generation
 
     async def _stream(self, body: dict) -> AsyncIterator[Generation]:
+        if self.compact_stream:  # the engine keeps a request's logprobs in flat lists too
+            body = {**body, "sampling_params": {**body["sampling_params"], "flat_logprobs": True}}
         self.num_in_flight += 1
         try:
-            async with self.wire.stream(self.generate_url, msgspec.json.encode(body)) as (status, lines):
+            async with self.wire.stream(self.stream_url, msgspec.json.encode(body)) as (status, lines):
                 if status != 200:
                     self._check(status, b"".join([line async for line in lines]))
                 async for line in lines:
@@ -318,11 +330,13 @@ class Router:
         transport: httpx.AsyncBaseTransport | None = None,
         model: str | None = None,
         stream_replies: bool = False,
+        compact_stream: bool = False,
     ) -> None:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
         self.wire = Http1Wire(timeout) if transport is None else _HttpxWire(timeout, transport)
-        self.engines = [Engine(url, self.wire, model, stream_replies=stream_replies) for url in urls]
+        flags = {"stream_replies": stream_replies, "compact_stream": compact_stream}
+        self.engines = [Engine(url, self.wire, model, **flags) for url in urls]
 
     def assign(self) -> Engine:
         live = [engine for engine in self.engines if engine.alive]
@@ -339,7 +353,8 @@ class Router:
         """A restarted engine, at `url`, takes `engine`'s place. It takes no session until its owner marks
         it `alive` (once it serves the current weights); the sessions bound to the old one stay bound to
         it, and fail."""
-        new = Engine(url, self.wire, engine.model, stream_replies=engine.stream_replies)
+        flags = {"stream_replies": engine.stream_replies, "compact_stream": engine.compact_stream}
+        new = Engine(url, self.wire, engine.model, **flags)
         new.alive = False
         self.engines[self.engines.index(engine)] = new
         return new

@@ -77,7 +77,8 @@ class Tito:
     `_workers.session_owner` maps to it.
     `engine_model`: the model every engine request names, a LoRA adapter the engines serve (None: their
     base model). `stream_replies`: every reply is streamed from its engine, also those a client takes
-    whole (`_engines.Engine`).
+    whole; `compact_stream`: the engines run refit's middleware, and streamed replies come from its
+    compact route (both `_engines.Engine`).
     """
 
     def __init__(
@@ -95,6 +96,7 @@ class Tito:
         worker: tuple[int, int] = (0, 1),
         engine_model: str | None = None,
         stream_replies: bool = False,
+        compact_stream: bool = False,
     ) -> None:
         from transformers import AutoProcessor
 
@@ -119,6 +121,7 @@ class Tito:
             transport=engine_transport,
             model=engine_model,
             stream_replies=stream_replies,
+            compact_stream=compact_stream,
         )
         self.sessions: dict[str, Session] = {}
         self.dump_path = Path(dump) if dump else None
