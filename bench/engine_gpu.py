@@ -23,7 +23,10 @@ reply `--max-tokens` long: `ignore_eos`) from one engine at a time, each in a pr
                  logprobs asked, the reply streamed, as molt's tito sends it by default (its tokens'
                  logprob objects built as they come, not all at once when it finishes; Molt's flags
                  send them 16 tokens at a time, a plain server with `--engine-flags "--stream-interval
-                 16"` too)
+                 16"` too); `-stream-flat`, `-stream-nologprobs`: streamed with `flat_logprobs`, and
+                 without logprobs; `server-compact`: streamed from refit's compact route
+                 (`POST /refit/generate`, `refit.vllm_compact`: each token's logprob a bare float) with
+                 `flat_logprobs`, as tito asks Molt's engines by default
   plain-server   the API server with vLLM's defaults and only the model's dtype, memory share and context
                  (`plain-server-nologprobs`, `-final`, `-flat`, `-stream` likewise)
   two-servers    two plain servers side by side on the GPU, each with half the memory share and half the
@@ -68,6 +71,7 @@ class Ask(NamedTuple):
     # in vLLM 0.26), 2 the final output only
     flat: bool = False  # vLLM's `flat_logprobs`: a request's logprobs in a few flat lists, not a dict a token
     stream: bool = False  # server-sent events, each with the tokens (and logprobs) since the last
+    compact: bool = False  # refit's compact route (`refit.vllm_compact`), which Molt's flags serve
 
 
 SERVED = {
@@ -76,12 +80,16 @@ SERVED = {
     "-final": Ask(logprobs=True, output_kind=2),
     "-flat": Ask(logprobs=True, flat=True),
     "-stream": Ask(logprobs=True, stream=True),
+    "-stream-flat": Ask(logprobs=True, flat=True, stream=True),
+    "-stream-nologprobs": Ask(logprobs=False, stream=True),
+    "-compact": Ask(logprobs=True, flat=True, stream=True, compact=True),  # as tito asks by default
 }
 FRONT_ENDS = ("two-servers", "api-servers-2")  # the batch over two API front ends (`run_front_ends`)
 CASES = (
     "offline",
     "offline-logprobs",
-    *(f"{engine}{kind}" for engine in ("server", "plain-server") for kind in SERVED),
+    *(f"{engine}{kind}" for engine in ("server", "plain-server") for kind in SERVED if kind != "-compact"),
+    "server-compact",  # a plain server has no refit middleware
     *FRONT_ENDS,
 )
 
@@ -141,13 +149,14 @@ async def send_all(url: str, prompts: list[list[int]], max_tokens: int, ask: Ask
 
         async def one(ids: list[int]) -> tuple[int, float]:
             body = {"token_ids": ids, "sampling_params": params, "stream": ask.stream}
+            path = "/refit/generate" if ask.compact else "/inference/v1/generate"
             count = 0
             if not ask.stream:
                 reply = await client.post(f"{url}/inference/v1/generate", json=body)
                 reply.raise_for_status()
                 count = len(reply.json()["choices"][0]["token_ids"])
             else:
-                async with client.stream("POST", f"{url}/inference/v1/generate", json=body) as reply:
+                async with client.stream("POST", f"{url}{path}", json=body) as reply:
                     reply.raise_for_status()
                     async for line in reply.aiter_lines():
                         if line.startswith("data: {"):
