@@ -63,6 +63,15 @@ def serve(
             "send N tokens at a time).",
         ),
     ] = False,
+    compact_stream: Annotated[
+        bool,
+        typer.Option(
+            "--compact-stream",
+            help="The engines run refit's middleware (refit.engine_flags): stream replies from its "
+            "compact route, POST /refit/generate, the same tokens with each logprob a bare float (vLLM's "
+            "own endpoint builds two JSON objects per token's logprob).",
+        ),
+    ] = False,
 ) -> None:
     """Serve OpenAI chat completions and responses and Anthropic messages, capturing token-exact
     trajectories."""
@@ -86,6 +95,7 @@ def serve(
         "idle_timeout": idle_timeout,
         "max_sessions": max_sessions,
         "stream_replies": stream_replies,
+        "compact_stream": compact_stream,
     }
     if workers > 1:
         from ._launch import serve_workers
