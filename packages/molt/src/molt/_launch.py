@@ -66,6 +66,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
         evaluation = eval_rows(config, agent_module) if config.eval.every else []
         if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
             progress(f"note: {overlap}")
+        clock.end("driver")
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)
             config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)

@@ -163,12 +163,14 @@ def _process_started() -> float:
 
 
 class StartupClock:
-    """Seconds per start-up stage (insertion order), counted from the command's start."""
+    """Seconds per start-up stage (insertion order), counted from the command's start. The first stage,
+    "driver", runs from the command's start until it is ended (`molt train`: the imports, the checks,
+    the agent module and its rows, before Ray starts)."""
 
     def __init__(self) -> None:
         self.origin = _process_started()
         self.seconds: dict[str, float] = {}
-        self._begun: dict[str, float] = {}
+        self._begun: dict[str, float] = {"driver": self.origin}
 
     def begin(self, stage: str) -> None:
         self._begun[stage] = time.monotonic()
