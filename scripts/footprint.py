@@ -4,8 +4,9 @@
     uv run python scripts/footprint.py --list   # and every module counted
 
 Entry points: `molt._cli` (the `molt` command), `refit.vllm_worker`, the worker extension that every
-vLLM engine of a run loads by name (`--worker-extension-cls`), and `refit.vllm_gpu`, the weight-transfer
-backends a GPU engine loads by name (`refit_nccl`, `refit_ipc`): code a run executes either way. Reachable:
+vLLM engine of a run loads by name (`--worker-extension-cls`), `refit.vllm_versions`, the middleware every
+engine's API server loads by name (`--middleware`), and `refit.vllm_gpu`, the weight-transfer backends a
+GPU engine loads by name (`refit_nccl`, `refit_ipc`): code a run executes either way. Reachable:
 the entry points, then every workspace module (under `packages/*/src`) that a reached module names in an
 import statement, wherever the statement is (heavy imports sit inside functions), with the packages whose
 `__init__.py` an import runs; imports under `if TYPE_CHECKING:` never run and do not count. Modules the
@@ -25,7 +26,7 @@ import itertools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENTRIES = ("molt._cli", "refit.vllm_worker", "refit.vllm_gpu")
+ENTRIES = ("molt._cli", "refit.vllm_worker", "refit.vllm_versions", "refit.vllm_gpu")
 
 
 def workspace_modules() -> dict[str, Path]:
