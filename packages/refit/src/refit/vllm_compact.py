@@ -35,6 +35,8 @@ from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
 from vllm.logger import init_logger
 from vllm.logprobs import FlatLogprobs
 
+from refit.vllm_versions import _read_body
+
 logger = init_logger(__name__)
 
 
@@ -95,7 +97,7 @@ def sampled_logprobs(token_ids, logprobs) -> list[float]:
 async def serve_compact(scope, receive, send) -> None:
     """The ASGI app of `POST /refit/generate` (module docstring). A malformed body is refused with 400;
     what vLLM's handler refuses keeps its status; a client that leaves aborts the request."""
-    body = await _body(receive)
+    body = await _read_body(receive)
     try:
         request = GenerateRequest.model_validate_json(body)
     except ValidationError as error:
@@ -109,12 +111,3 @@ async def serve_compact(scope, receive, send) -> None:
         await JSONResponse(served.model_dump(), status_code=served.error.code)(scope, receive, send)
     else:  # it watches for the client leaving, and closes the stream then (vLLM aborts the request)
         await StreamingResponse(served, media_type="text/event-stream")(scope, receive, send)
-
-
-async def _body(receive) -> bytes:
-    body, more = b"", True
-    while more:
-        message = await receive()
-        body += message.get("body", b"")
-        more = message.get("more_body", False)
-    return body
