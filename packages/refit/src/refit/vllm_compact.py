@@ -4,18 +4,18 @@
 takes the body of vLLM 0.26's `POST /inference/v1/generate` and answers it streamed, always. vLLM's own
 request handling runs unchanged (`ServingTokens.serve_tokens`: the model or LoRA adapter, image features,
 the default `max_tokens`, request ids, refusals); only the events differ. vLLM's endpoint builds two
-pydantic objects per token's logprob and dumps them to JSON, which made its API server the bound of a
-sampling-heavy step (`bench/token_endpoint.py`: most of what a token's logprob costs that process). Here
-an event is one choice's new tokens:
+pydantic objects per token's logprob and dumps them to JSON: most of what a token's logprob costs the API
+server process (`bench/token_endpoint.py`), which was busy most of a sampling-heavy step on one H100.
+Here an event is one choice's new tokens:
 
     data: {"choices": [{"index": 0, "token_ids": [...], "token_logprobs": [...], "finish_reason": null}]}
 
 `token_logprobs`: the sampled tokens' logprobs (asked with `logprobs: 0`; clamped at -9999, and -9999
-where the engine gave none, as vLLM's endpoint does), absent when no logprob was asked. A choice also carries
-`routed_experts` (base64 `.npy`) where vLLM's would, and refit's middleware adds `weight_versions`. A
-request that fails mid-stream ends with vLLM's error event, then `data: [DONE]` as vLLM's endpoint does.
-Ask `flat_logprobs: true` as well: vLLM then keeps a request's logprobs in flat lists, not a dict and an
-object per token.
+where the engine gave none, as vLLM's endpoint does), absent when no logprob was asked. A choice also
+carries `routed_experts` (base64 `.npy`) where vLLM's would, and refit's middleware adds
+`weight_versions`. A request that fails mid-stream ends with vLLM's error event, then `data: [DONE]`, as
+vLLM's endpoint does. Ask `flat_logprobs: true` as well: vLLM then keeps a request's logprobs in flat
+lists, not a dict and an object per token.
 """
 
 from __future__ import annotations
