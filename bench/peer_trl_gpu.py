@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -359,11 +360,20 @@ def compile_caches(work: Path, row: dict, trainer: str) -> tuple[dict, str]:
     return {name: str(root / sub) for name, sub in dirs.items()}, state
 
 
+def code_digest() -> str:
+    """Which code a run ran: a digest of the workspace's library sources (`packages/*/src`, every `.py`),
+    kept in each record so that a report can tell runs of different code apart."""
+    root, digest = Path(__file__).resolve().parents[1], hashlib.sha256()
+    for path in sorted(root.glob("packages/*/src/**/*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def run_all(rows: list[dict], trainers: list[str], args: argparse.Namespace, data: dict, out: Path) -> None:
     """Each row's runs, trainers interleaved (molt 1, trl 1, molt 2, ...); the JSON written after each, the
     run's figures (`peer_trl_report.figures`) beside its steps."""
-    machine = machine_line(args.cuda)
-    print("machine:", machine, flush=True)
+    machine, code = machine_line(args.cuda), code_digest()
+    print("machine:", machine, "| workspace code", code, flush=True)
     for row in rows:
         for _ in range(args.runs):
             for trainer in trainers:
@@ -381,7 +391,7 @@ def run_all(rows: list[dict], trainers: list[str], args: argparse.Namespace, dat
                           f"{result['timed_out']}); its log ends:\n{result['log_tail']}")  # fmt: skip
                 when = datetime.now(UTC).isoformat(timespec="seconds")
                 record = dict(row=row["row"], trainer=trainer, run=run, seed=seed, when=when, machine=machine,
-                              caches=caches, settings=row, **result)  # fmt: skip
+                              code=code, caches=caches, settings=row, **result)  # fmt: skip
                 data["records"].append({**record, "figures": figures(record)})
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(data, indent=1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections import Counter
 from pathlib import Path
 
 WINDOW = 5  # steps: the threshold is met when the mean reward of the last WINDOW steps reaches it
@@ -205,6 +206,8 @@ def report(records: list[dict]) -> None:
             ]
             print(f"| {trainer} | " + " | ".join(cells) + " |")
             print(f"({trainer}: {by_caches(finished, threshold)})")
+            if trainer == "molt" and len(codes := Counter(r.get("code", "unrecorded") for r in runs)) > 1:
+                print(f"(molt: runs of {len(codes)} code versions: {dict(codes)}; --since keeps the newer)")
             if done:
                 means[trainer] = {k: statistics.mean(f[k] for f in done) for k in ("step_s", "tokens_per_s")}
             complete = [r for r in finished if len(r["steps"]) > 1]
