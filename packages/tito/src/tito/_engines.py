@@ -130,11 +130,12 @@ def _generation(reply: _Reply) -> Generation | None:
     if not reply.choices:
         return None
     choice = reply.choices[0]
+    logprobs = choice.token_logprobs  # the compact route's; vLLM's endpoint gives an object a token
+    if logprobs is None:
+        logprobs = [entry.logprob for entry in (choice.logprobs and choice.logprobs.content) or ()]
     return Generation(
         token_ids=choice.token_ids or [],
-        logprobs=[entry.logprob for entry in (choice.logprobs and choice.logprobs.content) or ()]
-        if choice.token_logprobs is None
-        else choice.token_logprobs,
+        logprobs=logprobs,
         spans=[(_version(s.version), s.start, s.end) for s in choice.weight_versions or ()],
         finish_reason=choice.finish_reason,
         routed_experts=choice.routed_experts,
