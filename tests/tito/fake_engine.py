@@ -3,8 +3,10 @@
 It stands in for a real engine only where a test must choose exactly which tokens are "sampled" (a
 reply that is not the canonical tokenization of its text, a well-formed tool call); everything else
 runs against a real vLLM server in test_real_engine.py. Replies follow the wire format of vLLM 0.26
-with refit's middleware: tokens, logprobs and weight-version spans per chunk (no stop reason). Images
-come as processed features, which a test's `render` hook makes (vLLM's `/v1/chat/completions/render`).
+with refit's middleware: tokens, logprobs and weight-version spans per chunk (no stop reason), also
+from the middleware's compact route (`POST /refit/generate`: always streamed, each logprob a bare float).
+Images come as processed features, which a test's `render` hook makes (vLLM's
+`/v1/chat/completions/render`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FakeEngine:
         self.script: list[list[int]] = []  # replies to give, in order; then a default reply
         self.prompts: list[list[int]] = []  # every prompt received
         self.requests: list[dict] = []  # every request body received
+        self.paths: list[str] = []  # the route of each
         self.render = None  # render body -> its reply (features of the images it was sent)
         self.rendered: list[dict] = []  # every render request body received
         self.route_shape: tuple[int, int] | None = None  # (layers, top_k): reply with MoE routes
@@ -72,10 +75,15 @@ class FakeEngine:
             self.rendered.append(body)
             return JSONResponse(self.render(body))
 
+        @app.post("/refit/generate")
+        async def compact(request: Request):
+            return await generate(request, compact=True)
+
         @app.post("/inference/v1/generate")
-        async def generate(request: Request):
+        async def generate(request: Request, compact: bool = False):
             body = await request.json()
             self.requests.append(body)
+            self.paths.append(request.url.path)
             if self.fail_next:
                 self.fail_next -= 1
                 return JSONResponse({"error": "engine overloaded"}, status_code=503)
@@ -85,16 +93,19 @@ class FakeEngine:
             routes = self.routes(body["token_ids"] + tokens, start) if self.route_shape else None
 
             def choice(ids, start, last):
+                logprobs = {"token_logprobs": [-0.5] * len(ids)} if compact else {
+                    "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]}
+                }  # fmt: skip
                 return {
                     "index": 0,
                     "token_ids": ids,
-                    "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]},
+                    **logprobs,
                     "finish_reason": finish if last else None,
                     "weight_versions": [{"version": self.version, "start": start, "end": start + len(ids)}],
                     "routed_experts": routes if last else None,
                 }
 
-            if not body.get("stream"):
+            if not body.get("stream") and not compact:
                 return JSONResponse({"choices": [choice(tokens, 0, True)]})
 
             async def events():

@@ -125,25 +125,30 @@ async def test_a_reply_streamed_from_the_engine_for_a_whole_turn_captures_what_o
     tiny_model_dir, fake_engine
 ):
     # `stream_replies`: the engine streams every reply and tito gathers the chunks (one a token here);
-    # tokens, logprobs, weight versions, finish and routes must come out as from the one whole reply.
+    # tokens, logprobs, weight versions, finish and routes must come out as from the one whole reply,
+    # also from refit's compact route (`compact_stream`: each logprob a bare float).
     fake_engine.route_shape, fake_engine.version = (2, 1), "7"
     captured = []
-    for stream_replies in (False, True):
+    for stream_replies, compact_stream in ((False, False), (True, False), (True, True)):
         fake_engine.script = [[21, 22, 23, 24]]
         transport = httpx.ASGITransport(app=fake_engine.app)
-        tito = Tito(
-            ["http://engine"], tiny_model_dir, engine_transport=transport, stream_replies=stream_replies
-        )
+        flags = {"stream_replies": stream_replies, "compact_stream": compact_stream}
+        tito = Tito(["http://engine"], tiny_model_dir, engine_transport=transport, **flags)
         session = tito.new_session()
         result = await tito.generate(session, [1, 2, 3], max_tokens=3)
-        assert fake_engine.requests[-1].get("stream", False) is stream_replies
+        asked, path = fake_engine.requests[-1], fake_engine.paths[-1]
+        assert asked.get("stream", False) is stream_replies
+        assert path == ("/refit/generate" if compact_stream else "/inference/v1/generate")
+        assert asked["sampling_params"].get("flat_logprobs", False) is compact_stream
         assert tito.router.engines[0].num_in_flight == 0
         (segment,) = session.capture.trajectory().segments
         captured.append((result, msgspec.to_builtins(segment)))
         await tito.aclose()
-    (whole, whole_segment), (streamed, streamed_segment) = captured
-    assert streamed.token_ids == whole.token_ids == [21, 22, 23]
-    assert streamed.logprobs == whole.logprobs and streamed.versions == whole.versions == [7] * 3
-    assert streamed.finish_reason == whole.finish_reason == "length"
-    assert streamed.routed_experts == whole.routed_experts is not None
-    assert streamed_segment == whole_segment
+    (whole, whole_segment), *streams = captured
+    for streamed, streamed_segment in streams:
+        assert streamed.token_ids == whole.token_ids == [21, 22, 23]
+        assert streamed.logprobs == whole.logprobs == [-0.5] * 3
+        assert streamed.versions == whole.versions == [7] * 3
+        assert streamed.finish_reason == whole.finish_reason == "length"
+        assert streamed.routed_experts == whole.routed_experts is not None
+        assert streamed_segment == whole_segment
