@@ -21,6 +21,7 @@ def test_the_rl_path_is_what_a_run_imports_and_not_what_a_user_picks_by_name():
     assert {
         "molt._cli", "molt.loop", "molt._actor", "molt._objective", "molt._lean", "rlestimators._losses",
         "asyncpool._pool", "tito._server", "refit._refit", "refit._names",  # the last: the engines' side
+        "refit.vllm_versions", "refit.vllm_compact",  # the middleware every engine's API server loads
     } <= names  # fmt: skip
     assert not {"molt.integrations", "molt.recipes", "tito._cli"} & names
 
