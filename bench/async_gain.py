@@ -98,7 +98,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
-from peer_trl_gpu import STEP_LINE, machine_line, wait_gpu_idle
+from peer_trl_gpu import STEP_LINE, code_digest, machine_line, wait_gpu_idle
 from peer_trl_report import mean_sd, reached
 
 from molt._flags import parse
@@ -247,7 +247,7 @@ def run_mode(mode: str, run: int, seed: int, args: argparse.Namespace, work: Pat
     ]  # fmt: skip
     return dict(
         mode=mode, run=run, seed=seed, when=datetime.now(UTC).isoformat(timespec="seconds"),
-        machine=machine_line(args.cuda), settings=settings, command=command[3:],
+        machine=machine_line(args.cuda), code=code_digest(), settings=settings, command=command[3:],
         wall_s=time.time() - launched, engine_idle=idle, no_token=no_token, run_cores=run_cores,
         machine_cores=machine_cores, steps=steps,
     )  # fmt: skip
@@ -298,6 +298,8 @@ def report(records: list[dict], threshold: float | None = None) -> None:
           f"{records[-1]['machine']}")  # fmt: skip
     if len(differing) > 1:
         print(f"note: the records' settings differ ({len(differing)} kinds); above: the last run's")
+    if len(codes := {r.get("code", "unrecorded") for r in records}) > 1:  # peer_trl_gpu.code_digest
+        print(f"note: the runs ran {len(codes)} versions of the workspace's code: {sorted(codes)}")
     modes = list(dict.fromkeys(r["mode"] for r in records))
     runs = {mode: [(r, figures(r, threshold)) for r in records if r["mode"] == mode] for mode in modes}
     n, k = s["steps"], s["last"]
