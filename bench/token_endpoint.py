@@ -31,7 +31,6 @@ import random
 import statistics
 import time
 
-import msgspec
 import vllm
 from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
     GenerateResponseStreamChoice,
@@ -39,8 +38,9 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (
 )
 from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
 from vllm.logprobs import Logprob, append_logprobs_for_next_position, create_sample_logprobs
+from vllm.outputs import CompletionOutput
 
-from refit.vllm_compact import sampled_logprobs
+from refit.vllm_compact import compact_event
 from refit.vllm_versions import _InFlight, _Labeller
 
 
@@ -79,33 +79,26 @@ def main() -> None:
     token_ids = [rng.randrange(151_936) for _ in range(args.tokens)]
     logprobs = [{t: Logprob(logprob=-rng.random(), rank=1, decoded_token=None)} for t in token_ids]
     with_lp, without_lp = event(token_ids, logprobs), event(token_ids, None)
-    flat = create_sample_logprobs(True)
-    for token_id, entry in zip(token_ids, logprobs, strict=True):
-        append_logprobs_for_next_position(flat, [token_id], [entry[token_id].logprob], [None], 1, 0)
-
-    def compact(asked: bool) -> bytes:
-        choice: dict = {"index": 0, "token_ids": token_ids, "finish_reason": None}
-        if asked:
-            choice["token_logprobs"] = sampled_logprobs(token_ids, flat)
-        return b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n"
-
-    compact_lp, compact_without = compact(True), compact(False)
-    labeller = _Labeller(_InFlight("default"), send=None)
 
     def processor(flat: bool):
-        def update() -> None:
-            kept = create_sample_logprobs(flat)
-            for token_id, entry in zip(token_ids, logprobs, strict=True):
-                append_logprobs_for_next_position(kept, [token_id], [entry[token_id].logprob], [None], 1, 0)
+        """The output processor's logprobs of one event's tokens, a dict a token or `flat`."""
+        kept = create_sample_logprobs(flat)
+        for token_id, entry in zip(token_ids, logprobs, strict=True):
+            append_logprobs_for_next_position(kept, [token_id], [entry[token_id].logprob], [None], 1, 0)
+        return kept
 
-        return update
-
+    output = CompletionOutput(0, "", token_ids, None, processor(flat=True))  # as the route gets it
+    compact_lp, compact_without = compact_event(output, logprobs=True), compact_event(output, logprobs=False)
+    labeller = _Labeller(_InFlight("default"), send=None)
     stages = {  # name -> (with logprobs, without)
-        "processor": (processor(flat=False), None),
-        "processor, flat_logprobs": (processor(flat=True), None),
+        "processor": (lambda: processor(flat=False), None),
+        "processor, flat_logprobs": (lambda: processor(flat=True), None),
         "endpoint": (lambda: event(token_ids, logprobs), lambda: event(token_ids, None)),
         "middleware": (lambda: labeller._events(with_lp), lambda: labeller._events(without_lp)),
-        "compact endpoint": (lambda: compact(True), lambda: compact(False)),
+        "compact endpoint": (
+            lambda: compact_event(output, logprobs=True),
+            lambda: compact_event(output, logprobs=False),
+        ),
         "middleware, compact": (
             lambda: labeller._events(compact_lp),
             lambda: labeller._events(compact_without),

@@ -34,6 +34,7 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateReque
 from vllm.entrypoints.scale_out.token_in_token_out.serving import ServingTokens
 from vllm.logger import init_logger
 from vllm.logprobs import FlatLogprobs
+from vllm.outputs import CompletionOutput
 
 from refit.vllm_versions import _read_body
 
@@ -60,27 +61,31 @@ class CompactTokens(ServingTokens):
             async for result in result_generator:
                 for output in result.outputs:
                     self._raise_if_error(output.finish_reason, request_id)
-                    if not output.token_ids:
-                        continue
-                    choice: dict = {
-                        "index": output.index,
-                        "token_ids": list(output.token_ids),
-                        "finish_reason": output.finish_reason,
-                    }
-                    if asked:
-                        assert output.logprobs is not None, "the engine sent no logprobs"
-                        choice["token_logprobs"] = sampled_logprobs(output.token_ids, output.logprobs)
-                    if output.routed_experts is not None:
-                        buffer = io.BytesIO()
-                        np.save(buffer, output.routed_experts)
-                        choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode("ascii")
-                    yield b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n"
+                    if output.token_ids:
+                        yield compact_event(output, logprobs=asked)
         except GenerationError as error:
             yield f"data: {self._convert_generation_error_to_streaming_response(error)}\n\n".encode()
         except Exception as error:  # vLLM's endpoint reports any other failure as an event too
             logger.exception("Error in compact token generation stream.")
             yield f"data: {self.create_streaming_error_response(error)}\n\n".encode()
         yield b"data: [DONE]\n\n"
+
+
+def compact_event(output: CompletionOutput, *, logprobs: bool) -> bytes:
+    """The SSE event of one choice's new tokens (module docstring); `logprobs`: the request asked them."""
+    choice: dict = {
+        "index": output.index,
+        "token_ids": list(output.token_ids),
+        "finish_reason": output.finish_reason,
+    }
+    if logprobs:
+        assert output.logprobs is not None, "the engine sent no logprobs"
+        choice["token_logprobs"] = sampled_logprobs(output.token_ids, output.logprobs)
+    if output.routed_experts is not None:
+        buffer = io.BytesIO()
+        np.save(buffer, output.routed_experts)
+        choice["routed_experts"] = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return b"data: " + msgspec.json.encode({"choices": [choice]}) + b"\n\n"
 
 
 def sampled_logprobs(token_ids, logprobs) -> list[float]:
