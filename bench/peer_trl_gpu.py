@@ -398,6 +398,18 @@ def run_all(rows: list[dict], trainers: list[str], args: argparse.Namespace, dat
                 wait_gpu_idle()
 
 
+def since_by_row(since: str) -> dict[int | None, str]:
+    """`--since`: one ISO time for every row (key None), or `ROW=TIME,...` for each row named."""
+    if "=" not in since:
+        return {None: since}
+    try:
+        return {int(row): when for row, when in (part.split("=", 1) for part in since.split(","))}
+    except ValueError:
+        raise SystemExit(
+            f"--since {since!r}: one ISO time, or ROW=TIME pairs: 1=2026-12-06,2=2026-12-06T07:00"
+        ) from None
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -415,7 +427,12 @@ def main() -> None:
     parser.add_argument("--out", default="", help="the JSON runs append to (WORK_DIR/results.json)")
     parser.add_argument("--plot", default="", help="also draw reward over wall-clock into this PNG")
     parser.add_argument("--report", action="store_true", help="only read --out: the table and --plot")
-    parser.add_argument("--since", default="", help="--report: only the runs from this ISO date or time on")
+    parser.add_argument(
+        "--since",
+        default="",
+        help="--report: only the runs from this ISO date or time on; "
+        "ROW=TIME,ROW=TIME gives each row its own",
+    )
     parser.add_argument("--plan", action="store_true", help="print settings and the estimate, run nothing")
     parser.add_argument("--prepare-only", action="store_true", help="write the rows' models, run nothing")
     parser.add_argument("--prepare-row", type=int, help=argparse.SUPPRESS)  # the process prepare() runs in
@@ -425,7 +442,8 @@ def main() -> None:
     args.smollm2 = args.smollm2 or str(work / "models" / "smollm2-135m")
     data = json.loads(out.read_text()) if out.is_file() else {"records": []}
     if args.report:  # --since: runs of the current code only, where a file holds older ones too
-        records = [r for r in data["records"] if r["when"] >= args.since]
+        since = since_by_row(args.since)
+        records = [r for r in data["records"] if r["when"] >= since.get(r["row"], since.get(None, ""))]
         if not records:
             raise SystemExit(f"{out}: no run from {args.since} on (its runs: {len(data['records'])})")
         print("what differs:\n" + "\n".join(f"- {a}" for a in ASYMMETRIES))
