@@ -5,8 +5,8 @@ metrics and files it writes, never the config itself. `test_molt_flags_act.py` r
 
 The production code runs as a run runs it; these stand in for what this machine cannot start cheaply:
 Ray (`fake_ray`: what `ray.remote(...)(cls).remote(...)` would start), an engine (`FakeEngine`, behind
-tito's httpx transport), W&B's service process, and in `loop_run` the actor groups (they record what each
-step gives them). Legend: B sequences, T tokens.
+tito's httpx transport), W&B's service process, NVIDIA's MPS control daemon (`fake_mps_control`), and in
+`loop_run` the actor groups (they record what each step gives them). Legend: B sequences, T tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import contextlib
 import datetime
 import itertools
 import json
+import os
+import subprocess
 import zlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -33,6 +35,7 @@ from molt._filters import GroupFilters
 from molt._launch import _model_dir, _start_ray, prompt_pool, start_extra_groups
 from molt._log import RunLog, StartupClock
 from molt._metrics import evaluate
+from molt._mps import mps_server, uses_mps
 from molt._objective import step_loss
 from molt._placement import compiles, extra_groups
 from molt._restarts import EngineRestarts
@@ -145,6 +148,40 @@ def restarts(config: Config, where: Path) -> tuple:
         return found.restarts, found.failure is not None
 
     return asyncio.run(notice())
+
+
+FAKE_MPS_CONTROL = """#!/bin/sh
+# What the run asks NVIDIA's MPS control daemon, written into its log directory: start (-d), or the
+# commands it reads (quit). The environment says which daemon (its pipe directory).
+if [ "$1" = "-d" ]; then
+  echo "-d $CUDA_MPS_PIPE_DIRECTORY" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
+  exit ${FAKE_MPS_EXIT:-0}
+fi
+echo "$(cat) $CUDA_MPS_PIPE_DIRECTORY" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
+"""
+
+
+def fake_mps_control(directory: Path) -> Path:
+    """A stand-in for `nvidia-cuda-mps-control` (the real one needs NVIDIA's driver) in `directory`, to
+    put first on PATH; `FAKE_MPS_EXIT` sets what its start (-d) exits with."""
+    directory.mkdir(parents=True, exist_ok=True)
+    control = directory / "nvidia-cuda-mps-control"
+    control.write_text(FAKE_MPS_CONTROL)
+    control.chmod(0o755)
+    return directory
+
+
+def mps(config: Config, where: Path) -> list[str]:
+    """What a run asks the MPS control daemon (`fake_mps_control` on PATH) before Ray and after it, and
+    the MPS variables a process started in between inherits; nothing where it starts no MPS server."""
+    if not uses_mps(config):
+        return []
+    with mps_server(where):
+        inherited = subprocess.run(["env"], capture_output=True, text=True, check=True).stdout.splitlines()
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+    lines = [line for line in inherited if line.startswith("CUDA_MPS_")]
+    lines += (where / "mps" / "calls").read_text().splitlines()
+    return sorted(line.replace(pipe, "<pipe>").replace(str(where.resolve()), "<run>") for line in lines)
 
 
 # --- what a run reads and writes ---

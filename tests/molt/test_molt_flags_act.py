@@ -13,6 +13,7 @@ when set without validation (`molt._flags.parse`).
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +131,7 @@ PROBES: dict[str, Probe] = {
     "vllm.gpu_memory_utilization": P(probes.engines, "0.5", cuda=True),
     "vllm.kv_cache_tokens": P(probes.engines, "65536", cuda=True),  # --kv-cache-memory-bytes
     "vllm.placement": P(probes.engines, "shared", cuda=True),
+    "vllm.mps": P(probes.mps, "on", "--vllm.placement", "shared", cuda=True),
     "rollout.group_size": P(probes.pool),
     "rollout.prompts_per_step": P(probes.loop_run, "3", *SMALL, part="steps"),
     "rollout.max_new_tokens": P(probes.episode, "", *MODEL, part="requests"),
@@ -251,10 +253,15 @@ _DEFAULTS: dict[tuple, object] = {}  # (probe, needs) -> what it sees of the run
 
 
 @pytest.fixture
-def machine(monkeypatch):
-    """A CPU machine, or (`machine(cuda=True)`) one with CUDA and GPUs for every part of a run."""
+def machine(monkeypatch, tmp_path):
+    """A CPU machine, or (`machine(cuda=True)`) one with CUDA, GPUs for every part of a run and NVIDIA's
+    driver utilities (a stand-in MPS control daemon)."""
 
     def pretend(cuda: bool) -> None:
+        if cuda:
+            monkeypatch.setenv(
+                "PATH", f"{probes.fake_mps_control(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"
+            )
         monkeypatch.setattr(molt._validate, "_on_gpu", lambda: cuda)
         monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 64 if cuda else 0)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)

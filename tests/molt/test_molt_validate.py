@@ -55,6 +55,7 @@ def _refused(args: list[str], flags: list[str]) -> None:
             id="partial-rollout-without-correction",
         ),
         pytest.param(["--train.routing_replay"], ["--train.routing_replay", "GPU model runner"], id="replay"),
+        pytest.param(["--vllm.mps", "on"], ["--vllm.mps", "needs CUDA"], id="mps"),
         pytest.param(
             ["--vllm.tensor_parallel_size", "2"], ["--vllm.tensor_parallel_size", "CUDA"], id="engine-tp"
         ),

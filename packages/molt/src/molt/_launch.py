@@ -29,6 +29,7 @@ from molt._filters import GroupFilters
 from molt._group import PolicyGroup
 from molt._log import RunLog, StartupClock, allow_bytecode, progress, quiet_console
 from molt._metrics import sampled_tokens
+from molt._mps import mps_server, uses_mps
 from molt._placement import compute_dtype_name, engine_starts_first, extra_groups
 from molt._restarts import EngineRestarts
 from molt._rollout import RolloutRunner, sampling
@@ -67,6 +68,9 @@ def launch(config: Config, *, resume: bool = False) -> None:
         if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
             progress(f"note: {overlap}")
         clock.end("driver")
+        if uses_mps(config):  # before Ray: every process it starts inherits the server's address
+            cleanup.enter_context(mps_server(run_dir))
+            progress(f"the engine and the actor share the GPU under MPS (its logs: {run_dir}/mps)")
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)
             config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)

@@ -27,6 +27,7 @@ from molt._bounds import check_bounds, field_value, leaves
 from molt._checks import check_agent, check_algorithm, check_pairs, check_paths, loss_denominator, on_policy
 from molt._checks_model import check_companions, check_model, why_not_packed
 from molt._config_algo import kl_kind
+from molt._mps import check_mps
 from molt._placement import (
     compiles,
     compute_dtype_name,
@@ -52,6 +53,7 @@ _CUDA_ONLY = {
     "fsdp.ep_size": "the CPU actor runs FSDP2 data parallelism only (EP needs AutoModel's CUDA loader)",
     "train.routing_replay": "vLLM captures routed experts in its GPU model runner only (use "
     "--actor.freeze_moe_router on a CPU)",
+    "vllm.mps": "MPS runs CUDA kernels of several processes side by side on one GPU",
 }
 
 
@@ -80,6 +82,7 @@ def validate(config: Config) -> Config:
     _check_machine(config)
     if _on_gpu() and not config.ray.address:  # a joined cluster's GPUs are counted once joined
         config = resolve_placement(config, _local_gpus())
+    check_mps(config)
     check_model(config, config.model.path)
     check_companions(config)
     check_agent(config)

@@ -221,6 +221,11 @@ class VLLM(_Group):
     placement: Literal["auto", "shared", "separate"] = "auto"
     """GPUs: separate = each engine and actor rank on its own (NCCL refit); shared = the engine and the actor
     on one GPU (CUDA IPC refit); auto = shared when a local Ray has too few GPUs for separate."""
+    mps: Literal["auto", "on", "off"] = "off"
+    """A shared GPU's processes (engine and actor) as clients of a CUDA MPS server the run starts for
+    itself (NVIDIA's nvidia-cuda-mps-control): their kernels run side by side instead of taking turns in
+    time slices. on = needs --vllm.placement shared (or auto deciding it) and the MPS binary on PATH;
+    auto = on where both hold; off = the processes take turns, as without MPS."""
 
 
 class Rollout(_Group):

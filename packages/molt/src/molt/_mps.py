@@ -1,0 +1,90 @@
+"""A CUDA MPS server of the run's own, for an engine and an actor that share one GPU (`--vllm.mps`).
+
+Without MPS the processes on one GPU take turns: each gets time slices in which its kernels alone run, so
+the engine's decoding (bound by memory bandwidth, few thread blocks at a time) and the actor's matmuls
+(bound by arithmetic) add up instead of overlapping. As clients of one MPS server, their kernels run on
+the GPU's multiprocessors at the same time. The run starts its own control daemon with a pipe directory of
+its own, so it neither needs nor touches a daemon the machine may run already, puts that directory in its
+environment before Ray starts (Ray's workers, the engines' servers and the actor ranks inherit it), and
+quits the daemon when the run ends. It changes no GPU setting (the compute mode stays as it is). The
+daemon's and server's logs go to `<run_dir>/mps/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from molt.config import Config, ConfigError
+
+CONTROL = "nvidia-cuda-mps-control"  # ships with NVIDIA's driver utilities, beside nvidia-smi
+
+
+def uses_mps(config: Config) -> bool:
+    """Whether the run starts an MPS server: --vllm.mps on, or auto where the engine molt starts shares the
+    actor's GPU and the control binary is on PATH (call once the placement is decided)."""
+    vllm = config.vllm
+    shared = vllm.placement == "shared" and not vllm.urls
+    return vllm.mps == "on" or (vllm.mps == "auto" and shared and shutil.which(CONTROL) is not None)
+
+
+def check_mps(config: Config) -> None:
+    """Refuses --vllm.mps on where it cannot act; call once a local run's placement is decided."""
+    vllm = config.vllm
+    if vllm.mps != "on":
+        return
+    if config.ray.address:
+        raise ConfigError(
+            "--vllm.mps on starts an MPS server for the processes a local Ray starts, and --ray.address "
+            "joins a cluster whose Ray starts them: drop one of the two"
+        )
+    if vllm.placement != "shared":
+        raise ConfigError(
+            f"--vllm.mps on lets the engine and the actor share one GPU, and this run gives them GPUs of "
+            f"their own (--vllm.placement {vllm.placement}): pass --vllm.placement shared, or drop --vllm.mps"
+        )
+    if shutil.which(CONTROL) is None:
+        raise ConfigError(
+            f"--vllm.mps on needs NVIDIA's {CONTROL} on PATH (it ships with the driver's utilities, beside "
+            "nvidia-smi), and none is found: add its folder to PATH, or drop --vllm.mps"
+        )
+
+
+@contextlib.contextmanager
+def mps_server(run_dir: Path) -> Iterator[None]:
+    """While open, every CUDA process this one starts from now on (Ray, and all Ray starts) is a client of
+    a fresh MPS control daemon's server; on exit the daemon quits and the environment is as it was."""
+    control = shutil.which(CONTROL)
+    assert control, "validate refuses --vllm.mps on without the control binary"
+    pipe = Path(tempfile.mkdtemp(prefix="molt-mps-"))  # the daemon's sockets: a short path, theirs alone
+    logs = (run_dir / "mps").resolve()
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    daemon = [control, "-d"]
+    started = subprocess.run(daemon, env=os.environ | env, capture_output=True, text=True, timeout=60)
+    if started.returncode:
+        shutil.rmtree(pipe, ignore_errors=True)
+        raise RuntimeError(
+            f"{control} -d failed ({started.returncode}: {(started.stdout + started.stderr).strip()}); its "
+            f"log is in {logs}; pass --vllm.mps off to share the GPU without MPS"
+        )
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        # The daemon stops its server once the clients are gone (the engines and actors stopped first); a
+        # client left behind keeps it waiting, and it is not this run's to kill.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([control], input=b"quit\n", env=os.environ | env, capture_output=True, timeout=60)
+        shutil.rmtree(pipe, ignore_errors=True)
