@@ -433,6 +433,7 @@ def main() -> None:
         help="--report: only the runs from this ISO date or time on; "
         "ROW=TIME,ROW=TIME gives each row its own",
     )
+    parser.add_argument("--until", default="", help="--report: only the runs before this ISO date or time")
     parser.add_argument("--plan", action="store_true", help="print settings and the estimate, run nothing")
     parser.add_argument("--prepare-only", action="store_true", help="write the rows' models, run nothing")
     parser.add_argument("--prepare-row", type=int, help=argparse.SUPPRESS)  # the process prepare() runs in
@@ -444,6 +445,7 @@ def main() -> None:
     if args.report:  # --since: runs of the current code only, where a file holds older ones too
         since = since_by_row(args.since)
         records = [r for r in data["records"] if r["when"] >= since.get(r["row"], since.get(None, ""))]
+        records = [r for r in records if not args.until or r["when"] < args.until]
         if not records:
             raise SystemExit(f"{out}: no run from {args.since} on (its runs: {len(data['records'])})")
         print("what differs:\n" + "\n".join(f"- {a}" for a in ASYMMETRIES))
