@@ -130,8 +130,9 @@ if __name__ == "__main__":
 
 @pytest.mark.gpu
 @pytest.mark.skipif(shutil.which(CONTROL) is None, reason=f"needs NVIDIA's {CONTROL}")
-def test_cuda_processes_started_inside_are_clients_of_the_real_server_and_share_memory(tmp_path):
-    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # as the actor allocates
+@pytest.mark.parametrize("allocator", ["expandable_segments:True", ""], ids=["as-the-actor", "torch-default"])
+def test_cuda_processes_started_inside_are_clients_of_the_real_server_and_share_memory(allocator, tmp_path):
+    env = {"PYTORCH_CUDA_ALLOC_CONF": allocator}  # the actor's (`molt._group.worker_env`), and torch's own
     with mps_server(tmp_path):
         shared = subprocess.run([sys.executable, "-c", SHARE], env=os.environ | env, capture_output=True,
                                 text=True, timeout=300)  # fmt: skip
