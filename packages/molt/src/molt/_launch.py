@@ -60,13 +60,6 @@ def launch(config: Config, *, resume: bool = False) -> None:
     with contextlib.ExitStack() as cleanup:
         cleanup.enter_context(quiet_console(run_dir / "molt.log", verbose=config.logger.verbose))
         allow_bytecode()  # before any process starts: they all inherit it
-        for note in start_notes(config):
-            progress(f"note: {note}")
-        agent_module = load_agent(config.agent.module)
-        rows = RowStream(read_rows(config, agent_module), skip=state.consumed_rows if state else [])
-        evaluation = eval_rows(config, agent_module) if config.eval.every else []
-        if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
-            progress(f"note: {overlap}")
         clock.end("driver")
         if uses_mps(config):  # before Ray: every process it starts inherits the server's address
             cleanup.enter_context(mps_server(run_dir))
@@ -98,6 +91,14 @@ def launch(config: Config, *, resume: bool = False) -> None:
         hosts, hosts_ready = launch_hosts(
             config.agent.module, config.agent.num_runners, log_prefix=logs and f"{logs}/agents"
         )
+        # While they load (seconds: the notes import transformers): what this process says and reads.
+        for note in start_notes(config):
+            progress(f"note: {note}")
+        agent_module = load_agent(config.agent.module)  # checked by `validate`
+        rows = RowStream(read_rows(config, agent_module), skip=state.consumed_rows if state else [])
+        evaluation = eval_rows(config, agent_module) if config.eval.every else []
+        if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
+            progress(f"note: {overlap}")
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
         clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
         if checkpoint is not None:

@@ -164,8 +164,8 @@ def _process_started() -> float:
 
 class StartupClock:
     """Seconds per start-up stage (insertion order), counted from the command's start. The first stage,
-    "driver", runs from the command's start until it is ended (`molt train`: the imports, the checks,
-    the agent module and its rows, before Ray starts)."""
+    "driver", runs from the command's start until it is ended (`molt train`: the imports and the checks,
+    before Ray starts; the run's notes, its agent module and rows are read while the engines load)."""
 
     def __init__(self) -> None:
         self.origin = _process_started()
