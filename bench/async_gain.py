@@ -99,7 +99,7 @@ from pathlib import Path
 
 import psutil
 from peer_trl_gpu import STEP_LINE, code_digest, machine_line, wait_gpu_idle
-from peer_trl_report import mean_sd, reached
+from peer_trl_report import mean_sd, plot, reached
 
 from molt._flags import parse
 
@@ -287,6 +287,16 @@ def load() -> str:
     return ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def plot_runs(records: list[dict], path: str, threshold: float | None = None) -> None:
+    """Every run's reward against seconds since launch and against step, a colour a mode, the threshold
+    dotted (`peer_trl_report.plot`'s panels)."""
+    s = records[-1]["settings"]
+    name = f"{s['task']} + a lognormal {s['tool_mean_s']:g} s tool"
+    threshold = s["threshold"] if threshold is None else threshold
+    settings = {"threshold": threshold, "name": name}
+    plot([{"row": 3, "trainer": r["mode"], "steps": r["steps"], "settings": settings} for r in records], path)
+
+
 def report(records: list[dict], threshold: float | None = None) -> None:
     """The tables over `records`, a mode a line (mean ± s.d. over its runs), and each mode against sync."""
     s = records[-1]["settings"]
@@ -363,6 +373,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="runs of each mode, interleaved")
     parser.add_argument("--out", default="", help="the JSON runs append to; empty = none kept")
     parser.add_argument("--report", action="store_true", help="only read --out and print the tables")
+    parser.add_argument("--plot", default="", help="also draw reward over wall-clock and steps into this PNG")
     parser.add_argument("--work-dir", default="", help="where the runs go; empty = a temporary directory")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -372,7 +383,8 @@ def main() -> None:
     if args.report:
         if not data["records"]:
             raise SystemExit(f"--report: no runs in {args.out or '(no --out given)'}")
-        return report(data["records"], args.threshold)
+        report(data["records"], args.threshold)
+        return plot_runs(data["records"], args.plot, args.threshold) if args.plot else None
     if args.steps < 3 or not 1 <= args.last <= args.steps or args.runs < 1:
         raise ValueError("--steps must be >= 3, --last must lie in 1..--steps and --runs be >= 1")
     modes = args.modes.split(",")
@@ -398,6 +410,8 @@ def main() -> None:
                     wait_gpu_idle()
         print("machine after:", machine_line(args.cuda))
     report(data["records"] if out else records)
+    if args.plot:
+        plot_runs(data["records"] if out else records, args.plot, args.threshold)
 
 
 if __name__ == "__main__":

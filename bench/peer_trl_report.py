@@ -287,7 +287,7 @@ def plot(records: list[dict], path: str | Path) -> None:
 
     numbers = sorted({r["row"] for r in records})
     fig, axes = plt.subplots(len(numbers), 2, figsize=(11, 3.6 * len(numbers)), squeeze=False)
-    colours = {"molt": "tab:blue", "trl": "tab:orange"}
+    colours = {"molt": "tab:blue", "trl": "tab:orange", "async": "tab:blue", "sync": "tab:grey"}  # async_gain
     for (by_time, by_step), number in zip(axes, numbers, strict=True):
         settings = next(r["settings"] for r in records if r["row"] == number)
         learns, labelled = settings["threshold"] is not None, set()
