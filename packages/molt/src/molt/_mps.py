@@ -7,7 +7,9 @@ the GPU's multiprocessors at the same time. The run starts its own control daemo
 its own, so it neither needs nor touches a daemon the machine may run already, puts that directory in its
 environment before Ray starts (Ray's workers, the engines' servers and the actor ranks inherit it), and
 quits the daemon when the run ends. It changes no GPU setting (the compute mode stays as it is). The
-daemon's and server's logs go to `<run_dir>/mps/`.
+daemon's and server's logs go to `<run_dir>/mps/`. The price is MPS's containment: a fatal GPU fault in
+one client (an illegal address, say) ends every client of the server, so an engine that dies that way
+takes the actor with it, and the run stops instead of restarting the engine.
 """
 
 from __future__ import annotations
