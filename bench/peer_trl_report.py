@@ -93,8 +93,8 @@ def settings_table(row: dict, molt_flags: list[str], t: dict) -> list[str]:
         ("importance correction", f"{m.algo.correction.mode}, cap {m.algo.correction.token_cap}",
          f"{t.get('vllm_importance_sampling_mode', 'none')}, "
          f"cap {t.get('vllm_importance_sampling_clip_max', '-')}"),
-        ("engine", f"vLLM server, placement {m.vllm.placement}, memory {engine_memory}, max_num_seqs "
-         f"{engine_max_num_seqs(m) or 'vLLM default'}, max_num_batched_tokens vLLM's",
+        ("engine", f"vLLM server, placement {m.vllm.placement} (MPS {m.vllm.mps}), memory {engine_memory}, "
+         f"max_num_seqs {engine_max_num_seqs(m) or 'vLLM default'}, max_num_batched_tokens vLLM's",
          f"vLLM colocate in-process, memory {t['vllm_gpu_memory_utilization']}, max_num_seqs "
          f"{t['per_device_train_batch_size'] * spg}, max_num_batched_tokens 4096" if t.get("use_vllm")
          else "generate"),
