@@ -152,12 +152,18 @@ def restarts(config: Config, where: Path) -> tuple:
 
 FAKE_MPS_CONTROL = """#!/bin/sh
 # What the run asks NVIDIA's MPS control daemon, written into its log directory: start (-d), or the
-# commands it reads (quit). The environment says which daemon (its pipe directory).
+# command it reads (quit, get_server_list, get_client_list SERVER), answered from FAKE_MPS_SERVERS and
+# FAKE_MPS_CLIENTS. The environment says which daemon (its pipe directory).
 if [ "$1" = "-d" ]; then
   echo "-d $CUDA_MPS_PIPE_DIRECTORY" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
   exit ${FAKE_MPS_EXIT:-0}
 fi
-echo "$(cat) $CUDA_MPS_PIPE_DIRECTORY" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
+command=$(cat)
+echo "$command $CUDA_MPS_PIPE_DIRECTORY" >> "$CUDA_MPS_LOG_DIRECTORY/calls"
+case "$command" in
+  get_server_list) for pid in ${FAKE_MPS_SERVERS-4242}; do echo $pid; done ;;
+  get_client_list*) for pid in ${FAKE_MPS_CLIENTS-101 102}; do echo $pid; done ;;
+esac
 """
 
 

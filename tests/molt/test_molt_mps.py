@@ -18,7 +18,7 @@ import pytest
 
 import molt._validate
 from molt._flags import resolve
-from molt._mps import CONTROL, mps_server, uses_mps
+from molt._mps import CONTROL, mps_report, mps_server, uses_mps
 from molt.config import ConfigError
 
 
@@ -55,6 +55,17 @@ def test_processes_started_while_it_is_open_are_its_clients_and_it_quits_after(
     assert not pipe.exists()
     assert os.environ["CUDA_MPS_LOG_DIRECTORY"] == "/the/user/s/own"
     assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+
+
+def test_the_report_counts_the_servers_clients_and_says_when_there_are_none(control, tmp_path, monkeypatch):
+    with mps_server(tmp_path):
+        pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+        monkeypatch.setenv("FAKE_MPS_CLIENTS", "101 102 103")
+        assert mps_report(tmp_path).startswith("3 processes share the GPU under MPS (server 4242)")
+        monkeypatch.setenv("FAKE_MPS_CLIENTS", "")  # every process outside the server
+        assert mps_report(tmp_path).startswith("note: no process is a client of the run's MPS server")
+    asked = [f"get_server_list {pipe}", f"get_client_list 4242 {pipe}"]
+    assert _calls(tmp_path) == [f"-d {pipe}", *asked, *asked, f"quit {pipe}"]
 
 
 def test_a_daemon_that_does_not_start_stops_the_run_naming_its_log_and_the_way_out(

@@ -29,7 +29,7 @@ from molt._filters import GroupFilters
 from molt._group import PolicyGroup
 from molt._log import RunLog, StartupClock, allow_bytecode, progress, quiet_console
 from molt._metrics import sampled_tokens
-from molt._mps import mps_server, uses_mps
+from molt._mps import mps_report, mps_server, uses_mps
 from molt._placement import compute_dtype_name, engine_starts_first, extra_groups
 from molt._restarts import EngineRestarts
 from molt._rollout import RolloutRunner, sampling
@@ -101,6 +101,8 @@ def launch(config: Config, *, resume: bool = False) -> None:
             progress(f"note: {overlap}")
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
         clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
+        if uses_mps(config):
+            progress(mps_report(run_dir))
         if checkpoint is not None:
             policy.load(checkpoint)
             if groups.get("critic"):

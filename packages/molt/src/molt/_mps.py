@@ -57,6 +57,30 @@ def check_mps(config: Config) -> None:
         )
 
 
+def mps_report(run_dir: Path) -> str:
+    """A line on the run's MPS server (call inside `mps_server`, once the engines and actors are up): how
+    many processes are its clients, as its control daemon lists them. None means they all run outside it
+    and take turns on the GPU, as without MPS."""
+    servers = _control("get_server_list").split()
+    clients = [pid for server in servers for pid in _control(f"get_client_list {server}").split()]
+    if not clients:
+        return (
+            f"note: no process is a client of the run's MPS server (its logs: {run_dir}/mps): they take turns"
+        )
+    return f"{len(clients)} processes share the GPU under MPS (server {', '.join(servers)})"
+
+
+def _control(command: str, env: dict[str, str] | None = None) -> str:
+    """What the control daemon of `env` (else this process's environment) answers `command` (nothing where
+    it fails: a daemon that is gone lists no server)."""
+    control = shutil.which(CONTROL)
+    assert control, "validate refuses --vllm.mps on without the control binary"
+    answer = subprocess.run(
+        [control], input=f"{command}\n", env=env, capture_output=True, text=True, timeout=60
+    )
+    return answer.stdout if answer.returncode == 0 else ""
+
+
 @contextlib.contextmanager
 def mps_server(run_dir: Path) -> Iterator[None]:
     """While open, every CUDA process this one starts from now on (Ray, and all Ray starts) is a client of
@@ -88,5 +112,5 @@ def mps_server(run_dir: Path) -> Iterator[None]:
         # The daemon stops its server once the clients are gone (the engines and actors stopped first); a
         # client left behind keeps it waiting, and it is not this run's to kill.
         with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run([control], input=b"quit\n", env=os.environ | env, capture_output=True, timeout=60)
+            _control("quit", os.environ | env)
         shutil.rmtree(pipe, ignore_errors=True)
