@@ -279,11 +279,13 @@ def test_a_restarted_engine_takes_the_dead_ones_place_once_its_owner_says_it_ser
     from tito import EngineUnavailable
     from tito._engines import Router
 
-    router = Router(["http://old"], transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+    answer = httpx.MockTransport(lambda request: httpx.Response(200))
+    router = Router(["http://old"], transport=answer, stream_replies=True, compact_stream=True)
     dead = router.assign()
     dead.alive = False
     back = router.replace(dead, "http://new")
     assert router.engines == [back] and back.url == "http://new" and back.num_sessions == 0
+    assert back.stream_replies and back.stream_url == "http://new/refit/generate"  # spoken to as the old one
     with pytest.raises(EngineUnavailable, match="no engine is answering"):
         router.assign()
     back.alive = True

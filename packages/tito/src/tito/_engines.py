@@ -336,8 +336,9 @@ class Router:
         if not urls:
             raise ValueError("tito needs at least one engine URL")
         self.wire = Http1Wire(timeout) if transport is None else _HttpxWire(timeout, transport)
-        flags = {"stream_replies": stream_replies, "compact_stream": compact_stream}
-        self.engines = [Engine(url, self.wire, model, **flags) for url in urls]
+        # every engine's, a restarted one's too (`replace`)
+        self.engine_flags = {"stream_replies": stream_replies, "compact_stream": compact_stream}
+        self.engines = [Engine(url, self.wire, model, **self.engine_flags) for url in urls]
 
     def assign(self) -> Engine:
         live = [engine for engine in self.engines if engine.alive]
@@ -354,8 +355,7 @@ class Router:
         """A restarted engine, at `url`, takes `engine`'s place. It takes no session until its owner marks
         it `alive` (once it serves the current weights); the sessions bound to the old one stay bound to
         it, and fail."""
-        flags = {"stream_replies": engine.stream_replies, "compact_stream": engine.compact_stream}
-        new = Engine(url, self.wire, engine.model, **flags)
+        new = Engine(url, self.wire, engine.model, **self.engine_flags)
         new.alive = False
         self.engines[self.engines.index(engine)] = new
         return new
