@@ -61,7 +61,8 @@ def launch(config: Config, *, resume: bool = False) -> None:
         cleanup.enter_context(quiet_console(run_dir / "molt.log", verbose=config.logger.verbose))
         allow_bytecode()  # before any process starts: they all inherit it
         clock.end("driver")
-        if uses_mps(config):  # before Ray: every process it starts inherits the server's address
+        mps = uses_mps(config)  # auto: decided once, where the placement was
+        if mps:  # before Ray: every process it starts inherits the server's address
             cleanup.enter_context(mps_server(run_dir))
             progress(f"the engine and the actor share the GPU under MPS (its logs: {run_dir}/mps)")
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
@@ -101,7 +102,7 @@ def launch(config: Config, *, resume: bool = False) -> None:
             progress(f"note: {overlap}")
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
         clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
-        if uses_mps(config):
+        if mps:
             progress(mps_report(run_dir))
         if checkpoint is not None:
             policy.load(checkpoint)
