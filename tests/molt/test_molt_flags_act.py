@@ -131,7 +131,7 @@ PROBES: dict[str, Probe] = {
     "vllm.gpu_memory_utilization": P(probes.engines, "0.5", cuda=True),
     "vllm.kv_cache_tokens": P(probes.engines, "65536", cuda=True),  # --kv-cache-memory-bytes
     "vllm.placement": P(probes.engines, "shared", cuda=True),
-    "vllm.mps": P(probes.mps, "on", "--vllm.placement", "shared", cuda=True),
+    "vllm.mps": P(probes.mps, "off", "--vllm.placement", "shared", cuda=True),
     "rollout.group_size": P(probes.pool),
     "rollout.prompts_per_step": P(probes.loop_run, "3", *SMALL, part="steps"),
     "rollout.max_new_tokens": P(probes.episode, "", *MODEL, part="requests"),

@@ -16,6 +16,7 @@ from pathlib import Path
 import molt_probes as probes
 import pytest
 
+import molt._mps
 import molt._validate
 from molt._flags import resolve
 from molt._mps import CONTROL, mps_report, mps_server, uses_mps
@@ -83,13 +84,48 @@ def test_a_daemon_that_does_not_start_stops_the_run_naming_its_log_and_the_way_o
     assert not list(tmp_path.glob("molt-mps-*"))
 
 
-def test_auto_starts_one_where_the_engine_shares_the_actors_gpu_and_the_daemon_is_there(with_cuda, control):
-    assert resolve(["--vllm.mps", "auto"]).vllm.placement == "shared"
-    assert uses_mps(resolve(["--vllm.mps", "auto"]))
-    assert not uses_mps(resolve([]))  # off by default
+def test_a_daemon_that_does_not_start_under_auto_is_noted_and_the_run_goes_on_without(
+    control, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("FAKE_MPS_EXIT", "3")
+    before = dict(os.environ)
+    with mps_server(tmp_path, required=False) as running:
+        assert not running and dict(os.environ) == before  # no server: its clients' variables unset
+    said = capsys.readouterr().err
+    assert "note: " in said and f"{CONTROL} -d failed (3" in said and "take turns" in said
+    assert str(tmp_path / "mps") in said  # where its log is
+    assert [call.split()[0] for call in _calls(tmp_path)] == ["-d"]  # asked to start, never to quit
+
+
+def test_auto_starts_one_where_the_engine_shares_the_actors_gpu_and_the_daemon_is_there(
+    with_cuda, control, monkeypatch
+):
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", "/nowhere")  # no daemon of the machine's own
+    assert resolve([]).vllm.placement == "shared"
+    assert uses_mps(resolve([]))  # auto by default
+    assert not uses_mps(resolve(["--vllm.mps", "off"]))
+
+
+def test_auto_starts_none_where_the_runs_processes_are_clients_of_a_server_already(
+    with_cuda, control, monkeypatch, tmp_path
+):
+    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", "/nowhere")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/the/user/s/own")
+    assert not uses_mps(resolve([]))
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    assert uses_mps(resolve([]))
+    (tmp_path / "machine").mkdir()
+    (tmp_path / "machine" / "control").touch()  # the machine's daemon, at CUDA's default pipe directory
+    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", str(tmp_path / "machine"))
+    assert not uses_mps(resolve([]))
+    assert uses_mps(resolve(["--vllm.mps", "on"]))  # asked for: a server of the run's own
 
 
 def test_auto_starts_none_for_gpus_of_their_own_or_without_the_daemon(with_cuda, control, monkeypatch):
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", "/nowhere")
+    assert not uses_mps(resolve(["--vllm.placement", "shared", "--ray.address", "head:6379"]))
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 2)  # auto places them apart
     assert resolve(["--vllm.mps", "auto"]).vllm.placement == "separate"
     assert not uses_mps(resolve(["--vllm.mps", "auto"]))
@@ -134,7 +170,7 @@ if __name__ == "__main__":
     child.start()
     sent = torch.arange(1024, device="cuda", dtype=torch.float32)
     queue.put(sent)  # over CUDA IPC, as a refit on a shared GPU hands the engine its buckets
-    print(done.get(timeout=120))
+    print(done.get(timeout=60))
     child.join()
 """
 
@@ -144,8 +180,10 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("allocator", ["expandable_segments:True", ""], ids=["as-the-actor", "torch-default"])
 def test_cuda_processes_started_inside_are_clients_of_the_real_server_and_share_memory(allocator, tmp_path):
     env = {"PYTORCH_CUDA_ALLOC_CONF": allocator}  # the actor's (`molt._group.worker_env`), and torch's own
+    script = tmp_path / "share.py"  # a file: a spawned child imports its `receive` from it
+    script.write_text(SHARE)
     with mps_server(tmp_path):
-        shared = subprocess.run([sys.executable, "-c", SHARE], env=os.environ | env, capture_output=True,
+        shared = subprocess.run([sys.executable, str(script)], env=os.environ | env, capture_output=True,
                                 text=True, timeout=300)  # fmt: skip
     assert shared.returncode == 0, shared.stderr[-3000:]
     assert float(shared.stdout.split()[-1]) == sum(range(1024))

@@ -63,7 +63,8 @@ def launch(config: Config, *, resume: bool = False) -> None:
         clock.end("driver")
         mps = uses_mps(config)  # auto: decided once, where the placement was
         if mps:  # before Ray: every process it starts inherits the server's address
-            cleanup.enter_context(mps_server(run_dir))
+            mps = cleanup.enter_context(mps_server(run_dir, required=config.vllm.mps == "on"))
+        if mps:
             progress(f"the engine and the actor share the GPU under MPS (its logs: {run_dir}/mps)")
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)

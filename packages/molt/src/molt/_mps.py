@@ -22,17 +22,28 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from molt._log import progress
 from molt.config import Config, ConfigError
 
 CONTROL = "nvidia-cuda-mps-control"  # ships with NVIDIA's driver utilities, beside nvidia-smi
+DEFAULT_PIPE = "/tmp/nvidia-mps"  # where CUDA looks for a server when CUDA_MPS_PIPE_DIRECTORY is unset
 
 
 def uses_mps(config: Config) -> bool:
     """Whether the run starts an MPS server: --vllm.mps on, or auto where the engine molt starts shares the
-    actor's GPU and the control binary is on PATH (call once the placement is decided)."""
+    actor's GPU on a local Ray, the control binary is on PATH and the run's processes are not clients of
+    an MPS server already (call once the placement is decided)."""
     vllm = config.vllm
-    shared = vllm.placement == "shared" and not vllm.urls
-    return vllm.mps == "on" or (vllm.mps == "auto" and shared and shutil.which(CONTROL) is not None)
+    if vllm.mps != "auto":
+        return vllm.mps == "on"
+    shared = vllm.placement == "shared" and not vllm.urls and not config.ray.address
+    return shared and shutil.which(CONTROL) is not None and not _under_mps()
+
+
+def _under_mps() -> bool:
+    """Whether a CUDA process started here would be a client of an MPS server already: one named by the
+    environment, or a daemon at the default pipe directory (the machine's own)."""
+    return bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")) or Path(DEFAULT_PIPE, "control").exists()
 
 
 def check_mps(config: Config) -> None:
@@ -82,9 +93,11 @@ def _control(command: str, env: dict[str, str] | None = None) -> str:
 
 
 @contextlib.contextmanager
-def mps_server(run_dir: Path) -> Iterator[None]:
+def mps_server(run_dir: Path, *, required: bool = True) -> Iterator[bool]:
     """While open, every CUDA process this one starts from now on (Ray, and all Ray starts) is a client of
-    a fresh MPS control daemon's server; on exit the daemon quits and the environment is as it was."""
+    a fresh MPS control daemon's server; on exit the daemon quits and the environment is as it was. Yields
+    whether it runs: a daemon that fails to start stops the run when `required` (--vllm.mps on), else it
+    is noted and the processes take turns (auto)."""
     control = shutil.which(CONTROL)
     assert control, "validate refuses --vllm.mps on without the control binary"
     pipe = Path(tempfile.mkdtemp(prefix="molt-mps-"))  # the daemon's sockets: a short path, theirs alone
@@ -95,14 +108,18 @@ def mps_server(run_dir: Path) -> Iterator[None]:
     started = subprocess.run(daemon, env=os.environ | env, capture_output=True, text=True, timeout=60)
     if started.returncode:
         shutil.rmtree(pipe, ignore_errors=True)
-        raise RuntimeError(
-            f"{control} -d failed ({started.returncode}: {(started.stdout + started.stderr).strip()}); its "
-            f"log is in {logs}; pass --vllm.mps off to share the GPU without MPS"
-        )
+        failed = f"{control} -d failed ({started.returncode}: {(started.stdout + started.stderr).strip()})"
+        if required:
+            raise RuntimeError(
+                f"{failed}; its log is in {logs}; pass --vllm.mps off to share the GPU without MPS"
+            )
+        progress(f"note: {failed} (its log is in {logs}): the engine and the actor take turns on the GPU")
+        yield False
+        return
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        yield
+        yield True
     finally:
         for name, value in saved.items():
             if value is None:

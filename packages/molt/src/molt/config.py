@@ -221,11 +221,13 @@ class VLLM(_Group):
     placement: Literal["auto", "shared", "separate"] = "auto"
     """GPUs: separate = each engine and actor rank on its own (NCCL refit); shared = the engine and the actor
     on one GPU (CUDA IPC refit); auto = shared when a local Ray has too few GPUs for separate."""
-    mps: Literal["auto", "on", "off"] = "off"
+    mps: Literal["auto", "on", "off"] = "auto"
     """A shared GPU's processes (engine and actor) as clients of a CUDA MPS server the run starts for
     itself (NVIDIA's nvidia-cuda-mps-control): their kernels run side by side instead of taking turns in
-    time slices. on = needs --vllm.placement shared (or auto deciding it) and the MPS binary on PATH;
-    auto = on where both hold; off = the processes take turns, as without MPS."""
+    time slices (on one H100, Qwen3-1.7B with 128 replies of 512 tokens a step: 4.0 s a step against 5.2).
+    on = needs --vllm.placement shared (or auto deciding it), a local Ray and the MPS binary on PATH; auto =
+    on where those hold and no MPS server serves the run already, and a daemon that fails to start is
+    noted instead of stopping the run; off = the processes take turns, as without MPS."""
 
 
 class Rollout(_Group):
