@@ -447,7 +447,8 @@ def main() -> None:
         records = [r for r in data["records"] if r["when"] >= since.get(r["row"], since.get(None, ""))]
         records = [r for r in records if not args.until or r["when"] < args.until]
         if not records:
-            raise SystemExit(f"{out}: no run from {args.since} on (its runs: {len(data['records'])})")
+            window = f"from {args.since or 'the first'} on" + (f", before {args.until}" if args.until else "")
+            raise SystemExit(f"{out}: no run {window} (its runs: {len(data['records'])})")
         print("what differs:\n" + "\n".join(f"- {a}" for a in ASYMMETRIES))
         report(records)
         return plot(records, args.plot) if args.plot else None
