@@ -28,6 +28,7 @@ import msgspec
 import torch
 
 import molt._log
+import molt._mps
 from molt._batch import NO_INPUTS, StepInputs, collate
 from molt._data import RowStream, eval_rows, read_rows
 from molt._engines import launch_engines
@@ -167,13 +168,17 @@ esac
 """
 
 
-def fake_mps_control(directory: Path) -> Path:
-    """A stand-in for `nvidia-cuda-mps-control` (the real one needs NVIDIA's driver) in `directory`, to
-    put first on PATH; `FAKE_MPS_EXIT` sets what its start (-d) exits with."""
+def fake_mps_control(monkeypatch, directory: Path) -> Path:
+    """A stand-in for `nvidia-cuda-mps-control` (the real one needs NVIDIA's driver) in `directory`, put
+    first on PATH, on a machine whose processes no MPS server serves yet (none named by the environment,
+    no daemon at CUDA's default pipe directory); `FAKE_MPS_EXIT` sets what its start (-d) exits with."""
     directory.mkdir(parents=True, exist_ok=True)
     control = directory / "nvidia-cuda-mps-control"
     control.write_text(FAKE_MPS_CONTROL)
     control.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{directory}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", str(directory / "no-mps"))
     return directory
 
 

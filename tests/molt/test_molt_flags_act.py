@@ -13,7 +13,6 @@ when set without validation (`molt._flags.parse`).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,6 @@ import molt_probes as probes
 import pytest
 import torch
 
-import molt._mps
 import molt._validate
 from molt._bounds import leaves
 from molt._flags import parse, resolve
@@ -260,11 +258,7 @@ def machine(monkeypatch, tmp_path):
 
     def pretend(cuda: bool) -> None:
         if cuda:
-            monkeypatch.setenv(
-                "PATH", f"{probes.fake_mps_control(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}"
-            )
-            monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)  # no MPS server of its own
-            monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", str(tmp_path / "no-mps"))
+            probes.fake_mps_control(monkeypatch, tmp_path / "bin")
         monkeypatch.setattr(molt._validate, "_on_gpu", lambda: cuda)
         monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 64 if cuda else 0)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)

@@ -31,10 +31,8 @@ def with_cuda(monkeypatch):
 
 @pytest.fixture
 def control(monkeypatch, tmp_path) -> Path:
-    """The stand-in control daemon, first on PATH."""
-    where = probes.fake_mps_control(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{where}{os.pathsep}{os.environ['PATH']}")
-    return where
+    """The stand-in control daemon (`molt_probes.fake_mps_control`)."""
+    return probes.fake_mps_control(monkeypatch, tmp_path / "bin")
 
 
 def _calls(run_dir: Path) -> list[str]:
@@ -45,7 +43,6 @@ def test_processes_started_while_it_is_open_are_its_clients_and_it_quits_after(
     control, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("CUDA_MPS_LOG_DIRECTORY", "/the/user/s/own")  # restored after, as it was
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     with mps_server(tmp_path) as _:
         pipe = Path(os.environ["CUDA_MPS_PIPE_DIRECTORY"])
         assert pipe.is_dir() and _calls(tmp_path) == [f"-d {pipe}"]  # started before anything else
@@ -97,11 +94,7 @@ def test_a_daemon_that_does_not_start_under_auto_is_noted_and_the_run_goes_on_wi
     assert [call.split()[0] for call in _calls(tmp_path)] == ["-d"]  # asked to start, never to quit
 
 
-def test_auto_starts_one_where_the_engine_shares_the_actors_gpu_and_the_daemon_is_there(
-    with_cuda, control, monkeypatch
-):
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", "/nowhere")  # no daemon of the machine's own
+def test_auto_starts_one_where_the_engine_shares_the_actors_gpu_and_the_daemon_is_there(with_cuda, control):
     assert resolve([]).vllm.placement == "shared"
     assert uses_mps(resolve([]))  # auto by default
     assert not uses_mps(resolve(["--vllm.mps", "off"]))
@@ -110,7 +103,6 @@ def test_auto_starts_one_where_the_engine_shares_the_actors_gpu_and_the_daemon_i
 def test_auto_starts_none_where_the_runs_processes_are_clients_of_a_server_already(
     with_cuda, control, monkeypatch, tmp_path
 ):
-    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", "/nowhere")
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/the/user/s/own")
     assert not uses_mps(resolve([]))
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
@@ -123,8 +115,6 @@ def test_auto_starts_none_where_the_runs_processes_are_clients_of_a_server_alrea
 
 
 def test_auto_starts_none_for_gpus_of_their_own_or_without_the_daemon(with_cuda, control, monkeypatch):
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.setattr(molt._mps, "DEFAULT_PIPE", "/nowhere")
     assert not uses_mps(resolve(["--vllm.placement", "shared", "--ray.address", "head:6379"]))
     monkeypatch.setattr(molt._validate, "_local_gpus", lambda: 2)  # auto places them apart
     assert resolve(["--vllm.mps", "auto"]).vllm.placement == "separate"
