@@ -25,7 +25,9 @@ same GPU:
   off); `molt-offload` with `--fsdp.offload`; `molt-logits` with the LM head giving [B, T, V] logits again
   (the path tensor parallelism keeps) instead of `rlestimators.lm_head_logprobs`; `molt-shared` with
   `--actor.shared_prefix` (rows that begin alike share the prefix's computation, FlexAttention; the
-  batch planned as the policy group plans it, a group's rows in one micro-batch, inside the timed step).
+  batch planned as the policy group plans it, a group's rows in one micro-batch, inside the timed step);
+  `molt-layer-units` with every decoder layer an FSDP unit of its own (`molt._sharding.UNIT_BYTES` 0), as
+  one rank was sharded before small layers shared a unit.
 
 A step is `train_step(batch)`: the forward gives the logprobs (old logprobs are that forward's,
 detached: one update per batch), the loss, backward, clipping and AdamW; one forward and one backward per
@@ -93,7 +95,7 @@ MODELS = {
     ),
 }  # fmt: skip
 CASES = ("plain", "molt-packed", "molt-padded", "molt-eager", "molt-ac", "molt-offload", "molt-logits",
-         "molt-shared")  # fmt: skip
+         "molt-shared", "molt-layer-units")  # fmt: skip
 DEFAULT_CASES = "plain,molt-padded,molt-packed"
 PROMPT_FRACTION = 4  # the first 1/4 of every equal row is prompt (not trained)
 
@@ -178,6 +180,10 @@ def molt_stepper(model_dir: str, case: str, budget: int, max_len: int):
     vllm = replace(config.vllm, max_model_len=max_len)  # the auto budget's floor
     fsdp = FSDP(offload=case == "molt-offload")
     config = replace(config, model=Model(path=model_dir, dtype="float32"), actor=actor, fsdp=fsdp, vllm=vllm)
+    if case == "molt-layer-units":
+        from molt import _sharding
+
+        _sharding.UNIT_BYTES = 0  # this case's own process: every layer a unit alone
     worker = PolicyWorker(0, 1, "127.0.0.1", _free_port(), model_dir, config)
     if case == "molt-logits":
         worker._logprob_head = None  # the head's forward then gives logits (molt._lean.LogprobHead)

@@ -165,3 +165,34 @@ def test_one_rank_keeps_float32_weights_and_computes_in_bf16(tiny_model_dir, mon
             assert torch.equal(sent["tensors"][name], _full(param).to(torch.bfloat16)), name
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _one_rank_train_step(model_dir, monkeypatch, unit_bytes: int) -> tuple[int, dict[str, torch.Tensor]]:
+    """(FSDP units, parameters after one step) of a one-rank bf16-compute worker whose units hold at
+    most `unit_bytes` of layers."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from molt import _sharding
+    from molt._actor import PolicyWorker
+
+    rows = [([1, 5, 9, 11, 12, 7], [0, 0, 0, 1, 1, 1], [-4.0] * 6, 1.0),
+            ([1, 6, 7, 13, 8, 9], [0, 0, 1, 1, 1, 1], [-4.0] * 6, -1.0)]  # fmt: skip
+    monkeypatch.setattr(_sharding, "UNIT_BYTES", unit_bytes)
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), _config("float32", "bfloat16"))
+    try:
+        states = {id(m._get_fsdp_state()) for m in worker.model.modules() if isinstance(m, FSDPModule)}
+        worker.train_step(collate(rows, pad_id=0))
+        return len(states), {name: _full(p).clone() for name, p in worker.model.named_parameters()}
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_one_rank_groups_small_layers_into_one_unit_with_the_same_update(tiny_model_dir, monkeypatch):
+    from molt._sharding import UNIT_BYTES
+
+    # the tiny model's two layers: one unit with the root by default, a unit each when a unit holds none
+    grouped, after_grouped = _one_rank_train_step(tiny_model_dir, monkeypatch, UNIT_BYTES)
+    alone, after_alone = _one_rank_train_step(tiny_model_dir, monkeypatch, 0)
+    assert (grouped, alone) == (2, 3)
+    for name, param in after_grouped.items():
+        assert torch.equal(param, after_alone[name]), f"{name}: a unit's layers step as they do alone"
