@@ -196,3 +196,56 @@ def test_one_rank_groups_small_layers_into_one_unit_with_the_same_update(tiny_mo
     assert (grouped, alone) == (2, 3)
     for name, param in after_grouped.items():
         assert torch.equal(param, after_alone[name]), f"{name}: a unit's layers step as they do alone"
+
+
+class _ScaledLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * scale
+
+
+class _Stack(torch.nn.Module):
+    """Three layers that each take a float32 tensor the root computes once, as AutoModel's models pass
+    their float32 RoPE tables to every decoder layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(_ScaledLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.linspace(1 / 3, 3, 8)  # float32 values that bf16 rounds
+        for layer in self.model.layers:
+            x = layer(x, scale=scale)
+        return x
+
+
+def test_every_layer_of_a_one_rank_unit_gets_its_inputs_in_the_compute_dtype(monkeypatch):
+    from types import SimpleNamespace
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from molt import _sharding
+
+    strategy = SimpleNamespace(
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        offload_policy=None,
+    )
+    port = free_port()
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        outs = []
+        for unit_bytes in (_sharding.UNIT_BYTES, 0):  # the three layers one unit; then each a unit alone
+            monkeypatch.setattr(_sharding, "UNIT_BYTES", unit_bytes)
+            torch.manual_seed(0)
+            stack = _Stack()
+            _sharding.shard_one_rank(stack, strategy, torch.device("cpu"))
+            outs.append(stack(torch.randn(4, 8)))
+        grouped, alone = outs
+        assert alone.dtype == torch.bfloat16
+        assert grouped.dtype == alone.dtype and torch.equal(grouped, alone)
+    finally:
+        torch.distributed.destroy_process_group()

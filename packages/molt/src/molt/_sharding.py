@@ -4,6 +4,7 @@ critic (`molt._actor`, `molt._critic`)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -180,7 +181,10 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
     A unit's hooks cost host time whatever its size (on one H100 a 135M model's 30 one-layer units
     took 94 ms of a 180 ms step), and one rank has nothing to overlap them with, so small layers share
     a unit: a unit's cast copy and gradients are held only while it runs. A 135M model is one unit of
-    layers, a 1.7B one units of two layers, an 8B one a unit per layer, as on several ranks.
+    layers, a 1.7B one units of two layers, an 8B one a unit per layer, as on several ranks. FSDP2 casts
+    the floating inputs of a unit's first layer only; each later layer casts its own (`_cast_inputs`), so
+    every layer computes what it did as a unit alone (AutoModel's RoPE tables, float32, reach each layer
+    in the compute dtype).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
@@ -197,9 +201,28 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
             size = 0
         units[-1].append(layer)
         size += layer_bytes
+    mp_policy = strategy.mp_policy
     for unit in units:
         fully_shard(unit, mesh=mesh, **policies)
+        if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
+            for layer in unit[1:]:
+                layer.register_forward_pre_hook(
+                    functools.partial(_cast_inputs, mp_policy.param_dtype), with_kwargs=True
+                )
     fully_shard(model, mesh=mesh, **policies)  # the root: embeddings, the final norm, the head
+
+
+def _cast_inputs(
+    dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict
+) -> tuple[tuple, dict]:
+    """A forward pre-hook: `args` and `kwargs` with their floating-point tensors in `dtype`, as FSDP2's
+    mixed precision casts a unit's inputs."""
+    from torch.utils._pytree import tree_map_only
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
 def freeze_moe_routers(model: torch.nn.Module) -> None:
