@@ -182,8 +182,8 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
     took 94 ms of a 180 ms step), and one rank has nothing to overlap them with, so small layers share
     a unit: a unit's cast copy and gradients are held only while it runs. A 135M model is one unit of
     layers, a 1.7B one units of two layers, an 8B one a unit per layer, as on several ranks. FSDP2 casts
-    the floating inputs of a unit's first layer only; each later layer casts its own (`_cast_inputs`), so
-    every layer computes what it did as a unit alone (AutoModel's RoPE tables, float32, reach each layer
+    the floating inputs of a unit's first layer only; every layer casts its own (`_cast_inputs`), so
+    each computes what it did as a unit alone (AutoModel's RoPE tables, float32, reach each layer
     in the compute dtype).
     """
     from torch.distributed.device_mesh import init_device_mesh
@@ -205,13 +205,14 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
     for unit in units:
         fully_shard(unit, mesh=mesh, **policies)
         if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
-            for layer in unit[1:]:
+            for layer in unit:  # the first too (already cast: a no-op), so that every layer compiles alike
                 layer.register_forward_pre_hook(
                     functools.partial(_cast_inputs, mp_policy.param_dtype), with_kwargs=True
                 )
     fully_shard(model, mesh=mesh, **policies)  # the root: embeddings, the final norm, the head
 
 
+@torch._dynamo.disable  # as FSDP2's own hooks: outside the compiled layer, not a graph of its own
 def _cast_inputs(
     dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
