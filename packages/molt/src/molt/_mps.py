@@ -85,7 +85,7 @@ def _control(command: str, env: dict[str, str] | None = None) -> str:
     """What the control daemon of `env` (else this process's environment) answers `command` (nothing where
     it fails: a daemon that is gone lists no server)."""
     control = shutil.which(CONTROL)
-    assert control, "validate refuses --vllm.mps on without the control binary"
+    assert control, "a run reaches its MPS server only with the control binary (validate, auto)"
     answer = subprocess.run(
         [control], input=f"{command}\n", env=env, capture_output=True, text=True, timeout=60
     )
@@ -99,7 +99,7 @@ def mps_server(run_dir: Path, *, required: bool = True) -> Iterator[bool]:
     whether it runs: a daemon that fails to start stops the run when `required` (--vllm.mps on), else it
     is noted and the processes take turns (auto)."""
     control = shutil.which(CONTROL)
-    assert control, "validate refuses --vllm.mps on without the control binary"
+    assert control, "validate refuses --vllm.mps on, and auto is off, without the control binary"
     pipe = Path(tempfile.mkdtemp(prefix="molt-mps-"))  # the daemon's sockets: a short path, theirs alone
     logs = (run_dir / "mps").resolve()
     logs.mkdir(parents=True, exist_ok=True)
