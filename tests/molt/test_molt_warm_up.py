@@ -87,3 +87,32 @@ def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(
         torch.testing.assert_close(loaded[name], value, atol=0, rtol=0)  # the weights as loaded
     for name, value in eager_metrics.items():
         assert metrics[name] == pytest.approx(value, rel=1e-3, abs=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("default")
+def test_layers_sharing_a_one_rank_unit_build_the_graphs_a_unit_each_builds(tiny_model_dir, monkeypatch):
+    """bf16 compute over float32 weights on one rank (`molt._sharding.shard_one_rank`): the tiny model's
+    two layers share a unit, and the second layer's inputs must reach its compiled graph as the first's
+    do (cast, and as views), or every graph is built twice."""
+    from molt import _sharding
+    from molt._actor import PolicyWorker
+    from molt._rank import compiled_graphs
+    from molt.config import Model
+
+    built = []
+    for unit_bytes in (_sharding.UNIT_BYTES, 0):  # one unit for both layers; a unit each
+        monkeypatch.setattr(_sharding, "UNIT_BYTES", unit_bytes)
+        actor = Actor(
+            lr=1e-2, micro_batch_tokens=256, compile="on", shared_prefix="off", compute_dtype="bfloat16"
+        )
+        config = msgspec.structs.replace(Config(), model=Model(dtype="float32"), actor=actor)
+        before = compiled_graphs()
+        try:
+            PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+            built.append(compiled_graphs() - before)
+        finally:
+            torch.distributed.destroy_process_group()
+            torch._dynamo.reset()
+    grouped, alone = built
+    assert grouped == alone > 0

@@ -217,11 +217,13 @@ def _cast_inputs(
     dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict
 ) -> tuple[tuple, dict]:
     """A forward pre-hook: `args` and `kwargs` with their floating-point tensors in `dtype`, as FSDP2's
-    mixed precision casts a unit's inputs."""
+    mixed precision casts a unit's inputs, each a view: a unit's first layer gets the hidden states as
+    a view (FSDP2's post-backward autograd function), and a compiled layer guards on whether an input
+    is one, so layers given plain tensors built graphs of their own (the CPU's warm-up: 27 graphs for 24)."""
     from torch.utils._pytree import tree_map_only
 
     def cast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return tensor.to(dtype).view(tensor.shape) if tensor.is_floating_point() else tensor
 
     return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
