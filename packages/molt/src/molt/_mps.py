@@ -81,13 +81,19 @@ def mps_report(run_dir: Path) -> str:
     return f"{len(clients)} processes share the GPU under MPS (server {', '.join(servers)})"
 
 
+def _control_binary() -> str:
+    """The control binary's path: a run reaches its MPS server only with one on PATH (validate refuses
+    --vllm.mps on without it, auto is off)."""
+    control = shutil.which(CONTROL)
+    assert control, f"{CONTROL} is not on PATH: validate refuses --vllm.mps on without it, auto is off"
+    return control
+
+
 def _control(command: str, env: dict[str, str] | None = None) -> str:
     """What the control daemon of `env` (else this process's environment) answers `command` (nothing where
     it fails: a daemon that is gone lists no server)."""
-    control = shutil.which(CONTROL)
-    assert control, "a run reaches its MPS server only with the control binary (validate, auto)"
     answer = subprocess.run(
-        [control], input=f"{command}\n", env=env, capture_output=True, text=True, timeout=60
+        [_control_binary()], input=f"{command}\n", env=env, capture_output=True, text=True, timeout=60
     )
     return answer.stdout if answer.returncode == 0 else ""
 
@@ -98,8 +104,7 @@ def mps_server(run_dir: Path, *, required: bool = True) -> Iterator[bool]:
     a fresh MPS control daemon's server; on exit the daemon quits and the environment is as it was. Yields
     whether it runs: a daemon that fails to start stops the run when `required` (--vllm.mps on), else it
     is noted and the processes take turns (auto)."""
-    control = shutil.which(CONTROL)
-    assert control, "validate refuses --vllm.mps on, and auto is off, without the control binary"
+    control = _control_binary()
     pipe = Path(tempfile.mkdtemp(prefix="molt-mps-"))  # the daemon's sockets: a short path, theirs alone
     logs = (run_dir / "mps").resolve()
     logs.mkdir(parents=True, exist_ok=True)

@@ -189,9 +189,9 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (1,))
-    policies = {"mp_policy": strategy.mp_policy, "offload_policy": strategy.offload_policy or OffloadPolicy()}
-    itemsize = (strategy.mp_policy.param_dtype or next(model.parameters()).dtype).itemsize
+    mesh, mp_policy = init_device_mesh(device.type, (1,)), strategy.mp_policy
+    policies = {"mp_policy": mp_policy, "offload_policy": strategy.offload_policy or OffloadPolicy()}
+    itemsize = (mp_policy.param_dtype or next(model.parameters()).dtype).itemsize
     units: list[list[torch.nn.Module]] = []
     size = 0
     for layer in decoder_layers(model):
@@ -201,14 +201,13 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
             size = 0
         units[-1].append(layer)
         size += layer_bytes
-    mp_policy = strategy.mp_policy
+    casts = mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs
+    cast_inputs = functools.partial(_cast_inputs, mp_policy.param_dtype)
     for unit in units:
         fully_shard(unit, mesh=mesh, **policies)
-        if mp_policy.param_dtype is not None and mp_policy.cast_forward_inputs:
-            for layer in unit:  # the first too (already cast: a no-op), so that every layer compiles alike
-                layer.register_forward_pre_hook(
-                    functools.partial(_cast_inputs, mp_policy.param_dtype), with_kwargs=True
-                )
+        if casts:  # every layer, the first too (cast already: a no-op), so that all compile alike
+            for layer in unit:
+                layer.register_forward_pre_hook(cast_inputs, with_kwargs=True)
     fully_shard(model, mesh=mesh, **policies)  # the root: embeddings, the final norm, the head
 
 
