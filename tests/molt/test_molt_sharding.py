@@ -117,6 +117,11 @@ def test_lean_mlps_compute_what_transformers_computes_and_keep_less(dtype):
     assert saved[1] == saved[0] - activation
 
 
+# two rows of a one-rank worker's train step: tokens, loss mask, sampling logprobs, advantage
+ROWS = [([1, 5, 9, 11, 12, 7], [0, 0, 0, 1, 1, 1], [-4.0] * 6, 1.0),
+        ([1, 6, 7, 13, 8, 9], [0, 0, 1, 1, 1, 1], [-4.0] * 6, -1.0)]  # fmt: skip
+
+
 def _full(param: torch.Tensor) -> torch.Tensor:
     """A parameter's full value: FSDP2 holds a DTensor shard, except while a module is unsharded."""
     from torch.distributed.tensor import DTensor
@@ -131,9 +136,7 @@ def test_one_rank_keeps_float32_weights_and_computes_in_bf16(tiny_model_dir, mon
     import refit
     from molt._actor import PolicyWorker
 
-    rows = [([1, 5, 9, 11, 12, 7], [0, 0, 0, 1, 1, 1], [-4.0] * 6, 1.0),
-            ([1, 6, 7, 13, 8, 9], [0, 0, 1, 1, 1, 1], [-4.0] * 6, -1.0)]  # fmt: skip
-    batch = collate(rows, pad_id=0)
+    batch = collate(ROWS, pad_id=0)
     worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), _config("float32", "bfloat16"))
     try:
         assert isinstance(worker.model, FSDPModule)  # AutoModel leaves one rank unsharded: molt shards it
@@ -175,13 +178,11 @@ def _one_rank_train_step(model_dir, monkeypatch, unit_bytes: int) -> tuple[int, 
     from molt import _sharding
     from molt._actor import PolicyWorker
 
-    rows = [([1, 5, 9, 11, 12, 7], [0, 0, 0, 1, 1, 1], [-4.0] * 6, 1.0),
-            ([1, 6, 7, 13, 8, 9], [0, 0, 1, 1, 1, 1], [-4.0] * 6, -1.0)]  # fmt: skip
     monkeypatch.setattr(_sharding, "UNIT_BYTES", unit_bytes)
     worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(model_dir), _config("float32", "bfloat16"))
     try:
         states = {id(m._get_fsdp_state()) for m in worker.model.modules() if isinstance(m, FSDPModule)}
-        worker.train_step(collate(rows, pad_id=0))
+        worker.train_step(collate(ROWS, pad_id=0))
         return len(states), {name: _full(p).clone() for name, p in worker.model.named_parameters()}
     finally:
         torch.distributed.destroy_process_group()
