@@ -246,7 +246,9 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
         "train/correction_weight_dev",
         "train/grad_norm",
         "train/lr",
+        "train/skipped_updates",
     }
+    assert metrics_one["train/skipped_updates"] == 0.0
     assert 0 < metrics_one["train/clip_frac"] < 1
     for name, mask_BT in [("mismatch", batch.loss_mask_BT - lagged_BT), ("staleness", lagged_BT)]:
         _, _, mismatch = rollout_correction(old_logp_BT, batch.rollout_logp_BT, mask_BT)  # over those tokens
@@ -266,6 +268,21 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
             f"{name}: opposite moves"
         )
         torch.testing.assert_close(after_two[name], tensor, atol=5e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_a_non_finite_gradient_changes_no_weight_on_any_rank(groups):
+    """One rank's row has a NaN advantage: its gradient, and so the global norm both ranks reduce, is NaN.
+    Both skip the update: the weights stay bit for bit (clipping by a NaN norm would have made them all
+    NaN), and the step says so."""
+    group = groups["two_ranks"]
+    before = group.full_state()
+    batch = collate(_sequences(11, [1.0, -0.5, float("nan"), 2.0, -1.0]), pad_id=0)
+    metrics = group.train_step(batch)
+    assert metrics["train/skipped_updates"] == 1.0
+    assert metrics["train/grad_norm"] != metrics["train/grad_norm"]  # NaN
+    for name, tensor in group.full_state().items():
+        assert torch.equal(tensor, before[name]), name
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from molt._restarts import EngineRestarts
 from molt._rollout import Rollout
 from molt.agent import load_agent
 from molt.config import Config, Data
-from molt.loop import check_token_identity, refit_engines, take, train_windows
+from molt.loop import NO_UPDATE_STEPS, check_token_identity, check_updates, refit_engines, take, train_windows
 from tito import Segment
 
 
@@ -184,6 +184,37 @@ def test_clip_fractions_are_over_the_windows_after_the_first():
     assert metrics["train/x"] == pytest.approx((tokens[0] + 2 * tokens[1] + 3 * tokens[2]) / sum(tokens))
     one = train_windows(SimpleNamespace(train_step=lambda w, inputs: {"train/clip_frac": 0.0}), windows[:1])
     assert one["train/clip_frac"] == 0.0  # one window: the ratio is 1, nothing clips
+
+
+def test_skipped_updates_are_counted_over_the_windows():
+    batch = collate(_rows(6, 6, 10, 10, 6, 6), pad_id=0)
+    windows = batch.windows(3, [1] * 6, (0, 1))
+    skipped = iter([1.0, 0.0, 1.0])
+    group = SimpleNamespace(train_step=lambda window, inputs: {"train/skipped_updates": next(skipped)})
+    assert train_windows(group, windows)["train/skipped_updates"] == 2.0
+
+
+def test_steps_without_an_update_stop_the_run_naming_them_and_their_losses(caplog):
+    """A step whose updates were all skipped (non-finite gradient norms) warns; `NO_UPDATE_STEPS` of them
+    in a row stop the run; a step that updated anything starts the count again."""
+    nothing = {"train/skipped_updates": 2.0, "train/policy_loss": float("nan"), "train/entropy": float("nan")}
+    assert check_updates(1, {"train/skipped_updates": 0.0}, 2, None) is None
+    assert check_updates(2, {**nothing, "train/skipped_updates": 1.0}, 2, None) is None  # one went through
+    assert "step 2: train/skipped_updates 1 of 2" in caplog.text
+    since = None
+    for step in range(3, 3 + NO_UPDATE_STEPS - 1):
+        since = check_updates(step, nothing, 2, since)
+        assert since == 3
+    assert check_updates(3 + NO_UPDATE_STEPS, {"train/skipped_updates": 0.0}, 2, since) is None
+    critic = {"train/skipped_updates": 0.0, "critic/skipped_updates": 1.0, "critic/value_loss": float("inf")}
+    since = None
+    for step in range(10, 10 + NO_UPDATE_STEPS - 1):
+        since = check_updates(step, critic, 1, since)
+    last = 10 + NO_UPDATE_STEPS - 1
+    with pytest.raises(
+        RuntimeError, match=rf"steps 10..{last} updated nothing.*critic/value_loss inf.*step 9's"
+    ):
+        check_updates(last, critic, 1, since)
 
 
 def test_each_window_gets_its_own_rows_of_every_named_input():

@@ -197,7 +197,7 @@ class PolicyWorker(ModelRank):
         metrics["train/lag0_frac"] = lag0 / (lag0 + lagged)
         if self.replay is not None:  # how often the policy's own routers disagree with the engine's
             metrics["train/routing_mismatch_frac"] = sums["routes_differed"] / max(sums["routes_compared"], 1)
-        metrics["train/grad_norm"], metrics["train/lr"] = self._optimizer_step()
+        metrics.update(self._optimizer_step("train"))
         return metrics
 
     def refit(self, engine_urls: list[str], backend: str, version: int, trainer_host: str) -> dict | None:

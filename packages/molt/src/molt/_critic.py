@@ -103,7 +103,7 @@ class CriticWorker(ModelRank):
         sums = self._micro_batch_sums(batch, self._value_loss, inputs)
         # over the step's tokens, as the policy's; each rank holds rows of its own (data parallel only)
         metrics = {name: value / batch.num_tokens for name, value in sums.items()}
-        metrics["critic/grad_norm"], metrics["critic/lr"] = self._optimizer_step()
+        metrics.update(self._optimizer_step("critic"))
         return metrics
 
 

@@ -291,8 +291,12 @@ class ModelRank:
         dist.all_reduce(sums_K)  # SUM over ranks
         return dict(zip(totals, sums_K.tolist(), strict=True))
 
-    def _optimizer_step(self) -> tuple[float, float]:
-        """Clip the global gradient norm, step; returns (norm before clipping, learning rate used)."""
+    def _optimizer_step(self, prefix: str) -> dict[str, float]:
+        """Clip the global gradient norm and step. `{prefix}/grad_norm` (before clipping), `{prefix}/lr` (the
+        rate used) and `{prefix}/skipped_updates`: 1 where the norm was not finite. A NaN or inf gradient
+        would reach every weight through clipping and Adam's moments, and a refit would send it on to the
+        engines; so then the gradients are dropped and neither the optimizer nor the schedule steps: the
+        weights, Adam's state and the rate stay as they were. The norm is global, so all ranks agree."""
         from torch.distributed.tensor import DTensor
 
         assert self.optimizer is not None and self.scheduler is not None  # a trainable rank's
@@ -303,13 +307,19 @@ class ModelRank:
                 norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
                 norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total_norm = torch.linalg.vector_norm(torch.stack(norms))
-        for group in self.optimizer.param_groups:
-            torch.nn.utils.clip_grads_with_norm_(group["params"], self.config.actor.grad_clip, total_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
+        finite = bool(torch.isfinite(total_norm))
+        if finite:
+            for group in self.optimizer.param_groups:
+                torch.nn.utils.clip_grads_with_norm_(group["params"], self.config.actor.grad_clip, total_norm)
+            self.optimizer.step()
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(total_norm), lr
+        return {
+            f"{prefix}/grad_norm": float(total_norm),
+            f"{prefix}/lr": lr,
+            f"{prefix}/skipped_updates": float(not finite),
+        }
 
     def save(self, path: str) -> None:
         """Write this rank's part of a checkpoint (`molt._checkpoint`); call on every rank."""

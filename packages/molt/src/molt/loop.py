@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -72,6 +73,7 @@ async def run_steps(config: Config, run: Run) -> None:
     pad_id = run.tito.tokenizer.pad_token_id
     last = config.train.num_steps
     pool_before = pool.stats  # the per-step pool rates are over what happened since the last log
+    no_update_since = None  # the first of the steps in a row whose updates were all skipped
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
         groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.restarts, run.filters)
@@ -151,10 +153,44 @@ async def run_steps(config: Config, run: Run) -> None:
             },
         )
         pool_before = pool_now
+        # a non-finite gradient's update is skipped (`ModelRank._optimizer_step`); steps of none stop the run
+        no_update_since = check_updates(step, train_metrics, len(windows), no_update_since)
         if startup is not None:
             progress(startup.line())
         if _due(config.ckpt.every, step, last):  # --ckpt.every: actor, optimizer, loop state
             await asyncio.to_thread(save_checkpoint, config, run, step)
+
+
+# Steps in a row without an update (every one skipped for a non-finite gradient) before the run stops: one
+# is a bad batch; several say the forward itself gives NaN or inf, and the run would go on training nothing.
+NO_UPDATE_STEPS = 3
+
+
+def check_updates(
+    step: int, metrics: dict[str, float], updates: int, no_update_since: int | None
+) -> int | None:
+    """Warn of `step`'s skipped updates (a gradient norm that was NaN or inf: the weights stayed as they
+    were); stop the run at the `NO_UPDATE_STEPS`-th step in a row that updated nothing, naming the step's
+    losses. Returns the first step of the current run of steps without an update (None: this one updated)."""
+    skipped = {name: int(metrics[name]) for name in _SKIPPED if metrics.get(name)}
+    if not skipped:
+        return None
+    counts = ", ".join(f"{name} {count} of {updates}" for name, count in skipped.items())
+    logging.getLogger("molt").warning(
+        f"step {step}: {counts}: their gradient norm was not finite, so those optimizer steps changed nothing"
+    )
+    if max(skipped.values()) < updates:  # some update went through
+        return None
+    first = step if no_update_since is None else no_update_since
+    if step - first + 1 >= NO_UPDATE_STEPS:
+        losses = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith(("_loss", "/entropy")))
+        raise RuntimeError(
+            f"steps {first}..{step} updated nothing: every optimizer step's gradient norm was NaN or inf "
+            f"({losses}); the weights are still step {first - 1}'s. The forward gives non-finite values "
+            "on these batches: lower --actor.lr, or train in float32 (--model.dtype, --actor.compute_dtype); "
+            "on a GPU, try --actor.compile off"
+        )
+    return first
 
 
 async def end_early(config: Config, run: Run) -> None:
@@ -178,6 +214,8 @@ def _due(every: int, step: int, last: int) -> bool:
 
 # Zero in a batch's first window, whose ratio to the old policy (its value to the old values) is 1.
 _CLIP_FRACS = ("train/clip_frac", "critic/value_clip_frac")
+# Counted over the windows, not averaged: the step's optimizer steps dropped for a non-finite gradient.
+_SKIPPED = ("train/skipped_updates", "critic/skipped_updates")
 
 
 def train_windows(
@@ -187,7 +225,7 @@ def train_windows(
     rows of `inputs`; the first takes its old logprobs from its own forward, nothing having stepped
     before it (`molt._objective.score` gives the later windows' alone). Metrics: the windows'
     token-weighted mean; a clip fraction over the windows after the first, where the ratio can depart
-    from 1 (0 with one window); the learning rate is the first step's."""
+    from 1 (0 with one window); the learning rate is the first step's; skipped updates are counted."""
     results = []
     for index, (window, rows) in enumerate(windows):
         given = inputs.rows(rows, window.tokens_BT.shape[1])
@@ -198,7 +236,12 @@ def train_windows(
         pairs = list(zip(results, weights, strict=True))[first:]
         return sum(m[name] * w for m, w in pairs) / sum(w for _, w in pairs) if pairs else 0.0
 
-    metrics = {name: mean(name, first=int(name in _CLIP_FRACS)) for name in results[0]}
+    metrics = {
+        name: sum(m[name] for m in results)
+        if name in _SKIPPED
+        else mean(name, first=int(name in _CLIP_FRACS))
+        for name in results[0]
+    }
     return {**metrics, **({"train/lr": results[0]["train/lr"]} if "train/lr" in results[0] else {})}
 
 
