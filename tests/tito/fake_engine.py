@@ -37,6 +37,7 @@ class FakeEngine:
         self.fail_next = 0  # answer this many of the next generate requests with a 503
         self.break_after: int | None = None  # a stream drops its connection after this many tokens
         self.token_delay = 0.0  # seconds between streamed tokens
+        self.logprob: float | None = -0.5  # of every sampled token; None: vLLM's null for a NaN one
         self.max_model_len = MAX_MODEL_LEN
         self.app = self._build()
 
@@ -93,8 +94,8 @@ class FakeEngine:
             routes = self.routes(body["token_ids"] + tokens, start) if self.route_shape else None
 
             def choice(ids, start, last):
-                logprobs = {"token_logprobs": [-0.5] * len(ids)} if compact else {
-                    "logprobs": {"content": [{"token_id": t, "logprob": -0.5} for t in ids]}
+                logprobs = {"token_logprobs": [self.logprob] * len(ids)} if compact else {
+                    "logprobs": {"content": [{"token_id": t, "logprob": self.logprob} for t in ids]}
                 }  # fmt: skip
                 return {
                     "index": 0,

@@ -265,6 +265,36 @@ async def test_an_engine_refusal_is_the_clients_error_not_a_dead_engine(client, 
     assert (await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)).status_code == 200
 
 
+async def test_a_reply_without_logprobs_is_refused_naming_the_cause_and_captures_nothing(
+    client, fake_engine, fake_tito
+):
+    """vLLM writes a NaN logprob as null (NaN weights): the request fails with what that means, nothing
+    of it enters the trajectory, the engine stays live, and the next reply is captured as usual."""
+    session = await new_session(client)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    fake_engine.logprob = None
+    failed = await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)
+    assert failed.status_code == 502
+    assert "no logprob for token 0" in failed.json()["error"]["message"]
+    assert "NaN or infinite" in failed.json()["error"]["message"]
+    assert not (await trajectory(client, session)).segments
+    assert all(engine.alive for engine in fake_tito.router.engines)
+    fake_engine.logprob = -0.5
+    assert (await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)).status_code == 200
+    (segment,) = (await trajectory(client, session)).segments
+    assert set(
+        logp for logp, trained in zip(segment.logprobs, segment.loss_mask, strict=True) if trained
+    ) == {-0.5}
+
+
+def test_a_compact_chunk_without_a_logprob_is_refused():
+    from tito._engines import EngineNonFinite, _decode_reply, _generation
+
+    chunk = b'{"choices": [{"token_ids": [5, 9], "token_logprobs": [-0.1, null]}]}'
+    with pytest.raises(EngineNonFinite, match=r"token 1 of a reply chunk \(id \[9\]\)"):
+        _generation(_decode_reply(chunk))
+
+
 async def test_health_follows_the_engines(client, fake_engine):
     assert (await client.get("/health")).status_code == 200
     fake_engine.app.router.routes = [r for r in fake_engine.app.router.routes if r.path != "/health"]

@@ -49,6 +49,10 @@ class EngineRejected(ValueError):
     """The engine refused the request as malformed (a 4xx): the client's mistake, not the engine's."""
 
 
+class EngineNonFinite(RuntimeError):
+    """The engine sampled a token whose logprob it could not give (vLLM writes a NaN or inf one as null)."""
+
+
 class ExpansionMismatch(RuntimeError):
     """The engine expanded a prompt's image placeholders differently from tito's processor."""
 
@@ -89,7 +93,7 @@ class Generation:
 
 # The fields of vLLM's generate reply that tito reads; msgspec skips the rest without building it.
 class _Logprob(msgspec.Struct):
-    logprob: float
+    logprob: float | None  # None: vLLM's JSON for a NaN or inf (`_generation` refuses it)
 
 
 class _Logprobs(msgspec.Struct):
@@ -105,7 +109,7 @@ class _Span(msgspec.Struct):
 class _Choice(msgspec.Struct):
     token_ids: list[int] | None = None
     logprobs: _Logprobs | None = None
-    token_logprobs: list[float] | None = None  # the compact stream's (`Engine`'s `compact_stream`)
+    token_logprobs: list[float | None] | None = None  # the compact stream's (`Engine`'s `compact_stream`)
     finish_reason: str | None = None
     weight_versions: list[_Span] | None = None  # per chunk, from refit's middleware (refit.vllm_versions)
     # An engine started with `--enable-return-routed-experts`: base64 `.npy`, (tokens, layers, top_k),
@@ -133,9 +137,17 @@ def _generation(reply: _Reply) -> Generation | None:
     logprobs = choice.token_logprobs  # the compact route's; vLLM's endpoint gives an object a token
     if logprobs is None:
         logprobs = [entry.logprob for entry in (choice.logprobs and choice.logprobs.content) or ()]
+    if None in logprobs:  # a token trained with no logprob would break every ratio of its step
+        position = logprobs.index(None)
+        raise EngineNonFinite(
+            f"the engine gave no logprob for token {position} of a reply chunk "
+            f"(id {(choice.token_ids or [])[position : position + 1]}): "
+            "vLLM writes a NaN or infinite logprob as null, so its weights or its forward hold non-finite "
+            "values (weights sent with NaN in them do this); the request was not captured"
+        )
     return Generation(
         token_ids=choice.token_ids or [],
-        logprobs=logprobs,
+        logprobs=logprobs,  # type: ignore[arg-type]  # no None, checked above
         spans=[(_version(s.version), s.start, s.end) for s in choice.weight_versions or ()],
         finish_reason=choice.finish_reason,
         routed_experts=choice.routed_experts,

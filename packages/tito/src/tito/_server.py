@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import _anthropic as anthropic
 from . import _openai as openai
 from . import _responses as responses
-from ._engines import EngineRejected, EngineUnavailable, ExpansionMismatch
+from ._engines import EngineNonFinite, EngineRejected, EngineUnavailable, ExpansionMismatch
 from ._guard import MAX_BODY_BYTES, Guard, error_response
 from ._protocol import ChatBody, ProtocolError
 from ._routes import Handler, chat_route, session_of
@@ -125,5 +125,6 @@ def _answer_errors(app: FastAPI) -> None:
     app.add_exception_handler(TooManySessions, answer(429, "rate_limit_error"))
     app.add_exception_handler(EngineRejected, answer(400, "invalid_request_error"))
     app.add_exception_handler(ExpansionMismatch, answer(502, "image_expansion_mismatch"))
+    app.add_exception_handler(EngineNonFinite, answer(502, "engine_nonfinite_logprob"))
     unavailable = answer(503, "engine_unavailable", "; this session cannot continue")
     app.add_exception_handler(EngineUnavailable, unavailable)
