@@ -5,8 +5,8 @@ import tito
 
 def test_public_names_are_pinned():
     assert sorted(tito.__all__) == [
-        "Capture", "ChatRenderer", "ChatState", "ContextFull", "EngineUnavailable", "ExpansionMismatch",
-        "Generation", "ImageSpan", "Prompt", "Segment", "Session", "Tito", "Trajectory", "Turn", "create_app",
-        "serve_on_loop",
+        "Capture", "ChatRenderer", "ChatState", "ContextFull", "EngineNonFinite", "EngineUnavailable",
+        "ExpansionMismatch", "Generation", "ImageSpan", "Prompt", "Segment", "Session", "Tito", "Trajectory",
+        "Turn", "create_app", "serve_on_loop",
     ]  # fmt: skip
     assert all(hasattr(tito, name) for name in tito.__all__)

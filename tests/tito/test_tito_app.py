@@ -288,7 +288,8 @@ async def test_a_reply_without_logprobs_is_refused_naming_the_cause_and_captures
 
 
 def test_a_compact_chunk_without_a_logprob_is_refused():
-    from tito._engines import EngineNonFinite, _decode_reply, _generation
+    from tito import EngineNonFinite
+    from tito._engines import _decode_reply, _generation
 
     chunk = b'{"choices": [{"token_ids": [5, 9], "token_logprobs": [-0.1, null]}]}'
     with pytest.raises(EngineNonFinite, match=r"token 1 of a reply chunk \(id \[9\]\)"):

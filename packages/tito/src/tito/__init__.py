@@ -1,7 +1,7 @@
 """tito: token-in/token-out capture of OpenAI and Anthropic chat traffic over vLLM engines."""
 
 from ._chat import ChatRenderer, ChatState, Prompt
-from ._engines import EngineUnavailable, ExpansionMismatch, Generation
+from ._engines import EngineNonFinite, EngineUnavailable, ExpansionMismatch, Generation
 from ._loopback import serve_on_loop
 from ._server import create_app
 from ._service import ContextFull, Session, Tito
@@ -12,6 +12,7 @@ __all__ = [
     "ChatRenderer",
     "ChatState",
     "ContextFull",
+    "EngineNonFinite",
     "EngineUnavailable",
     "ExpansionMismatch",
     "Generation",
