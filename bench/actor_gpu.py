@@ -345,8 +345,12 @@ def run_case(args: argparse.Namespace) -> dict:
     seconds = []
     for index in range(1 + args.steps):
         began = time.perf_counter()
-        step(batch)
+        metrics = step(batch)
         torch.cuda.synchronize()
+        if metrics and metrics["train/skipped_updates"]:  # it skipped the optimizer: not an update's time
+            raise RuntimeError(
+                f"step {index}: the gradient norm was {metrics['train/grad_norm']}, not finite"
+            )
         if index > 0:  # the first step warms up (allocator, kernels, compilation, optimizer state)
             seconds.append(time.perf_counter() - began)
         else:

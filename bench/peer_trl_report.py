@@ -214,6 +214,12 @@ def report(records: list[dict]) -> None:
             if trainer == "molt":  # its actor/compiles: graphs compiled in the step (TRL compiles none)
                 compiling = [sum(s["log"].get("actor/compiles", 0) > 0 for s in r["steps"][1:]) for r in runs]
                 print(f"(molt: steps 2..N in which the actor still compiled, per run: {compiling})")
+                # a skipped update (non-finite gradient norm) changed no weight: such a step is no update
+                skipped = [
+                    int(sum(s["log"].get("train/skipped_updates", 0) for s in r["steps"])) for r in runs
+                ]
+                if any(skipped):
+                    print(f"(molt: UPDATES SKIPPED for a non-finite gradient, per run: {skipped})")
                 for r in runs:  # the steps' graphs are the log's last (the warm-up's come before them)
                     built = int(sum(s["log"].get("actor/compiles", 0) for s in r["steps"]))
                     for line in r.get("recompiles", [])[-built:] if built else []:
