@@ -205,6 +205,8 @@ def test_steps_without_an_update_stop_the_run_naming_them_and_their_losses(caplo
     for step in range(3, 3 + NO_UPDATE_STEPS - 1):
         since = check_updates(step, nothing, 2, since)
         assert since == 3
+    with pytest.raises(RuntimeError, match=r"every update of the policy was skipped.*policy_loss nan"):
+        check_updates(3 + NO_UPDATE_STEPS - 1, nothing, 2, since)
     assert check_updates(3 + NO_UPDATE_STEPS, {"train/skipped_updates": 0.0}, 2, since) is None
     critic = {"train/skipped_updates": 0.0, "critic/skipped_updates": 1.0, "critic/value_loss": float("inf")}
     since = None
@@ -212,7 +214,8 @@ def test_steps_without_an_update_stop_the_run_naming_them_and_their_losses(caplo
         since = check_updates(step, critic, 1, since)
     last = 10 + NO_UPDATE_STEPS - 1
     with pytest.raises(
-        RuntimeError, match=rf"steps 10..{last} updated nothing.*critic/value_loss inf.*step 9's"
+        RuntimeError,
+        match=rf"steps 10..{last}: every update of the critic was skipped.*critic/value_loss inf.*step 9's",
     ):
         check_updates(last, critic, 1, since)
 

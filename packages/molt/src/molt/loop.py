@@ -170,8 +170,9 @@ def check_updates(
     step: int, metrics: dict[str, float], updates: int, no_update_since: int | None
 ) -> int | None:
     """Warn of `step`'s skipped updates (a gradient norm that was NaN or inf: the weights stayed as they
-    were); stop the run at the `NO_UPDATE_STEPS`-th step in a row that updated nothing, naming the step's
-    losses. Returns the first step of the current run of steps without an update (None: this one updated)."""
+    were); stop the run at the `NO_UPDATE_STEPS`-th step in a row in which the policy (or the critic)
+    updated nothing, naming the step's losses. Returns the first step of the current run of such steps
+    (None: this one updated each model)."""
     skipped = {name: int(metrics[name]) for name in _SKIPPED if metrics.get(name)}
     if not skipped:
         return None
@@ -179,16 +180,17 @@ def check_updates(
     logging.getLogger("molt").warning(
         f"step {step}: {counts}: their gradient norm was not finite, so those optimizer steps changed nothing"
     )
-    if max(skipped.values()) < updates:  # some update went through
+    stuck = [_SKIPPED[name] for name, count in skipped.items() if count == updates]
+    if not stuck:  # some update of each model went through
         return None
     first = step if no_update_since is None else no_update_since
     if step - first + 1 >= NO_UPDATE_STEPS:
         losses = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k.endswith(("_loss", "/entropy")))
         raise RuntimeError(
-            f"steps {first}..{step} updated nothing: every optimizer step's gradient norm was NaN or inf "
-            f"({losses}); the weights are still step {first - 1}'s. The forward gives non-finite values "
-            "on these batches: lower --actor.lr, or train in float32 (--model.dtype, --actor.compute_dtype); "
-            "on a GPU, try --actor.compile off"
+            f"steps {first}..{step}: every update of the {' and the '.join(stuck)} was skipped, its gradient "
+            f"norm NaN or inf ({losses}); its weights are still step {first - 1}'s. The forward gives "
+            "non-finite values on these batches: lower the learning rate, or train in float32 "
+            "(--model.dtype, --actor.compute_dtype); on a GPU, try --actor.compile off"
         )
     return first
 
@@ -215,7 +217,7 @@ def _due(every: int, step: int, last: int) -> bool:
 # Zero in a batch's first window, whose ratio to the old policy (its value to the old values) is 1.
 _CLIP_FRACS = ("train/clip_frac", "critic/value_clip_frac")
 # Counted over the windows, not averaged: the step's optimizer steps dropped for a non-finite gradient.
-_SKIPPED = ("train/skipped_updates", "critic/skipped_updates")
+_SKIPPED = {"train/skipped_updates": "policy", "critic/skipped_updates": "critic"}
 
 
 def train_windows(
