@@ -37,7 +37,7 @@ class FakeEngine:
         self.fail_next = 0  # answer this many of the next generate requests with a 503
         self.break_after: int | None = None  # a stream drops its connection after this many tokens
         self.token_delay = 0.0  # seconds between streamed tokens
-        self.logprob: float | None = -0.5  # of every sampled token; None: vLLM's null for a NaN one
+        self.null_logprob_from: int | None = None  # a reply's tokens from here on get null (vLLM's NaN)
         self.max_model_len = MAX_MODEL_LEN
         self.app = self._build()
 
@@ -94,9 +94,10 @@ class FakeEngine:
             routes = self.routes(body["token_ids"] + tokens, start) if self.route_shape else None
 
             def choice(ids, start, last):
-                logprobs = {"token_logprobs": [self.logprob] * len(ids)} if compact else {
-                    "logprobs": {"content": [{"token_id": t, "logprob": self.logprob} for t in ids]}
-                }  # fmt: skip
+                null_from = len(tokens) if self.null_logprob_from is None else self.null_logprob_from
+                values = [None if start + i >= null_from else -0.5 for i in range(len(ids))]
+                entries = [{"token_id": t, "logprob": v} for t, v in zip(ids, values, strict=True)]
+                logprobs = {"token_logprobs": values} if compact else {"logprobs": {"content": entries}}
                 return {
                     "index": 0,
                     "token_ids": ids,

@@ -272,14 +272,14 @@ async def test_a_reply_without_logprobs_is_refused_naming_the_cause_and_captures
     of it enters the trajectory, the engine stays live, and the next reply is captured as usual."""
     session = await new_session(client)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-    fake_engine.logprob = None
+    fake_engine.null_logprob_from = 0
     failed = await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)
     assert failed.status_code == 502
     assert "no logprob for token 0" in failed.json()["error"]["message"]
     assert "NaN or infinite" in failed.json()["error"]["message"]
     assert not (await trajectory(client, session)).segments
     assert all(engine.alive for engine in fake_tito.router.engines)
-    fake_engine.logprob = -0.5
+    fake_engine.null_logprob_from = None
     assert (await client.post(f"/s/{session['id']}/v1/chat/completions", json=body)).status_code == 200
     (segment,) = (await trajectory(client, session)).segments
     assert set(

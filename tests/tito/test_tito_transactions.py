@@ -177,6 +177,22 @@ def test_an_engine_that_drops_a_stream_halfway_leaves_the_trajectory_as_it_was(
     sdk.close()
 
 
+@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
+def test_a_stream_whose_engine_gives_a_nan_logprob_halfway_ends_with_an_error_and_captures_nothing(
+    live_engine_tito, fake_engine, tokenizer, protocol
+):
+    url = live_engine_tito
+    session, sdk, messages = two_turns(url, fake_engine, tokenizer, protocol)
+    before = live_trajectory(url, session)
+    fake_engine.null_logprob_from = 3
+    error = openai.APIError if protocol == "openai" else anthropic.APIError
+    with pytest.raises(error, match="no logprob for token 0 of a reply chunk"):
+        for _ in open_stream(sdk, messages, protocol):
+            pass
+    assert live_trajectory(url, session) == before
+    sdk.close()
+
+
 async def asgi_chat(app, session: dict, messages: list[dict], *, client_leaves: bool) -> int:
     """One chat completion straight through ASGI; with `client_leaves`, the server hears `http.disconnect`
     as soon as it asks after the body (the client left while the engine sampled). Returns the status."""

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from ._engines import EngineUnavailable, ExpansionMismatch
+from ._engines import EngineNonFinite, EngineUnavailable, ExpansionMismatch
 from ._protocol import ChatBody, ProtocolError
 from ._service import Session, Tito
 from ._turn import ChatTurn
@@ -105,7 +105,7 @@ async def stream(turn: ChatTurn, events: AsyncIterator[str], error_event) -> Str
         try:
             async for event in events:
                 yield event
-        except (EngineUnavailable, ExpansionMismatch) as error:
+        except (EngineUnavailable, EngineNonFinite, ExpansionMismatch) as error:
             yield error_event(f"{error}; the turn was not captured: retry it")
         finally:
             turn.session.last_used = time.monotonic()  # idle from the end of its last request
