@@ -162,31 +162,21 @@ def test_a_client_that_leaves_mid_stream_leaves_the_trajectory_as_it_was(
 
 
 @pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_an_engine_that_drops_a_stream_halfway_leaves_the_trajectory_as_it_was(
-    live_engine_tito, fake_engine, tokenizer, protocol
+@pytest.mark.parametrize("fault", ["drops", "nan-logprob"])
+def test_an_engine_that_fails_a_stream_halfway_leaves_the_trajectory_as_it_was(
+    live_engine_tito, fake_engine, tokenizer, protocol, fault
 ):
+    """The engine drops the stream, or gives a token no logprob (vLLM's null for NaN), after 3 tokens: the
+    client's stream fails (with the reason where the stream can still carry one), nothing is captured."""
     url = live_engine_tito
     session, sdk, messages = two_turns(url, fake_engine, tokenizer, protocol)
     before = live_trajectory(url, session)
-    fake_engine.break_after = 3
     error = openai.APIError if protocol == "openai" else anthropic.APIError
-    with pytest.raises((error, httpx.HTTPError)):
-        for _ in open_stream(sdk, messages, protocol):
-            pass
-    assert live_trajectory(url, session) == before
-    sdk.close()
-
-
-@pytest.mark.parametrize("protocol", ["openai", "anthropic"])
-def test_a_stream_whose_engine_gives_a_nan_logprob_halfway_ends_with_an_error_and_captures_nothing(
-    live_engine_tito, fake_engine, tokenizer, protocol
-):
-    url = live_engine_tito
-    session, sdk, messages = two_turns(url, fake_engine, tokenizer, protocol)
-    before = live_trajectory(url, session)
-    fake_engine.null_logprob_from = 3
-    error = openai.APIError if protocol == "openai" else anthropic.APIError
-    with pytest.raises(error, match="no logprob for token 0 of a reply chunk"):
+    if fault == "drops":
+        fake_engine.break_after, raised = 3, pytest.raises((error, httpx.HTTPError))
+    else:
+        fake_engine.null_logprob_from, raised = 3, pytest.raises(error, match="no logprob for token 0 of a")
+    with raised:
         for _ in open_stream(sdk, messages, protocol):
             pass
     assert live_trajectory(url, session) == before
