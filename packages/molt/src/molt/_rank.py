@@ -30,6 +30,7 @@ Legend: B sequences, T tokens, X a head's outputs.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -308,7 +309,8 @@ class ModelRank:
                 norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         total_norm = torch.linalg.vector_norm(torch.stack(norms))
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = bool(torch.isfinite(total_norm))
+        grad_norm = total_norm.item()  # read once: the check and the metric share one device wait
+        finite = math.isfinite(grad_norm)
         if finite:
             for group in self.optimizer.param_groups:
                 torch.nn.utils.clip_grads_with_norm_(group["params"], self.config.actor.grad_clip, total_norm)
@@ -316,7 +318,7 @@ class ModelRank:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {
-            f"{prefix}/grad_norm": float(total_norm),
+            f"{prefix}/grad_norm": grad_norm,
             f"{prefix}/lr": lr,
             f"{prefix}/skipped_updates": float(not finite),
         }
