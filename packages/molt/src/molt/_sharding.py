@@ -5,6 +5,8 @@ critic (`molt._actor`, `molt._critic`)."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from typing import Any
 
 import torch
@@ -132,9 +134,24 @@ def load_model(
     use_lean_modules(model, config)  # the same function in less memory (`molt._lean`)
     if world_size == 1 and (compute_dtype(config) != dtype or setup.strategy_config.offload_policy):
         shard_one_rank(model, setup.strategy_config, device)
+    if device.type == "cuda":  # where the layers, or FlexAttention for shared prefixes, compile
+        remember_dynamic_shapes(model.config)
     if compiles(config, on_gpu=device.type == "cuda"):
         compile_layers(model)
     return model
+
+
+def remember_dynamic_shapes(model_config) -> None:
+    """Lets torch.compile keep, in its cache directory, which input sizes of each compiled function varied
+    (Dynamo's profile-guided "automatic dynamic"), so the next run of the same model on this machine
+    compiles each graph with dynamic shapes at once instead of a static graph first and a dynamic one at
+    the second size: about half the graphs of the actor's warm-up (`PolicyWorker._warm_up`). Dynamo keeps
+    that profile only under a job id (`torch.compiler.config.job_id`); this one names the model's
+    architecture and sizes, so runs of the same model share it and another model's layers, the same code
+    at other sizes, never read a size as varying that only varied between models."""
+    described = {k: v for k, v in model_config.to_dict().items() if k not in ("_name_or_path", "dtype")}
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+    torch.compiler.config.job_id = f"molt-{digest[:16]}"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
