@@ -1,5 +1,5 @@
 """A standalone server's sessions: idle expiry, a cap on live sessions, the body limit for chunked bodies,
-and the served model name read from the engine (fake engine)."""
+and the served model name read from the engine, a processor handed over (fake engine)."""
 
 from __future__ import annotations
 
@@ -170,3 +170,17 @@ async def test_an_env_turn_waiting_on_a_session_ended_meanwhile_samples_nothing(
     assert isinstance(error, ValueError) and "was ended" in str(error), error
     assert fake_engine.requests == []
     await served.aclose()
+
+
+async def test_a_processor_loaded_already_serves_without_reading_the_model_folder(
+    fake_engine, tiny_model_dir, tmp_path
+):
+    """A trainer loads the processor while its engines start and hands it over (`Tito(processor=...)`)."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    served = tito_over(fake_engine, tmp_path / "no-model-here", processor=processor)
+    client = client_of(create_app(served))
+    session = (await client.post("/sessions")).json()
+    assert (await client.post(f"/s/{session['id']}/v1/chat/completions", json=BODY)).status_code == 200
+    assert served.tokenizer is processor

@@ -102,7 +102,10 @@ def launch(config: Config, *, resume: bool = False) -> None:
         if evaluation and (overlap := check_held_out(evaluation, config, agent_module)):
             progress(f"note: {overlap}")
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
-        clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
+        with ThreadPoolExecutor(1) as background:  # tito's tokenizer loads while they start
+            processor = background.submit(_processor, model_dir)
+            clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
+            processor = processor.result()
         if mps:
             progress(mps_report(run_dir))
         if checkpoint is not None:
@@ -133,8 +136,17 @@ def launch(config: Config, *, resume: bool = False) -> None:
             filters=GroupFilters.of(config),  # --algo.filters: the pool's keep, bounded in each take
             **groups,
         )
-        asyncio.run(_serve_and_run(config, parts, urls, hosts, chat=chat, actors=engines))
+        asyncio.run(
+            _serve_and_run(config, parts, urls, hosts, chat=chat, actors=engines, processor=processor)
+        )
         progress(f"done; metrics in {run_dir / 'metrics.jsonl'}")
+
+
+def _processor(model_dir: Path) -> Any:
+    """The model's processor for tito: its tokenizer (and a vision-language model's image processor)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
 
 
 def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, logs: str) -> dict:
@@ -173,11 +185,11 @@ def _start_ray(config: Config, clock: StartupClock) -> Config:
 
 
 async def _serve_and_run(
-    config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool, actors: list
+    config: Config, parts: dict, engine_urls: list[str], hosts, *, chat: bool, actors: list, processor: Any
 ) -> None:
     """tito in this process (and on loopback HTTP for a ChatAgent), the pool, then `run_steps` over `parts`
     (the `Run` fields started by `train`). `actors`: the engines' actors, which restart them (none for
-    attached engines)."""
+    attached engines); `processor`: the model's, loaded already."""
 
     parts["startup"].begin("tito")
     tito = Tito(
@@ -190,6 +202,7 @@ async def _serve_and_run(
         # the engines molt starts send each reply in chunks (attached ones keep their own flags)
         stream_replies=config.vllm.stream_interval > 0 and not config.vllm.urls,
         compact_stream=True,  # every engine of a run runs refit's middleware, attached ones too
+        processor=processor,
     )
     restarts = EngineRestarts(tito.router, actors, parts["policy"], max_restarts=config.vllm.max_restarts)
     api_key = secrets.token_hex(16)  # the loopback server answers only this run's agents

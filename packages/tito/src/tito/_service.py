@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -78,7 +79,8 @@ class Tito:
     `engine_model`: the model every engine request names, a LoRA adapter the engines serve (None: their
     base model). `stream_replies`: every reply is streamed from its engine, also those a client takes
     whole; `compact_stream`: the engines run refit's middleware, and streamed replies come from its
-    compact route (both `_engines.Engine`).
+    compact route (both `_engines.Engine`). `processor`: `model`'s processor
+    (`AutoProcessor.from_pretrained(model)`) where the caller has loaded it already (None: loaded here).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class Tito:
         engine_model: str | None = None,
         stream_replies: bool = False,
         compact_stream: bool = False,
+        processor: Any = None,
     ) -> None:
         from transformers import AutoProcessor
 
@@ -109,7 +112,7 @@ class Tito:
             raise ValueError(f"max_sessions must be at least 1 (None: no cap), got {max_sessions}")
         self.model_name = served_model_name or str(model)
         # A text model's AutoProcessor is its tokenizer; a vision-language model's holds both.
-        processor = AutoProcessor.from_pretrained(model)
+        processor = processor if processor is not None else AutoProcessor.from_pretrained(model)
         vision = getattr(processor, "image_processor", None) is not None
         self.tokenizer = processor.tokenizer if vision else processor
         self.renderer = ChatRenderer(self.tokenizer, ImageLayout(processor) if vision else None)
