@@ -103,9 +103,9 @@ def launch(config: Config, *, resume: bool = False) -> None:
             progress(f"note: {overlap}")
         stages = {"engines": engine_urls, "actor": policy.ready_refs(), "agent_hosts": hosts_ready}
         with ThreadPoolExecutor(1) as background:  # tito's tokenizer loads while they start
-            processor = background.submit(_processor, model_dir)
+            loading = background.submit(_processor, model_dir)
             clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
-            processor = processor.result()
+            processor = loading.result()
         if mps:
             progress(mps_report(run_dir))
         if checkpoint is not None:

@@ -141,7 +141,7 @@ def load_model(
     return model
 
 
-def remember_dynamic_shapes(model_config) -> None:
+def remember_dynamic_shapes(model_config: Any) -> None:
     """Lets torch.compile keep, in its cache directory, which input sizes of each compiled function varied
     (Dynamo's profile-guided "automatic dynamic"), so the next run of the same model on this machine
     compiles each graph with dynamic shapes at once instead of a static graph first and a dynamic one at
