@@ -250,3 +250,55 @@ def test_every_layer_of_a_one_rank_unit_gets_its_inputs_in_the_compute_dtype(mon
         assert grouped.dtype == alone.dtype and torch.equal(grouped, alone)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_shard_adamw_steps_the_local_shards_as_torchs_adamw_steps_the_sharded_parameters(monkeypatch):
+    """`ShardAdamW` against torch's AdamW over the same FSDP2-sharded parameters (matrices and vectors):
+    after steps with weight decay, the same parameters and state dict, bit for bit, its moments still
+    DTensors (what checkpoints save); and the fused kernel is given the local tensors, not DTensors."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from molt._sharding import ShardAdamW
+
+    kernel = torch._fused_adamw_
+    given = []  # the types of each kernel call's parameters
+
+    def recorded(params, *args, **kwargs):
+        given.append({type(p) for p in params})
+        return kernel(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", recorded)
+    port = free_port()
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        results = []
+        for optimizer_class in (torch.optim.AdamW, ShardAdamW):
+            torch.manual_seed(0)
+            stack = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3))
+            for layer in stack:
+                fully_shard(layer)
+            fully_shard(stack)
+            params = list(stack.parameters())
+            optimizer = optimizer_class(params, lr=1e-2, weight_decay=0.1, fused=True)
+            gen = torch.Generator().manual_seed(1)
+            given.clear()
+            for _ in range(3):
+                for p in params:
+                    grad = torch.randn(p.to_local().shape, generator=gen)
+                    p.grad = DTensor.from_local(grad, p.device_mesh, p.placements)
+                optimizer.step()
+            moments = {type(v) for state in optimizer.state.values() for k, v in state.items() if k != "step"}
+            results.append(([p.full_tensor() for p in params], optimizer.state_dict(), set().union(*given)))
+            assert moments == {DTensor}
+        (torch_params, torch_state, torch_given), (params, state, shard_given) = results
+        assert torch_given == {DTensor} and shard_given == {torch.Tensor}
+        for expected, got in zip(torch_params, params, strict=True):
+            assert torch.equal(got, expected)
+        for index, expected in torch_state["state"].items():
+            for name, value in expected.items():
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                other = state["state"][index][name]
+                assert torch.equal(other.full_tensor() if isinstance(other, DTensor) else other, value)
+    finally:
+        torch.distributed.destroy_process_group()
