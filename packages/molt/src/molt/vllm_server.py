@@ -29,11 +29,8 @@ __all__ = ["VLLMServer", "engine_args", "first_error", "free_port"]
 
 _PORTS = random.SystemRandom()
 _START_TIMEOUT_S = 300.0  # a server not answering /health by then is stopped
-# The server's environment where this process's does not set them: the RL endpoints, no downloads, and
-# the engine core forked from the server (vLLM's CLI otherwise spawns it, a fresh interpreter importing
-# vLLM again: 10-13 s of a GPU engine's start; vLLM still spawns where the server has started CUDA, and
-# its CPU platform always does) ...
-_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1", "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+# The server's environment where this process's does not set them (the RL endpoints, no downloads) ...
+_ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
 # ... and on a CPU (one process, a small KV cache, one thread).
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
 # An exception's closing line, after vLLM's optional "(EngineCore pid=N) " and "ERROR date time [file] ".
