@@ -295,10 +295,12 @@ def test_shard_adamw_steps_the_local_shards_as_torchs_adamw_steps_the_sharded_pa
         assert torch_given == {DTensor} and shard_given == {torch.Tensor}
         for expected, got in zip(torch_params, params, strict=True):
             assert torch.equal(got, expected)
+
+        def full(t: torch.Tensor) -> torch.Tensor:  # a moment (DTensor) or a step count (plain)
+            return t.full_tensor() if isinstance(t, DTensor) else t
+
         for index, expected in torch_state["state"].items():
             for name, value in expected.items():
-                value = value.full_tensor() if isinstance(value, DTensor) else value
-                other = state["state"][index][name]
-                assert torch.equal(other.full_tensor() if isinstance(other, DTensor) else other, value)
+                assert torch.equal(full(state["state"][index][name]), full(value))
     finally:
         torch.distributed.destroy_process_group()
