@@ -109,7 +109,7 @@ def engine_pid(marker: str) -> int:
             args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if entry.name.isdigit() and marker in args and "vllm.entrypoints.openai.api_server" in args:
+        if entry.name.isdigit() and marker in args and "molt.vllm_server" in args:
             return int(entry.name)
     raise SystemExit(f"no vLLM server of {marker} is running")
 

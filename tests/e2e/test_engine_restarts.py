@@ -34,7 +34,7 @@ def engine_pids(marker: str) -> dict[int, str]:
             args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if marker in args and "vllm.entrypoints.openai.api_server" in args:
+        if marker in args and "molt.vllm_server" in args:
             found[int(entry.name)] = f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     return found
 

@@ -2,7 +2,9 @@
 closing traceback. The logs below are real vLLM 0.26 logs, cut short: an engine core that died at start on
 an H200 (LoRA kernels given float32 weights), and an API server that refused its arguments."""
 
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,3 +86,48 @@ def _alive_in_group(group: int) -> bool:
         if int(fields[2]) == group and fields[0] != "Z":
             return True
     return False
+
+
+# A fresh interpreter imports vLLM's server as `molt.vllm_server` does, counting torch's probes of a device
+# for Triton (a CUDA context on a GPU); IMPORT names the import, then it prints the count as JSON.
+_PROBES = """
+import json, sys
+import torch._dynamo.device_interface as devices
+from torch.utils._triton import has_triton
+assert has_triton.cache_info().currsize == 0, "asked before the import"
+probes, interface = [], devices.get_interface_for_device
+def counting(device):
+    probes.append(str(device))
+    return interface(device)
+devices.get_interface_for_device = counting
+{IMPORT}
+import torch, torch._inductor.config as inductor
+print(json.dumps(dict(probes=len(probes), cached=has_triton.cache_info().currsize,
+    detection_off=inductor.triton_disable_device_detection, cuda=torch.cuda.is_initialized())))
+"""
+
+
+def _import_in_a_fresh_interpreter(import_line: str) -> dict:
+    code = _PROBES.replace("{IMPORT}", import_line)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_vllms_server_imports_without_probing_a_device_and_leaves_the_probe_as_it_found_it():
+    """Importing vLLM's server imports torchao (through transformers), which asks torch at import whether
+    Triton runs on the device; on a GPU that probe starts CUDA, and vLLM then spawns its engine core (a
+    fresh interpreter importing vLLM again) instead of forking it. `import_server` imports it with the
+    probe off, and leaves no answer cached and the setting as it was: the engine core probes when it
+    compiles."""
+    plain = _import_in_a_fresh_interpreter("from vllm.entrypoints.openai import api_server")
+    assert plain["probes"] > 0 and plain["cached"] == 1  # the probe this guards against happens here
+    ours = _import_in_a_fresh_interpreter("from molt.vllm_server import import_server; import_server()")
+    assert ours == dict(probes=0, cached=0, detection_off=False, cuda=False)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_vllms_server_imports_without_starting_cuda():
+    ours = _import_in_a_fresh_interpreter("from molt.vllm_server import import_server; import_server()")
+    assert ours["probes"] == 0 and not ours["cuda"]

@@ -5,7 +5,8 @@ serves with no flag), return processed (post-temperature) logprobs so they match
 recomputation, and expose the RL endpoints (pause, weight transfer, prefix-cache reset), which vLLM
 only registers with `VLLM_SERVER_DEV_MODE=1`. On a CPU the fast-start settings below bring a tiny model
 up in well under a minute. This module does not place engines (Ray does that); it only starts and
-stops one server process and waits until it answers `/health`.
+stops one server process and waits until it answers `/health`. The process runs this module
+(`python -m molt.vllm_server FLAGS`: vLLM's server, imported so that it can fork its engine core, `serve`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 __all__ = ["VLLMServer", "engine_args", "first_error", "free_port"]
 
@@ -31,8 +33,10 @@ _PORTS = random.SystemRandom()
 _START_TIMEOUT_S = 300.0  # a server not answering /health by then is stopped
 # The server's environment where this process's does not set them (the RL endpoints, no downloads) ...
 _ENV = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1"}
-# ... and on a CPU (one process, a small KV cache, one thread).
+# ... and on a CPU (one process, a small KV cache, one thread) ...
 _CPU_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+# ... or on a GPU: the engine core forked from the server, which has vLLM imported already (`serve`).
+_GPU_ENV = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
 # An exception's closing line, after vLLM's optional "(EngineCore pid=N) " and "ERROR date time [file] ".
 _EXCEPTION = re.compile(r"^(\(\w+ pid=\d+\) )?(ERROR \S+ \S+ \[[^\]]+\] )?[\w.]*(Error|Exception)\b")
 
@@ -67,7 +71,7 @@ def engine_args(model: str | Path, *, port: int, extra: Sequence[str], on_cpu: b
     `extra` flags; a context of 2,048 tokens unless they give `--max-model-len`."""
     context = [] if "--max-model-len" in extra else ["--max-model-len", "2048"]
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        sys.executable, "-m", "molt.vllm_server",  # vLLM's server (`serve`)
         "--model", str(model),
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -116,7 +120,7 @@ class VLLMServer:
             on_cpu = not torch.cuda.is_available()
         self.args = engine_args(model, port=self.port, extra=extra_args, on_cpu=on_cpu)
         self.log_path = Path(log_path or f"/tmp/molt-vllm-{self.port}.log")
-        self.env = {**_ENV, **(_CPU_ENV if on_cpu else {}), **os.environ, **(env or {})}
+        self.env = {**_ENV, **(_CPU_ENV if on_cpu else _GPU_ENV), **os.environ, **(env or {})}
         self.process: subprocess.Popen | None = None
 
     def start(self) -> VLLMServer:
@@ -175,3 +179,43 @@ class VLLMServer:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def import_server() -> ModuleType:
+    """vLLM's OpenAI server module, imported without starting CUDA in this process.
+
+    vLLM forks its engine core where CUDA has not started in the server, and otherwise spawns it: a fresh
+    interpreter that imports vLLM again (about 10 s of an engine's start on an H100). Importing the
+    server starts CUDA wherever torchao is installed (AutoModel needs it): transformers imports torchao's
+    safetensors support, and torchao asks torch at import whether Triton runs on the device, a question
+    torch answers by opening a CUDA context. So the import runs with torch's Triton device detection off,
+    and the answer cached meanwhile is dropped: the engine core asks again when it compiles."""
+    import torch._inductor.config as inductor
+    from torch.utils._triton import has_triton
+
+    detection_off = inductor.triton_disable_device_detection
+    inductor.triton_disable_device_detection = True
+    try:
+        from vllm.entrypoints.openai import api_server
+    finally:
+        inductor.triton_disable_device_detection = detection_off
+        has_triton.cache_clear()
+    return api_server
+
+
+def serve(argv: Sequence[str]) -> None:
+    """Run vLLM's OpenAI server with the command line `argv`, as vLLM's own `python -m
+    vllm.entrypoints.openai.api_server` would, from a process that has not started CUDA (`import_server`)."""
+    api_server = import_server()
+    import uvloop
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(description="vLLM's OpenAI server, for Molt"))
+    args = parser.parse_args(list(argv))
+    validate_parsed_serve_args(args)
+    uvloop.run(api_server.run_server(args))
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1:])

@@ -17,7 +17,7 @@ Why the counts are right: the engine samples nothing between `/pause` and `/resu
 of every step before the pause reach the server ahead of the pause's own reply, so the output processor
 has counted them long before the transfer's round trips are over. A request that arrives while the engine
 is paused has sampled nothing yet: all its tokens carry the new label. It assumes one API-server process
-(several would each keep a label of their own); Molt starts one (`vllm.entrypoints.openai.api_server`).
+(several would each keep a label of their own); Molt starts one (vLLM's OpenAI server).
 """
 
 from __future__ import annotations
