@@ -189,7 +189,8 @@ def import_server() -> ModuleType:
     server starts CUDA wherever torchao is installed (AutoModel needs it): transformers imports torchao's
     safetensors support, and torchao asks torch at import whether Triton runs on the device, a question
     torch answers by opening a CUDA context. So the import runs with torch's Triton device detection off,
-    and the answer cached meanwhile is dropped: the engine core asks again when it compiles."""
+    and the answer cached meanwhile is dropped: the engine core asks again when it compiles. (torchao's
+    own Triton kernels, defined at its import, stay undefined: Molt's engines serve no torchao weights.)"""
     import torch._inductor.config as inductor
     from torch.utils._triton import has_triton
 
