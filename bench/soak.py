@@ -87,7 +87,7 @@ def part_of(process: psutil.Process, driver_pid: int, vllm_pids: set[int]) -> st
     if process.pid in vllm_pids:
         if title.startswith("VLLM::"):
             return "vllm:" + title[len("VLLM::") :].split()[0]
-        return "vllm:api_server" if "vllm.entrypoints" in title else "vllm:other"
+        return "vllm:api_server" if "molt.vllm_server" in title else "vllm:other"
     if title.startswith("ray::"):
         name = title[len("ray::") :].split(".")[0].split()[0]
         return f"ray-system:{name}" if name in RAY_AGENTS else f"ray:{name}"
@@ -101,7 +101,7 @@ def sample(driver: psutil.Process, tag: str) -> dict[str, tuple[int, float]]:
     vllm_pids: set[int] = set()
     for process in processes:
         try:
-            if "vllm.entrypoints" in " ".join(process.cmdline()):
+            if "molt.vllm_server" in " ".join(process.cmdline()):
                 vllm_pids |= {process.pid, *(c.pid for c in process.children(recursive=True))}
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
