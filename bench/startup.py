@@ -45,17 +45,6 @@ def machine() -> str:
     return f"{gpu}{name}, {os.cpu_count()} cores ({platform.machine()})"
 
 
-def bare_engine(model_dir: Path, log: Path) -> float:
-    """Seconds from starting a vLLM server with a run's engine flags to its first `/health`."""
-    from molt._engines import engine_extra_args
-    from molt.config import Config
-    from molt.vllm_server import VLLMServer
-
-    started = time.monotonic()
-    with VLLMServer(model_dir, extra_args=engine_extra_args(Config()), log_path=log):
-        return time.monotonic() - started
-
-
 def engine_start(model_dir: Path, log: Path, *, entry: str) -> tuple[float, bool]:
     """Seconds from starting one engine's server (a run's engine flags) to its first `/health`, and
     whether vLLM logged that it had to spawn its core. `entry`: "molt" as Molt's engines start it,
@@ -116,7 +105,7 @@ def main() -> None:
         if args.engines:
             return engines(model_dir, args.rounds, Path(tmp))
         for index in range(args.rounds):
-            engine_s = bare_engine(model_dir, Path(tmp) / f"bare-{index}.log")
+            engine_s, _ = engine_start(model_dir, Path(tmp) / f"bare-{index}.log", entry="molt")
             run = one_run(Path(tmp) / f"round-{index}")
             rows.append({"bare_engine": engine_s, **run})
             print(
