@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,11 @@ def test_a_short_on_policy_run_with_two_actor_ranks(tmp_path, tiny_model_dir, mo
     # trainer pushed, so its weights changed at every refit.
     assert all(step["train/staleness_mean"] == 0.0 for step in steps)
     assert "step 3/3" in result.stdout
+    # step 1 says where the start went, the actor's ranks' part of it too (their slowest rank's load)
+    actor = {key: steps[0][f"timing/startup_{key}"] for key in ("actor_load", "actor", "total")}
+    assert 0 < actor["actor_load"] < actor["actor"] < actor["total"]
+    said = re.search(r"actor [0-9.]+ s \(load [0-9.]+ s, warm_up [0-9.]+ s\)", result.stderr)
+    assert said, result.stderr[-2000:]
 
 
 def test_a_typo_fails_before_anything_starts(tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -184,6 +185,9 @@ GROUPS = {  # name: (num_ranks, config)
 }
 
 
+STARTED_S: dict = {}  # a group of `groups` -> seconds from its construction until its ranks had loaded
+
+
 @pytest.fixture(scope="module")
 def groups(tiny_model_dir):
     """The module's three actor groups, started concurrently on one local Ray."""
@@ -191,17 +195,32 @@ def groups(tiny_model_dir):
 
     from molt._group import PolicyGroup
 
+    def start(config, num_ranks):
+        started = time.monotonic()
+        group = PolicyGroup(tiny_model_dir, config, num_ranks)
+        STARTED_S[group] = time.monotonic() - started
+        return group
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     with ThreadPoolExecutor(len(GROUPS)) as pool:
-        futures = {
-            name: pool.submit(PolicyGroup, tiny_model_dir, config, num_ranks)
-            for name, (num_ranks, config) in GROUPS.items()
-        }
+        futures = {name: pool.submit(start, config, ranks) for name, (ranks, config) in GROUPS.items()}
         started = {name: future.result() for name, future in futures.items()}
     yield started
     for group in started.values():
         group.shutdown()
     ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["one_rank", "two_ranks"])
+def test_a_group_says_where_its_start_went(groups, name):
+    """The run's start-up line splits the actor's seconds (`timing/startup_actor_*`): each rank's load
+    (its process group, the model, the optimizer) and its warm-up, within what the group's start took.
+    On a CPU nothing compiles: no warm-up runs."""
+    parts = groups[name].startup_seconds()
+    assert set(parts) == {"load", "warm_up"}
+    assert 0.05 < parts["load"] < STARTED_S[groups[name]]
+    assert 0 <= parts["warm_up"] < 0.05
 
 
 @pytest.mark.slow

@@ -4,6 +4,7 @@ stderr, since the redirection works on file descriptors."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -67,6 +68,9 @@ def test_the_startup_clock_counts_from_the_process_start_and_times_each_stage():
     assert metrics["timing/startup_ray"] == pytest.approx(0.05, abs=0.04)
     assert metrics["timing/startup_total"] >= metrics["timing/startup_driver"] + metrics["timing/startup_ray"]
     assert clock.line().index("driver ") < clock.line().index("ray 0.")
+    clock.split("ray", {"load": 0.02, "warm_up": 0.01})  # as an actor group reports its ranks' parts
+    assert clock.metrics()["timing/startup_ray_load"] == 0.02
+    assert re.search(r"ray 0\.\d s \(load 0\.0 s, warm_up 0\.0 s\)", clock.line()), clock.line()
 
 
 def test_bytecode_is_allowed_for_the_run_and_what_it_starts(tmp_path):

@@ -157,6 +157,11 @@ class PolicyGroup:
                 out_BT[rows, : result_BT.shape[1]] = result_BT
         return out_BT
 
+    def startup_seconds(self) -> dict[str, float]:
+        """Each start-up part of the ranks (`ModelRank.startup_seconds`), the slowest rank's."""
+        ranks = self._each("startup_seconds")
+        return {part: max(rank[part] for rank in ranks) for part in ranks[0]}
+
     def pass_metrics(self) -> dict[str, float]:
         """`actor/padding_frac` (token slots that held padding), `actor/shared_prefix_frac` (the rows'
         tokens that shared prefixes saved a slot for), `actor/tokens_per_s` and, on a GPU of known peak

@@ -106,6 +106,8 @@ def launch(config: Config, *, resume: bool = False) -> None:
             loading = background.submit(_processor, model_dir)
             clock.wait(stages | {name: group.ready_refs() for name, group in groups.items()})  # side by side
             processor = loading.result()
+        for name, group in {"actor": policy, **groups}.items():  # where each group's start went
+            clock.split(name, group.startup_seconds())
         if mps:
             progress(mps_report(run_dir))
         if checkpoint is not None:

@@ -170,6 +170,7 @@ class StartupClock:
     def __init__(self) -> None:
         self.origin = _process_started()
         self.seconds: dict[str, float] = {}
+        self.parts: dict[str, dict[str, float]] = {}  # a stage -> where its seconds went, as it reported
         self._begun: dict[str, float] = {"driver": self.origin}
 
     def begin(self, stage: str) -> None:
@@ -194,12 +195,23 @@ class StartupClock:
                 self.end(stage)
                 progress(f"{stage} ready ({self.seconds[stage]:.1f} s)")
 
+    def split(self, stage: str, parts: dict[str, float]) -> None:
+        """Where an ended stage's seconds went, as the stage's processes reported them (an actor's load and
+        warm-up); the rest of the stage is what they did not count (placing, starting, importing)."""
+        self.parts[stage] = parts
+
     def metrics(self) -> dict[str, float]:
         stages = {f"timing/startup_{stage}": s for stage, s in self.seconds.items()}
+        for stage, parts in self.parts.items():
+            stages |= {f"timing/startup_{stage}_{part}": s for part, s in parts.items()}
         return stages | {"timing/startup_total": time.monotonic() - self.origin}
 
     def line(self) -> str:
-        stages = ", ".join(f"{stage} {s:.1f} s" for stage, s in self.seconds.items())
+        def described(stage: str, seconds: float) -> str:
+            parts = ", ".join(f"{part} {s:.1f} s" for part, s in self.parts.get(stage, {}).items())
+            return f"{stage} {seconds:.1f} s" + (f" ({parts})" if parts else "")
+
+        stages = ", ".join(described(stage, s) for stage, s in self.seconds.items())
         return f"step 1 {time.monotonic() - self.origin:.1f} s after the command ({stages})"
 
 

@@ -91,6 +91,7 @@ class ModelRank:
             torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
         url = f"tcp://{master_addr}:{master_port}"
+        begun = time.monotonic()
         dist.init_process_group(
             "nccl" if on_gpu else "gloo", init_method=url, rank=rank, world_size=world_size
         )
@@ -129,10 +130,19 @@ class ModelRank:
             )
         else:
             self.model.requires_grad_(False).eval()
+        loaded = time.monotonic()
         self._ready()
+        # `startup_seconds`: the group joined and the shard loaded, then the kind's own set-up
+        self.startup = {"load": loaded - begun, "warm_up": time.monotonic() - loaded}
 
     def _ready(self) -> None:
         """A kind's own set-up, once the rank is loaded and, trainable, has its optimizer (the base: none)."""
+
+    def startup_seconds(self) -> dict[str, float]:
+        """Where this rank's start went: "load" (joining the process group, loading and sharding the model,
+        the optimizer) and "warm_up" (the kind's own set-up: the policy's compile warm-up). What the group
+        waited beyond them went to placing the rank, starting its process and its imports."""
+        return self.startup
 
     def _load(self, model_dir: str, world_size: int, trainable: bool) -> Any:
         """This rank's shard of the model (each kind loads its own): a transformers or AutoModel model."""
