@@ -42,7 +42,7 @@ def test_the_warm_up_rows_take_each_layout_at_two_sizes_within_the_budget(budget
 # code that is not this project's: shown, not raised.
 @pytest.mark.slow
 @pytest.mark.filterwarnings("default")
-def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(tiny_model_dir):
+def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(tiny_model_dir, capfd):
     from molt._actor import PolicyWorker
     from molt._rank import compiled_graphs
 
@@ -56,7 +56,7 @@ def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(
     # later: graphs built after the first step by a pass over rows of one length, at a size not seen. (Packed
     # rows of a new count recompile on the CPU alone: its per-row attention loops in Python, where CUDA's
     # varlen kernel takes the row bounds as a tensor; the GPU tests count those.)
-    results, later = [], []
+    results, later, warm_up_s = [], [], []
     for compiled in ("off", "on"):  # --actor.compile on is refused on a CPU run; the worker takes it here
         actor = Actor(lr=1e-2, micro_batch_tokens=256, compile=compiled, shared_prefix="off")
         config = msgspec.structs.replace(Config(), actor=actor, rollout=Rollout(temperature=0.7))
@@ -68,6 +68,7 @@ def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(
             assert worker.optimizer is not None and worker.scheduler is not None
             left = (len(worker.optimizer.state), sum(p.grad is not None for p in worker.model.parameters()))
             loaded = {name: p.detach().clone() for name, p in worker.model.named_parameters()}
+            warm_up_s.append(worker.startup_seconds()["warm_up"])
             results.append(
                 (built, counts, left, loaded, worker.scheduler.last_epoch, worker.train_step(batch))
             )
@@ -80,6 +81,8 @@ def test_compiled_layers_are_built_at_start_and_leave_the_first_step_as_without(
     (eager_built, _, eager_left, eager_loaded, eager_epoch, eager_metrics), compiled = results
     built, counts, left, loaded, epoch, metrics = compiled
     assert eager_built == 0 and built > 0  # the graphs exist before the first step
+    assert warm_up_s[0] < 0.05 < warm_up_s[1]  # the start-up's `actor_warm_up` times the compiling
+    assert "compile warm-up: packed " in capfd.readouterr().out  # and the rank's log says where it went
     assert later == [0, 0]  # and serve later sizes: no recompile in a later step
     assert counts["tokens"] == counts["slots"] == counts["compiles"] == 0  # the warm-up is no step's work
     assert left == eager_left == (0, 0) and epoch == eager_epoch  # no optimizer state, gradient or step

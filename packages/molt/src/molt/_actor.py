@@ -16,6 +16,8 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import time
 from collections.abc import Iterator
 
 import torch
@@ -24,7 +26,7 @@ import refit
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs
 from molt._objective import step_loss
 from molt._placement import compiles
-from molt._rank import ModelRank
+from molt._rank import ModelRank, compiled_graphs
 from molt._sharding import adapter_config, compute_dtype, load_model, replicas
 from rlestimators import entropy_from_logits
 
@@ -81,11 +83,19 @@ class PolicyWorker(ModelRank):
         graph with dynamic shapes that torch.compile keeps for later sizes. Its gradients are dropped and
         nothing steps: the weights and the optimizer are as loaded."""
         vocab_size = self.model.get_input_embeddings().weight.shape[0]  # a vision-language model's LLM's too
-        for batch in _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix):
-            self.logprobs(batch)
-            if self.optimizer is not None:
-                self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
-                self.optimizer.zero_grad(set_to_none=True)
+        batches = _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix)
+        layouts = ("packed", "one length", "trees")[: len(batches) // 2]  # two sizes each, in this order
+        took = []  # into the rank's log: what each layout's graphs cost
+        for layout, pair in zip(layouts, itertools.batched(batches, 2), strict=True):
+            started, graphs = time.perf_counter(), compiled_graphs()
+            for batch in pair:
+                self.logprobs(batch)
+                if self.optimizer is not None:
+                    self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
+                    self.optimizer.zero_grad(set_to_none=True)
+            seconds, built = time.perf_counter() - started, compiled_graphs() - graphs
+            took.append(f"{layout} {seconds:.1f} s, {built} graphs")
+        print(f"compile warm-up: {'; '.join(took)}", flush=True)
         self.take_pass_counts()  # dropped: the steps' counts and `actor/compiles` start at the first step
 
     def _load(self, model_dir: str, world_size: int, trainable: bool) -> torch.nn.Module:
