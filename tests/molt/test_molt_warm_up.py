@@ -8,6 +8,8 @@ per-row attention), which is enough to see what the warm-up leaves; what it save
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import torch
@@ -21,8 +23,11 @@ from molt.vllm_server import free_port
 
 @pytest.mark.parametrize("budget", [64, 512, 2048, 49152])
 def test_the_warm_up_rows_take_each_layout_at_two_sizes_within_the_budget(budget):
-    batches = _warm_up_batches(1000, budget, trees=True)
-    assert len(batches) == 6 and len(_warm_up_batches(1000, budget, trees=False)) == 4
+    layouts = _warm_up_batches(1000, budget, trees=True)
+    assert list(layouts) == ["trees", "packed", "one length"]  # a group's replies share their prompt
+    assert list(_warm_up_batches(1000, budget, trees=False)) == ["packed", "one length"]
+    batches = [*layouts["packed"], *layouts["one length"], *layouts["trees"]]
+    assert [len(pair) for pair in layouts.values()] == [2, 2, 2]
     layouts = [SharedPrefixRows.of(batch.tokens_BT, batch.row_lengths) for batch in batches]
     assert all(max(batch.row_lengths) <= budget for batch in batches)
     assert [layout.num_saved for layout in layouts[:4]] == [0] * 4  # rows of their own, none shared
@@ -119,3 +124,34 @@ def test_layers_sharing_a_one_rank_unit_build_the_graphs_a_unit_each_builds(tiny
             torch._dynamo.reset()
     grouped, alone = built
     assert grouped == alone > 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("default")
+def test_the_warm_up_stops_once_the_engines_are_up(tiny_model_dir, capfd):
+    """The warm-up only fills the engines' loading time: with them up before it begins, it builds nothing
+    and says which layouts the steps will compile when they meet them."""
+    import ray
+
+    from molt._actor import PolicyWorker, engines_up
+    from molt._rank import compiled_graphs
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        loading = ray.remote(lambda: time.sleep(300)).remote()  # an engine that has not answered yet
+        answered = ray.put("http://127.0.0.1:8000")
+        assert not engines_up([answered, loading]) and engines_up([answered]) and engines_up([])
+        actor = Actor(lr=1e-2, micro_batch_tokens=256, compile="on", shared_prefix="off")
+        config = msgspec.structs.replace(Config(), actor=actor)
+        before = compiled_graphs()
+        worker = PolicyWorker(
+            0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config, engines_loading=[answered]
+        )
+        assert compiled_graphs() == before and worker.startup_seconds()["warm_up"] < 0.05
+        said = capfd.readouterr().out
+        assert "stopped, the engines are up (packed, one length: compiled in the first step" in said
+        ray.cancel(loading, force=True)
+    finally:
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+        ray.shutdown()

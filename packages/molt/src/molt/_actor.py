@@ -16,7 +16,6 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Iterator
 
@@ -31,11 +30,12 @@ from molt._sharding import adapter_config, compute_dtype, load_model, replicas
 from rlestimators import entropy_from_logits
 
 
-def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> list[TrainBatch]:
-    """`PolicyWorker._warm_up`'s rows: rows of their own (packed end to end), rows of one length (a [B, T]
-    batch) and, with `trees`, rows that begin alike (shared-prefix trees, `molt._prefix`), each at two
-    sizes whose packed lengths, row counts and longest rows all differ; seeded random tokens, every row
-    within the micro-batch budget. Advantages 0: the loss, and so every gradient, is 0."""
+def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> dict[str, list[TrainBatch]]:
+    """`PolicyWorker._warm_up`'s rows, by layout, most likely first: with `trees`, rows that begin alike
+    (shared-prefix trees, `molt._prefix`: a group's replies to one prompt), then rows of their own (packed
+    end to end) and rows of one length (a [B, T] batch); each layout at two sizes whose packed lengths, row
+    counts and longest rows all differ; seeded random tokens, every row within the micro-batch budget.
+    Advantages 0: the loss, and so every gradient, is 0."""
     gen, cap = torch.Generator().manual_seed(0), min(budget, 1024)
 
     def batch(rows: list[list[int]]) -> TrainBatch:
@@ -46,13 +46,27 @@ def _warm_up_batches(vocab_size: int, budget: int, *, trees: bool) -> list[Train
         return [[b, *row] for b, row in enumerate(draw)]
 
     sizes = [(cap // 8, cap // 4, cap // 6), (cap // 2, cap // 3, cap // 5, cap // 7)]
+    layouts = {"packed": [batch(rows(*lengths)) for lengths in sizes]}
     # rows of one length run unpacked, as a [B, T] batch (`ModelRank._layout`): two sizes of those too
-    batches = [batch(rows(*lengths)) for lengths in [*sizes, (cap // 4,) * 2, (cap // 3,) * 3]]
-    if trees:  # the same rows after a prefix they share, of 1/8 and then 1/4 of the cap
-        for prefix, lengths in zip((cap // 8, cap // 4), sizes, strict=True):
-            shared = rows(prefix)[0]
-            batches.append(batch([shared + row for row in rows(*lengths)]))
-    return batches
+    layouts["one length"] = [batch(rows(*lengths)) for lengths in [(cap // 4,) * 2, (cap // 3,) * 3]]
+    if not trees:
+        return layouts
+    shared_rows = []  # the same rows after a prefix they share, of 1/8 and then 1/4 of the cap
+    for prefix, lengths in zip((cap // 8, cap // 4), sizes, strict=True):
+        shared = rows(prefix)[0]
+        shared_rows.append(batch([shared + row for row in rows(*lengths)]))
+    return {"trees": shared_rows, **layouts}
+
+
+def engines_up(engines: list) -> bool:
+    """Whether every one of `engines` (Ray refs, each ready once its engine's server answers) is ready now,
+    without waiting."""
+    import ray
+
+    if not engines:  # attached ones (--vllm.urls) answered before the run began
+        return True
+    ready, _ = ray.wait(engines, num_returns=len(engines), timeout=0)
+    return len(ready) == len(engines)
 
 
 class PolicyWorker(ModelRank):
@@ -81,14 +95,22 @@ class PolicyWorker(ModelRank):
         logprobs' and, trainable, the train step's forward and backward) over dummy rows
         (`_warm_up_batches`) of each layout a step may use, at two sizes, so that the second builds the
         graph with dynamic shapes that torch.compile keeps for later sizes. Its gradients are dropped and
-        nothing steps: the weights and the optimizer are as loaded."""
+        nothing steps: the weights and the optimizer are as loaded.
+
+        The warm-up only fills the engines' loading time (`self.engines_loading`, their refs; None: a
+        rank on its own warms every layout): once they are up it stops, before the next layout, and a
+        layout not built compiles in the first step that meets it (a run uses few: one of 135M's on
+        one H100 met only trees, yet warmed all three for about 13 s while its engine was up)."""
         vocab_size = self.model.get_input_embeddings().weight.shape[0]  # a vision-language model's LLM's too
-        batches = _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix)
-        layouts = ("packed", "one length", "trees")[: len(batches) // 2]  # two sizes each, in this order
+        layouts = _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix)
         took = []  # into the rank's log: what each layout's graphs cost
-        for layout, pair in zip(layouts, itertools.batched(batches, 2), strict=True):
+        for index, (layout, batches) in enumerate(layouts.items()):
+            if self.engines_loading is not None and engines_up(self.engines_loading):
+                left = ", ".join(list(layouts)[index:])
+                took.append(f"stopped, the engines are up ({left}: compiled in the first step that meets it)")
+                break
             started, graphs = time.perf_counter(), compiled_graphs()
-            for batch in pair:
+            for batch in batches:
                 self.logprobs(batch)
                 if self.optimizer is not None:
                     self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)

@@ -61,6 +61,8 @@ class PolicyGroup:
     the weight-transfer rendezvous the engines join. `trainable=False`: a frozen group (reference, teacher).
     `wait=False` returns once the ranks are placed; `ready_refs` are then ready once they have loaded.
     `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
+    `engines_loading`: the run's engines' refs, ready once each answers; the ranks' compile warm-up stops
+    once they are (`PolicyWorker._warm_up`).
     """
 
     worker_class: type = PolicyWorker
@@ -74,6 +76,7 @@ class PolicyGroup:
         trainable: bool = True,
         wait: bool = True,
         log_prefix: str = "",
+        engines_loading: list | None = None,
     ) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -94,9 +97,10 @@ class PolicyGroup:
         )
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         logs = [f"{log_prefix}-{rank}.log" if log_prefix else "" for rank in range(num_ranks)]
-        self.workers = [
+        shared = (self.master_addr, port, str(model_dir), config, trainable)
+        self.workers = [  # `engines_loading` is a list: Ray passes the refs themselves, not their values
             remote.options(scheduling_strategy=here if rank == 0 else "DEFAULT").remote(
-                rank, num_ranks, self.master_addr, port, str(model_dir), config, trainable, logs[rank]
+                rank, num_ranks, *shared, logs[rank], engines_loading
             )
             for rank in range(num_ranks)
         ]

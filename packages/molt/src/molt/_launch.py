@@ -83,10 +83,11 @@ def launch(config: Config, *, resume: bool = False) -> None:
             ray.get(engine_urls)
         clock.begin("actor")
         policy = PolicyGroup(
-            model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor"
-        )
+            model_dir, config, config.actor.num_ranks, wait=False, log_prefix=logs and f"{logs}/actor",
+            engines_loading=engine_urls,  # its compile warm-up fills their loading time, no longer
+        )  # fmt: skip
         cleanup.callback(policy.shutdown)
-        groups = start_extra_groups(config, model_dir, clock, logs)  # reference, critic, teacher: if asked
+        groups = start_extra_groups(config, model_dir, clock, logs, engine_urls)  # reference, critic, teacher
         for group in groups.values():
             cleanup.callback(group.shutdown)
         clock.begin("agent_hosts")
@@ -151,10 +152,13 @@ def _processor(model_dir: Path) -> Any:
     return AutoProcessor.from_pretrained(model_dir)
 
 
-def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, logs: str) -> dict:
+def start_extra_groups(
+    config: Config, model_dir: Path, clock: StartupClock, logs: str, engines_loading: list | None = None
+) -> dict:
     """The optional groups placed beside the policy, by name (`Run`'s fields); none unless asked for.
     Returns once their ranks are placed (`ready_refs` are ready once they have loaded). `logs`: the
-    directory their ranks write their output into (empty: Ray's worker logs)."""
+    directory their ranks write their output into (empty: Ray's worker logs); `engines_loading`: as the
+    policy's (`PolicyGroup`)."""
     algo, num_ranks, groups = config.algo, config.actor.num_ranks, {}
     started = {  # name -> its model and what it is; the reference: the initial weights, frozen
         "reference": (model_dir, "the reference policy (--algo.kl.coef)"),
@@ -166,7 +170,10 @@ def start_extra_groups(config: Config, model_dir: Path, clock: StartupClock, log
         progress(f"starting {what}")
         critic, prefix = name == "critic", logs and f"{logs}/{name}"
         kind = CriticGroup if critic else PolicyGroup  # the critic alone trains
-        groups[name] = kind(model, config, num_ranks, trainable=critic, wait=False, log_prefix=prefix)
+        groups[name] = kind(
+            model, config, num_ranks, trainable=critic, wait=False, log_prefix=prefix,
+            engines_loading=engines_loading,
+        )  # fmt: skip
         clock.begin(name)  # its ranks are placed: they load from now on
     return groups
 

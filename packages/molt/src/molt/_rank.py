@@ -82,11 +82,15 @@ class ModelRank:
         config: Config,
         trainable: bool = True,
         log_path: str = "",
+        engines_loading: list | None = None,
     ) -> None:
         if log_path:  # this rank's third-party output (AutoModel's warnings, weight loading) goes there
             redirect_output(log_path)
         on_gpu = torch.cuda.is_available()
         self.rank, self.config = rank, config
+        # the run's engines as they load (Ray refs, ready once each answers): a kind's set-up that only
+        # fills their loading time (the policy's compile warm-up) stops once they are up; None: no engines
+        self.engines_loading = engines_loading
         if on_gpu:
             torch.cuda.set_device(0)  # Ray shows each worker its one GPU as device 0
         self.device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
