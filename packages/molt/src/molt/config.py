@@ -147,7 +147,8 @@ class Actor(_Group):
     """Compile each decoder layer with torch.compile (CUDA only): its elementwise work (norms, rotary
     embeddings, activations, casts) fuses into fewer kernels. auto = on with CUDA unless activation
     checkpointing or routing replay is on. The graphs are built at start-up, over dummy rows, while the
-    engines load; a later step that still meets a new shape compiles it (`actor/compiles`)."""
+    engines load and no longer (the layouts not built by then compile in the first step that meets them);
+    a later step that still meets a new shape compiles it (`actor/compiles`)."""
     compute_dtype: Literal["model", "float32", "bfloat16"] = "model"
     """dtype of the forward and backward passes and of the weights a refit sends; model = --model.dtype.
     --model.dtype float32 with bfloat16 here keeps float32 master weights and optimizer state (FSDP2 mixed
