@@ -23,11 +23,11 @@ from molt.vllm_server import free_port
 
 @pytest.mark.parametrize("budget", [64, 512, 2048, 49152])
 def test_the_warm_up_rows_take_each_layout_at_two_sizes_within_the_budget(budget):
-    layouts = _warm_up_batches(1000, budget, trees=True)
-    assert list(layouts) == ["trees", "packed", "one length"]  # a group's replies share their prompt
+    by_layout = _warm_up_batches(1000, budget, trees=True)
+    assert list(by_layout) == ["trees", "packed", "one length"]  # a group's replies share their prompt
     assert list(_warm_up_batches(1000, budget, trees=False)) == ["packed", "one length"]
-    batches = [*layouts["packed"], *layouts["one length"], *layouts["trees"]]
-    assert [len(pair) for pair in layouts.values()] == [2, 2, 2]
+    batches = [*by_layout["packed"], *by_layout["one length"], *by_layout["trees"]]
+    assert [len(pair) for pair in by_layout.values()] == [2, 2, 2]
     layouts = [SharedPrefixRows.of(batch.tokens_BT, batch.row_lengths) for batch in batches]
     assert all(max(batch.row_lengths) <= budget for batch in batches)
     assert [layout.num_saved for layout in layouts[:4]] == [0] * 4  # rows of their own, none shared
