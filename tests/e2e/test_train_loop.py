@@ -196,6 +196,7 @@ def test_a_used_up_dataset_ends_the_run_with_its_last_step_evaluated_and_checkpo
     records = read_metrics(run_dir)  # step 3's evaluation, logged after its record, merged into it
     assert [record["step"] for record in records] == [1, 2, 3]
     assert "eval/pass@1" in records[2] and "rollout/reward_mean" in records[2]
+    assert records[2]["timing/eval"] > 0  # the evaluation's own seconds, apart from the step's
     assert not any("eval/pass@1" in record for record in records[:2])
     assert sorted(path.name for path in (run_dir / "checkpoints").glob("step_*")) == ["step_000003"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000003"

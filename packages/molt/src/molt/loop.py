@@ -348,14 +348,15 @@ def check_token_identity(batch: TrainBatch, rollouts: list[Rollout]) -> None:
 async def _evaluate(config: Config, run: Run, version: int) -> dict[str, float]:
     """The evaluation (`molt._metrics.evaluate`) with the weights of `version`, while the actor is idle:
     an engine up again meanwhile gets them and serves, so the samples waiting for it (`molt._rollout`) go
-    on; a restart past --vllm.max_restarts, or one that failed, stops the run."""
+    on; a restart past --vllm.max_restarts, or one that failed, stops the run. Its seconds: `timing/eval`."""
+    started = time.monotonic()
     evaluating = asyncio.ensure_future(evaluate(run.runner, run.eval_rows, config))
     try:
         while not (await asyncio.wait({evaluating}, timeout=1.0))[0]:
             await run.restarts.bring_back(version)
     finally:
         evaluating.cancel()  # a no-op once it is done
-    return evaluating.result()
+    return evaluating.result() | {"timing/eval": time.monotonic() - started}
 
 
 @contextlib.asynccontextmanager
