@@ -126,6 +126,7 @@ PROBES: dict[str, Probe] = {
     "vllm.mtp_num_speculative_tokens": P(probes.engines, cuda=True),
     "vllm.enable_prefix_caching": P(probes.engines),
     "vllm.cuda_graphs": P(probes.engines, cuda=True),
+    "vllm.compile": P(probes.engines, cuda=True),
     "vllm.max_model_len": P(probes.engines),
     "vllm.gpu_memory_utilization": P(probes.engines, "0.5", cuda=True),
     "vllm.kv_cache_tokens": P(probes.engines, "65536", cuda=True),  # --kv-cache-memory-bytes

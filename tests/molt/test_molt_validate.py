@@ -64,6 +64,7 @@ def _refused(args: list[str], flags: list[str]) -> None:
         pytest.param(["--fsdp.ep_size", "2", "--actor.num_ranks", "2"], ["--fsdp.ep_size", "CUDA"], id="ep"),
         pytest.param(["--fsdp.offload"], ["--fsdp.offload", "host memory"], id="offload"),
         pytest.param(["--vllm.cuda_graphs", "false"], ["--vllm.cuda_graphs", "eager"], id="cuda-graphs"),
+        pytest.param(["--vllm.compile", "false"], ["--vllm.compile", "eager"], id="engine-compile"),
         pytest.param(
             ["--vllm.gpu_memory_utilization", "0.5"], ["--vllm.gpu_memory_utilization"], id="gpu-memory"
         ),
@@ -393,8 +394,14 @@ def test_engine_flags_reach_the_vllm_command_line_on_cuda(monkeypatch):
         assert expected in line
     spec = json.loads(args[args.index("--speculative-config") + 1])
     assert spec == {"method": "mtp", "num_speculative_tokens": 2}
+    uncompiled = engine_extra_args(_config(vllm={"compile": False}))
+    compilation = json.loads(uncompiled[uncompiled.index("--compilation-config") + 1])
+    assert compilation == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # no compile, decode graphs
+    eager = engine_extra_args(_config(vllm={"compile": False, "cuda_graphs": False}))
+    assert "--enforce-eager" in eager and "--compilation-config" not in eager
     defaults = " ".join(engine_extra_args(Config()))
     assert "--enable-prefix-caching" in defaults and "--enforce-eager" not in defaults
+    assert "--compilation-config" not in defaults
     assert "--speculative-config" not in defaults and "--enable-expert-parallel" not in defaults
 
 

@@ -117,6 +117,8 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
             args += ["--kv-cache-memory-bytes", str(kv_bytes)] if kv_bytes else []
         args += ["--enable-expert-parallel"] if vllm.enable_expert_parallel else []
         args += [] if vllm.cuda_graphs else ["--enforce-eager"]
+        if vllm.cuda_graphs and not vllm.compile:  # vLLM's piecewise graphs need its compiled model
+            args += ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
         args += ["--enable-return-routed-experts"] if config.train.routing_replay else []  # R3's routes
         if vllm.mtp_num_speculative_tokens:
             spec = f'{{"method": "mtp", "num_speculative_tokens": {vllm.mtp_num_speculative_tokens}}}'

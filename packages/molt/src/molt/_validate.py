@@ -42,6 +42,7 @@ from molt.config import Config, ConfigError
 _CUDA_ONLY = {
     "fsdp.offload": "it moves optimizer states to host memory, where a CPU actor's already are",
     "vllm.cuda_graphs": "the CPU engine always runs eager",
+    "vllm.compile": "the CPU engine always runs eager",
     "vllm.gpu_memory_utilization": "it sizes an engine's share of GPU memory",
     "vllm.kv_cache_tokens": "it sizes a CUDA engine's KV cache (the CPU engine's is VLLM_CPU_KVCACHE_SPACE)",
     "vllm.placement": "it places engines and actor ranks on GPUs",

@@ -208,7 +208,12 @@ class VLLM(_Group):
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prefixes."""
     cuda_graphs: bool = True
-    """Capture CUDA graphs (CUDA only: the CPU engine runs eager)."""
+    """Capture CUDA graphs (CUDA only: the CPU engine runs eager); false runs the engine eager, uncompiled."""
+    compile: bool = True
+    """Compile the engine's model with vLLM's torch.compile passes (CUDA only). false skips them: at start-up
+    the engine traces, compiles or loads from vLLM's cache no graph, and it decodes through full CUDA
+    graphs only (--vllm.cuda_graphs), prompts eager, without the compiled fusions: for short runs of
+    small models, where the engine's start-up can be a run's longest stage."""
     max_model_len: Annotated[int, Meta(ge=2)] = 2048
     """Longest prompt plus response, in tokens."""
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] | None = None
