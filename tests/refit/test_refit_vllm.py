@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import httpx
 import pytest
@@ -71,27 +70,35 @@ def test_request_in_flight_finishes_across_the_refit_with_both_versions(
 ):
     server = refit_servers.serve(tiny_model_dir)
     engine = refit.Engine(server.url)
-    old = weight_set(tmp_path, 21)
+    old, new = weight_set(tmp_path, 21), weight_set(tmp_path, 22)
     refit.update_weights([engine], refit.full_params(old), version="old")
-    result = {}
-    request = threading.Thread(target=lambda: result.update(generate(server.url, PROMPTS[1], 1500)))
+    params = {"max_tokens": 1500, "temperature": 1.0, "seed": 0, "ignore_eos": True, "logprobs": 0,
+              "flat_logprobs": True}  # fmt: skip
+    body = {"token_ids": PROMPTS[1], "sampling_params": params, "stream": True}
+    choices, sampling = [], threading.Event()
+
+    def stream() -> None:  # the request, read event by event; `sampling` once its first tokens are in
+        with httpx.stream("POST", f"{server.url}/refit/generate", json=body, timeout=300) as reply:
+            for line in reply.iter_lines():
+                if line.startswith("data: {"):
+                    choices.extend(json.loads(line[6:])["choices"])
+                    sampling.set()
+
+    request = threading.Thread(target=stream)
     request.start()
-    time.sleep(2.0)  # let it sample a few hundred tokens first
-    new = weight_set(tmp_path, 22)
+    assert sampling.wait(timeout=120)  # in flight: the refit lands while it samples, not before or after
     refit.update_weights([engine], refit.full_params(new), version="new", bucket_bytes=SMALL_BUCKETS)
     request.join(timeout=300)
 
-    assert len(result["token_ids"]) == 1500
-    spans = result["weight_versions"]
-    assert [s["version"] for s in spans] == ["old", "new"], spans
-    switch = spans[1]["start"]
-    assert spans[0] == {"version": "old", "start": 0, "end": switch} and spans[1]["end"] == 1500
-    assert 0 < switch < 1500
+    token_ids, logprobs, versions, _ = _joined(choices, lambda choice: choice["token_logprobs"])
+    assert len(token_ids) == 1500
+    switch = versions.index("new") if "new" in versions else len(versions)
+    assert versions == ["old"] * switch + ["new"] * (1500 - switch) and 0 < switch < 1500
     # Every token keeps the logprob it was sampled with: old weights before the switch, new after
     # (the kept request's KV was recomputed with the new weights, not reused).
-    engine_logp = torch.tensor(result["logprobs"])
+    engine_logp = torch.tensor(logprobs)
     for model, part in ((old, slice(0, switch)), (new, slice(switch, 1500))):
-        want = reference_logprobs(model, PROMPTS[1], result["token_ids"])
+        want = reference_logprobs(model, PROMPTS[1], token_ids)
         torch.testing.assert_close(engine_logp[part], want[part], rtol=0, atol=TOL)
     engine.close()
 
