@@ -75,16 +75,11 @@ def test_request_in_flight_finishes_across_the_refit_with_both_versions(
     params = {"max_tokens": 1500, "temperature": 1.0, "seed": 0, "ignore_eos": True, "logprobs": 0,
               "flat_logprobs": True}  # fmt: skip
     body = {"token_ids": PROMPTS[1], "sampling_params": params, "stream": True}
-    choices, sampling = [], threading.Event()
-
-    def stream() -> None:  # the request, read event by event; `sampling` once its first tokens are in
-        with httpx.stream("POST", f"{server.url}/refit/generate", json=body, timeout=300) as reply:
-            for line in reply.iter_lines():
-                if line.startswith("data: {"):
-                    choices.extend(json.loads(line[6:])["choices"])
-                    sampling.set()
-
-    request = threading.Thread(target=stream)
+    choices: list[dict] = []
+    sampling = threading.Event()  # set once the request's first tokens are in
+    request = threading.Thread(
+        target=lambda: choices.extend(_streamed(server.url, "/refit/generate", body, arrived=sampling))
+    )
     request.start()
     assert sampling.wait(timeout=120)  # in flight: the refit lands while it samples, not before or after
     refit.update_weights([engine], refit.full_params(new), version="new", bucket_bytes=SMALL_BUCKETS)
@@ -103,12 +98,17 @@ def test_request_in_flight_finishes_across_the_refit_with_both_versions(
     engine.close()
 
 
-def _streamed(url: str, path: str, body: dict) -> list[dict]:
-    """The choices of every event of a streamed generate reply."""
+def _streamed(url: str, path: str, body: dict, arrived: threading.Event | None = None) -> list[dict]:
+    """The choices of every event of a streamed generate reply; `arrived` is set at its first event."""
+    choices = []
     with httpx.stream("POST", f"{url}{path}", json=body, timeout=300) as reply:
         reply.raise_for_status()
-        events = [line[6:] for line in reply.iter_lines() if line.startswith("data: {")]
-    return [choice for event in events for choice in json.loads(event)["choices"]]
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                choices += json.loads(line[6:])["choices"]
+                if arrived is not None:
+                    arrived.set()
+    return choices
 
 
 def _joined(choices: list[dict], logprobs) -> tuple[list, list, list, str]:
