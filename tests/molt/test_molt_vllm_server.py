@@ -88,8 +88,9 @@ def _alive_in_group(group: int) -> bool:
     return False
 
 
-# A fresh interpreter imports vLLM's server as `molt.vllm_server` does, counting torch's probes of a device
-# for Triton (a CUDA context on a GPU); IMPORT names the import, then it prints the count as JSON.
+# A fresh interpreter runs IMPORT (vLLM's server, as `molt.vllm_server` imports it or not), counting torch's
+# probes of a device for Triton (a CUDA context on a GPU), then prints the count, whether CUDA started and
+# whether torchao was imported, as JSON.
 _PROBES = """
 import json, sys
 import torch._dynamo.device_interface as devices
@@ -101,9 +102,9 @@ def counting(device):
     return interface(device)
 devices.get_interface_for_device = counting
 {IMPORT}
-import torch, torch._inductor.config as inductor
+import torch
 print(json.dumps(dict(probes=len(probes), cached=has_triton.cache_info().currsize,
-    detection_off=inductor.triton_disable_device_detection, cuda=torch.cuda.is_initialized())))
+    cuda=torch.cuda.is_initialized(), torchao="torchao" in sys.modules)))
 """
 
 
@@ -115,19 +116,23 @@ def _import_in_a_fresh_interpreter(import_line: str) -> dict:
 
 
 @pytest.mark.slow
-def test_vllms_server_imports_without_probing_a_device_and_leaves_the_probe_as_it_found_it():
+def test_vllms_server_imports_without_torchao_nor_probing_a_device():
     """Importing vLLM's server imports torchao (through transformers), which asks torch at import whether
-    Triton runs on the device; on a GPU that probe starts CUDA, and vLLM then spawns its engine core (a
-    fresh interpreter importing vLLM again) instead of forking it. `import_server` imports it with the
-    probe off, and leaves no answer cached and the setting as it was: the engine core probes when it
-    compiles."""
+    Triton runs on the device and for its compute capability; on a GPU either question starts CUDA, and
+    vLLM then spawns its engine core (a fresh interpreter importing vLLM again) instead of forking it.
+    `import_server` imports it with torchao blocked: no probe, no answer cached (the engine core probes
+    when it compiles), and torchao importable again afterwards."""
     plain = _import_in_a_fresh_interpreter("from vllm.entrypoints.openai import api_server")
-    assert plain["probes"] > 0 and plain["cached"] == 1  # the probe this guards against happens here
+    assert plain["probes"] > 0 and plain["cached"] == 1 and plain["torchao"]  # what this guards against
     ours = _import_in_a_fresh_interpreter("from molt.vllm_server import import_server; import_server()")
-    assert ours == dict(probes=0, cached=0, detection_off=False, cuda=False)
+    assert ours == dict(probes=0, cached=0, cuda=False, torchao=False)
+    blocked_then_freed = _import_in_a_fresh_interpreter(
+        "from molt.vllm_server import import_server; import_server(); import torchao"
+    )
+    assert blocked_then_freed["torchao"]  # the block lasts for the import only
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_vllms_server_imports_without_starting_cuda():
     ours = _import_in_a_fresh_interpreter("from molt.vllm_server import import_server; import_server()")
-    assert ours["probes"] == 0 and not ours["cuda"]
+    assert ours["probes"] == 0 and not ours["cuda"] and not ours["torchao"]

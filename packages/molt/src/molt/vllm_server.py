@@ -187,20 +187,19 @@ def import_server() -> ModuleType:
     vLLM forks its engine core where CUDA has not started in the server, and otherwise spawns it: a fresh
     interpreter that imports vLLM again (about 10 s of an engine's start on an H100). Importing the
     server starts CUDA wherever torchao is installed (AutoModel needs it): transformers imports torchao's
-    safetensors support, and torchao asks torch at import whether Triton runs on the device, a question
-    torch answers by opening a CUDA context. So the import runs with torch's Triton device detection off,
-    and the answer cached meanwhile is dropped: the engine core asks again when it compiles. (torchao's
-    own Triton kernels, defined at its import, stay undefined: Molt's engines serve no torchao weights.)"""
-    import torch._inductor.config as inductor
-    from torch.utils._triton import has_triton
-
-    detection_off = inductor.triton_disable_device_detection
-    inductor.triton_disable_device_detection = True
+    safetensors support, and torchao asks torch at import for the device's compute capability (and whether
+    Triton runs on it), questions torch answers by opening a CUDA context. So the import runs with torchao
+    blocked, which transformers reads as "not installed" (an answer it keeps in this process and in the
+    engine core forked from it: Molt's engines serve no torchao weights); vLLM's own import of it, were
+    a model to ask for it later, is not blocked."""
+    blocked = "torchao" not in sys.modules
+    if blocked:
+        sys.modules["torchao"] = None  # type: ignore[assignment]  # Python's way to make an import fail
     try:
         from vllm.entrypoints.openai import api_server
     finally:
-        inductor.triton_disable_device_detection = detection_off
-        has_triton.cache_clear()
+        if blocked:
+            del sys.modules["torchao"]
     return api_server
 
 
