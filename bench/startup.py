@@ -12,8 +12,9 @@ exit. Rounds run one after another; the median of each column is printed with th
 (`molt.vllm_server`, which imports vLLM's server without starting CUDA, so that on a GPU vLLM forks its
 engine core from the server) against vLLM's own server module with its command line's start method
 (`spawn`: the core a fresh interpreter that imports vLLM again). It prints each one's median seconds to
-`/health`, their ratio, and whether vLLM said it had to spawn (CUDA started in the server). On a CPU
-vLLM's platform spawns both. `--model DIR` starts that model instead of the seeded tiny one:
+`/health`, their ratio, and whether vLLM said it had to spawn (CUDA started in the server); a first start,
+not timed, fills vLLM's compile cache for both. On a CPU vLLM's platform spawns both. `--model DIR`
+starts that model instead of the seeded tiny one:
 
     python3 bench/startup.py --engines --model MODEL_DIR --rounds 3     # on a GPU machine
 
@@ -64,8 +65,12 @@ def engine_start(model_dir: Path, log: Path, *, entry: str) -> tuple[float, bool
 
 
 def engines(model_dir: Path, rounds: int, tmp: Path) -> None:
-    """`--engines`: vLLM's server and Molt's start of it, alternating, `rounds` each."""
+    """`--engines`: vLLM's server and Molt's start of it, alternating, `rounds` each, after one start not
+    timed: it fills vLLM's compile cache for this model, which both ways then load (otherwise the first
+    timed start, vLLM's, would compile and the rest load)."""
     seconds: dict[str, list[float]] = {"vllm": [], "molt": []}
+    took, _ = engine_start(model_dir, tmp / "untimed.log", entry="molt")
+    print(f"untimed start (vLLM's compile cache filled): /health after {took:.1f} s", flush=True)
     for index in range(rounds):
         for entry in seconds:
             took, forced = engine_start(model_dir, tmp / f"{entry}-{index}.log", entry=entry)
