@@ -49,15 +49,20 @@ def _buckets(seed: int) -> tuple[list[range], list[torch.Tensor], dict[str, torc
 class _Model:
     def __init__(self) -> None:
         self.loaded: dict[str, torch.Tensor] = {}
+        self.given: list[torch.Tensor] = []  # the tensors load_weights was handed, as handed
 
     def load_weights(self, weights) -> None:
+        weights = list(weights)
+        self.given += [tensor for _, tensor in weights]
         self.loaded.update((name, tensor.clone()) for name, tensor in weights)
 
 
-def _engine(cls, monkeypatch):
-    """An engine of `cls` as vLLM's worker holds it, minus the vLLM config (no GPU model to build)."""
+def _engine(cls, monkeypatch, in_place: bool = False):
+    """An engine of `cls` as vLLM's worker holds it, minus the vLLM config (no GPU model to build);
+    an IPC engine loading in place or by vLLM's layerwise reload (`refit.vllm_gpu.loads_in_place`)."""
     engine = cls.__new__(cls)
     engine.device, engine.model, engine.model_config = torch.device("cpu"), _Model(), None
+    engine.in_place = in_place
     engine.last_verify = {"checked": 0, "failed": None, "error": "", "checksums": []}
     engine.last_timings = refit.vllm_gpu._zeroed_timings()  # as after a start
     engine.rolled_back = 0
@@ -177,7 +182,12 @@ def device_checksum_of(packed: list[torch.Tensor], corrupt: int | None) -> list[
     return sums
 
 
-def test_refits_ipc_engine_checks_each_bucket_before_loading_it(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["layerwise", "in_place"])
+def test_refits_ipc_engine_checks_each_bucket_before_loading_it(monkeypatch, in_place):
+    """Loaded by layerwise reload, which keeps the tensors past the call, a bucket's tensors are copies
+    (the trainer packs its next bucket into the same buffer) and a failure rolls the reload back; loaded
+    in place, they are the bucket's own bytes, copied into the served tensors by the call, and a failure
+    leaves nothing to roll back."""
     from refit.vllm_gpu import VerifiedIpcEngine
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # as refit.engine_env("refit_ipc")
@@ -186,7 +196,7 @@ def test_refits_ipc_engine_checks_each_bucket_before_loading_it(monkeypatch):
     monkeypatch.setattr(refit.vllm_gpu, "_opened", lambda handles, device_index: opened["bucket"])
     channel = IpcChannel(post=lambda info: None)
     channel.begin(SPECS, plan)
-    engine = _engine(VerifiedIpcEngine, monkeypatch)
+    engine = _engine(VerifiedIpcEngine, monkeypatch, in_place=in_place)
     for index, payload_N in enumerate(packed):
         check = int(device_checksum(payload_N)) + (index == 1)  # bucket 1's checksum is not its bytes'
         update = engine.parse_update_info(channel.update_info(index, {"GPU-0": ("args",)}, check))
@@ -201,8 +211,11 @@ def test_refits_ipc_engine_checks_each_bucket_before_loading_it(monkeypatch):
     first = {SPECS[i].name for i in plan[0]}
     assert set(engine.model.loaded) == first  # bucket 1 was never loaded
     assert all(torch.equal(engine.model.loaded[name], tensors[name]) for name in first)
+    bucket_bytes = packed[0].untyped_storage().data_ptr()
+    views = [tensor.untyped_storage().data_ptr() == bucket_bytes for tensor in engine.model.given]
+    assert views == [in_place] * len(first)
     assert engine.last_verify["checked"] == 1 and engine.last_verify["failed"] == 1
-    assert engine.rolled_back == 1
+    assert engine.rolled_back == (0 if in_place else 1)
     # the loaded bucket's checksum and load were timed
     assert engine.last_timings["load_s"] > 0 and engine.last_timings["verify_s"] > 0
     channel.pool.shutdown()
@@ -217,14 +230,17 @@ class _Kept(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_an_ipc_refit_logs_its_engine_side_phases_once_in_the_order_they_ran(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["layerwise", "in_place"])
+def test_an_ipc_refit_logs_its_engine_side_phases_once_in_the_order_they_ran(monkeypatch, in_place):
+    """... and starts and finishes vLLM's layerwise reload, unless it loads in place."""
     from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferEngine
 
     from refit.vllm_gpu import VerifiedIpcEngine
 
+    reloads: list[str] = []
     for step in ("start_weight_update", "finish_weight_update"):  # vLLM's own need a GPU model
-        monkeypatch.setattr(IPCWeightTransferEngine, step, lambda self: None)
-    engine, kept = _engine(VerifiedIpcEngine, monkeypatch), _Kept()
+        monkeypatch.setattr(IPCWeightTransferEngine, step, lambda self, step=step: reloads.append(step))
+    engine, kept = _engine(VerifiedIpcEngine, monkeypatch, in_place=in_place), _Kept()
     refit.vllm_gpu.logger.addHandler(kept)
     try:
         engine.start_weight_update()
@@ -234,6 +250,7 @@ def test_an_ipc_refit_logs_its_engine_side_phases_once_in_the_order_they_ran(mon
     assert len(kept.lines) == 1 and kept.lines[0].startswith("refit_ipc: ")
     phases = [part.split()[0] for part in kept.lines[0].removeprefix("refit_ipc: ").split(", ")]
     assert phases == ["start_s", "open_s", "verify_s", "load_s", "finish_s"]
+    assert reloads == ([] if in_place else ["start_weight_update", "finish_weight_update"])
 
 
 class _Handle(refit.Engine):
@@ -272,20 +289,77 @@ def test_an_engine_of_any_backend_whose_check_failed_is_retried_once_then_fails_
         engine.close()
 
 
-def test_a_trainer_that_fails_mid_transfer_ends_the_ipc_engines_update_which_rolls_back(monkeypatch):
+@pytest.mark.parametrize("in_place", [False, True], ids=["layerwise", "in_place"])
+def test_a_trainer_that_fails_mid_transfer_ends_the_ipc_engines_update(monkeypatch, in_place):
     """An IPC engine's update stays open between bucket calls: the trainer's abort must end it (vLLM ends
-    an update whose call failed), or the engine keeps half-reloaded layers and refuses every later start."""
+    an update whose call failed), or the engine keeps half-reloaded layers and refuses every later start.
+    Loaded in place, no layer waits: nothing to roll back (the engine stays paused until a full refit)."""
     from refit.vllm_gpu import VerifiedIpcEngine
 
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     plan, packed, _ = _buckets(3)
     monkeypatch.setattr(refit.vllm_gpu, "_opened", lambda handles, device_index: packed[0])
-    engine = _engine(VerifiedIpcEngine, monkeypatch)
+    engine = _engine(VerifiedIpcEngine, monkeypatch, in_place=in_place)
     channel = IpcChannel(post=lambda info: engine.receive_weights(engine.parse_update_info(info)))
     channel.begin(SPECS, plan)
     channel.post(channel.update_info(0, {"GPU-0": ("args",)}, int(device_checksum(packed[0]))))
     assert engine.last_verify["checked"] == 1 and engine.rolled_back == 0
     with pytest.raises(ValueError, match="refit_ipc"):  # the engine refuses the end of the stream
         channel.abort([bucket_nbytes(SPECS, bucket) for bucket in plan[1:]])
-    assert engine.rolled_back == 1
+    assert engine.rolled_back == (0 if in_place else 1)
     channel.pool.shutdown()
+
+
+def _layer(cls: type[torch.nn.Module], **attributes) -> torch.nn.Module:
+    """A vLLM layer of `cls` as a loaded model holds it, built without its constructor (which needs the
+    engine's parallel state) and holding only what `loads_in_place` reads."""
+    layer = cls.__new__(cls)
+    torch.nn.Module.__init__(layer)
+    for name, value in attributes.items():
+        setattr(layer, name, value)
+    return layer
+
+
+def test_only_a_model_whose_layers_process_nothing_after_loading_on_cuda_loads_in_place(monkeypatch):
+    """`loads_in_place`: on CUDA (stood in: this build's platform is the CPU) an unquantized dense model,
+    whose linear and embedding layers and attention backend process nothing after loading; a layer that
+    does (another quant method: MoE experts laid out for their kernel; MLA's absorbed projections; an
+    attention backend with processing of its own, as FlashInfer's sinks), a quantized model, or the CPU
+    (which repacks weights for oneDNN) keep vLLM's layerwise reload."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention import Attention, MLAAttention
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+
+    from refit.vllm_gpu import loads_in_place
+
+    class _Processing(QuantizeMethodBase):  # a method whose processing does something
+        def create_weights(self, *args, **kwargs) -> None: ...
+
+        def apply(self, *args, **kwargs) -> None: ...
+
+        def process_weights_after_loading(self, layer) -> None: ...
+
+    class _Sinks(FlashAttentionImpl):  # a backend that processes, as FlashInfer's does its sinks
+        def process_weights_after_loading(self, act_dtype) -> None: ...
+
+    def model(*extra: torch.nn.Module) -> torch.nn.Module:
+        dense = [
+            _layer(torch.nn.Module, quant_method=UnquantizedEmbeddingMethod()),
+            _layer(torch.nn.Module, quant_method=UnquantizedLinearMethod()),
+            _layer(Attention, impl=FlashAttentionImpl.__new__(FlashAttentionImpl)),
+            torch.nn.LayerNorm(4),  # no quant method: loaded as is
+        ]
+        return torch.nn.Sequential(*dense, *extra)
+
+    unquantized, quantized = SimpleNamespace(quantization=None), SimpleNamespace(quantization="fp8")
+    assert not loads_in_place(model(), unquantized)  # the CPU
+    monkeypatch.setattr(refit.vllm_gpu.current_platform, "is_cuda", lambda: True)
+    assert loads_in_place(model(), unquantized)
+    assert not loads_in_place(model(), quantized)
+    assert not loads_in_place(model(_layer(torch.nn.Module, quant_method=_Processing())), unquantized)
+    assert not loads_in_place(model(_layer(MLAAttention)), unquantized)
+    assert not loads_in_place(model(_layer(Attention, impl=_Sinks.__new__(_Sinks))), unquantized)
