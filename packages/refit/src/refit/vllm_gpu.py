@@ -132,7 +132,7 @@ class IpcUpdateInfo(IPCWeightTransferUpdateInfo):
 
 class VerifiedIpcEngine(IPCWeightTransferEngine):
     """vLLM's CUDA IPC engine, each bucket checked against the trainer's checksum before it is loaded, and
-    loaded in place where the model allows it (`loads_in_place`; the engine's log says which, once).
+    loaded in place where the model allows it (`loads_in_place`; the log says which when that changes).
     Where a refit's time goes on the engine (`last_timings`, seconds, summed over its buckets): opening
     the handles, the checksum (which waits for the bucket), loading (in place, the copies; else layerwise
     reload's buffering and, as a layer completes, its copies) and finishing (the layers' last
