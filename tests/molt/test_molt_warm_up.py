@@ -155,3 +155,64 @@ def test_the_warm_up_stops_once_the_engines_are_up(tiny_model_dir, capfd):
         torch.distributed.destroy_process_group()
         torch._dynamo.reset()
         ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("default")
+def test_the_warm_up_stops_before_the_next_pass_not_the_next_layout(tiny_model_dir, capfd, monkeypatch):
+    """Engines that come up while a layout compiles stop the warm-up before that layout's next pass: on
+    one H100 a run that began a layout 2 s before its engine answered, and finished it, began its first
+    step 10 s later."""
+    from molt import _actor
+    from molt._rank import compiled_graphs
+
+    answers = iter([False])  # not up at the first pass, up from the second on
+    monkeypatch.setattr(_actor, "engines_up", lambda refs: next(answers, True))
+    actor = Actor(lr=1e-2, micro_batch_tokens=256, compile="on", shared_prefix="off")
+    config = msgspec.structs.replace(Config(), actor=actor)
+    before = compiled_graphs()
+    try:
+        _actor.PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config, engines_loading=[])
+        built = compiled_graphs() - before
+    finally:
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+    said = capfd.readouterr().out
+    assert built > 0  # the first pass ran: the packed rows' logprobs
+    assert (
+        "compile warm-up: packed " in said
+        and "graphs (1 of 4 passes); stopped, the engines are up (packed, one length" in said
+    )
+
+
+def warm_up_rank(rank: int, world_size: int, port: int, model_dir: str, out: dict) -> None:
+    """One rank of a compiling policy (gloo, CPU) whose engines rank 0 sees up and rank 1 does not."""
+    from molt import _actor
+    from molt._rank import compiled_graphs
+
+    _actor.engines_up = lambda refs: rank == 0  # this process's own view of the engines
+    actor = Actor(lr=1e-2, micro_batch_tokens=256, compile="on", shared_prefix="off")
+    config = msgspec.structs.replace(Config(), actor=actor)
+    try:
+        _actor.PolicyWorker(rank, world_size, "127.0.0.1", port, model_dir, config, engines_loading=[])
+        out[rank] = compiled_graphs()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_see_the_engines_differently_stop_their_warm_up_together(tiny_model_dir):
+    """FSDP2's ranks run their passes in lock-step: one that saw the engines up stops, and the others with
+    it (a rank that went on alone would wait in its first collective for a rank that never comes)."""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ranks = mp.spawn(warm_up_rank, args=(2, free_port(), str(tiny_model_dir), out), nprocs=2, join=False)
+        deadline = time.monotonic() + 240
+        while not ranks.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                pytest.fail("a rank still warms up after 240 s: the ranks did not stop together")
+        assert dict(out) == {0: 0, 1: 0}  # neither built a graph

@@ -16,10 +16,12 @@ Legend: B sequences, T tokens, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 import refit
 from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs
@@ -91,34 +93,75 @@ class PolicyWorker(ModelRank):
         """Compiled layers (--actor.compile) and FlexAttention's compiled functions (shared prefixes)
         build their graphs here, while the engines start, not in the first steps (on one H200 a 135M
         model's first step spent 28 s compiling, a 1.7B model's first two about 24 s; without compiled
-        layers, FlexAttention's took 7.4 s of a 135M model's second step): the passes a step runs (the
-        logprobs' and, trainable, the train step's forward and backward) over dummy rows
-        (`_warm_up_batches`) of each layout a step may use, at two sizes, so that the second builds the
-        graph with dynamic shapes that torch.compile keeps for later sizes. Its gradients are dropped and
-        nothing steps: the weights and the optimizer are as loaded.
+        layers, FlexAttention's took 7.4 s of a 135M model's second step): the passes a step runs
+        (`_warm_up_passes`) over dummy rows (`_warm_up_batches`) of each layout a step may use, at two
+        sizes, so that the second builds the graph with dynamic shapes that torch.compile keeps for
+        later sizes. Its gradients are dropped and nothing steps: the weights and the optimizer are as
+        loaded.
 
         The warm-up only fills the engines' loading time (`self.engines_loading`, their refs; None: a
-        rank on its own warms every layout): once they are up it stops, before the next layout, and a
-        layout not built compiles in the first step that meets it (a run uses few: one of 135M's on
-        one H100 met only trees, yet warmed all three for about 13 s while its engine was up)."""
+        rank on its own warms every layout): once they are up it stops, before the next pass, and what
+        it did not build compiles in the first step that meets it (a run uses few layouts: one of 135M's
+        on one H100 met only trees; stopping between layouts instead, one run started a layout 2 s
+        before its engine was up and began its first step 10 s later)."""
         vocab_size = self.model.get_input_embeddings().weight.shape[0]  # a vision-language model's LLM's too
         layouts = _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix)
-        took = []  # into the rank's log: what each layout's graphs cost
-        for index, (layout, batches) in enumerate(layouts.items()):
-            if self.engines_loading is not None and engines_up(self.engines_loading):
-                left = ", ".join(list(layouts)[index:])
-                took.append(f"stopped, the engines are up ({left}: compiled in the first step that meets it)")
-                break
-            started, graphs = time.perf_counter(), compiled_graphs()
-            for batch in batches:
-                self.logprobs(batch)
-                if self.optimizer is not None:
-                    self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
-                    self.optimizer.zero_grad(set_to_none=True)
-            seconds, built = time.perf_counter() - started, compiled_graphs() - graphs
-            took.append(f"{layout} {seconds:.1f} s, {built} graphs")
+        took: list[str] = []  # into the rank's log: what each layout's graphs cost
+        left: list[str] = []  # the layouts it stopped before finishing
+        stopped = False
+        for layout, batches in layouts.items():
+            passes = self._warm_up_passes(batches)
+            started, graphs, ran = time.perf_counter(), compiled_graphs(), 0
+            for warm_up_pass in passes:
+                stopped = stopped or self._engines_up()
+                if stopped:
+                    break
+                warm_up_pass()
+                ran += 1
+            if ran < len(passes):
+                left.append(layout)
+            if ran:
+                seconds, built = time.perf_counter() - started, compiled_graphs() - graphs
+                part = "" if ran == len(passes) else f" ({ran} of {len(passes)} passes)"
+                took.append(f"{layout} {seconds:.1f} s, {built} graphs{part}")
+        if left:
+            layouts_left = ", ".join(left)
+            took.append(
+                f"stopped, the engines are up ({layouts_left}: compiled in the first step that meets it)"
+            )
         print(f"compile warm-up: {'; '.join(took)}", flush=True)
         self.take_pass_counts()  # dropped: the steps' counts and `actor/compiles` start at the first step
+
+    def _warm_up_passes(self, batches: list[TrainBatch]) -> list[Callable[[], object]]:
+        """The passes a step runs over each of `batches` in turn: the logprobs' and, trainable, the train
+        step's forward and backward, whose gradients are dropped."""
+
+        optimizer = self.optimizer
+
+        def train_pass(batch: TrainBatch) -> None:
+            assert optimizer is not None
+            self._micro_batch_sums(batch, self._forward_backward, NO_INPUTS)
+            optimizer.zero_grad(set_to_none=True)
+
+        passes: list[Callable[[], object]] = []
+        for batch in batches:
+            passes.append(functools.partial(self.logprobs, batch))
+            if optimizer is not None:
+                passes.append(functools.partial(train_pass, batch))
+        return passes
+
+    def _engines_up(self) -> bool:
+        """Whether the run's engines are up (`engines_up`) as the ranks see it together: one rank's yes
+        is every rank's, so they all stop their warm-up before the same pass (FSDP2's collectives run in
+        lock-step: a rank that went on alone would wait for the others forever)."""
+        if self.engines_loading is None:
+            return False
+        up = engines_up(self.engines_loading)
+        if dist.get_world_size() == 1:
+            return up
+        flag = torch.tensor([int(up)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _load(self, model_dir: str, world_size: int, trainable: bool) -> torch.nn.Module:
         # --actor.lora.*: the policy trains adapters only; a frozen copy (reference, teacher) has none.
