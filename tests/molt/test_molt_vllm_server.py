@@ -4,6 +4,7 @@ an H200 (LoRA kernels given float32 weights), and an API server that refused its
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -136,3 +137,19 @@ def test_vllms_server_imports_without_torchao_nor_probing_a_device():
 def test_on_a_gpu_vllms_server_imports_without_starting_cuda():
     ours = _import_in_a_fresh_interpreter("from molt.vllm_server import import_server; import_server()")
     assert ours["probes"] == 0 and not ours["cuda"] and not ours["torchao"]
+
+
+@pytest.mark.slow
+def test_the_servers_log_says_when_it_started_and_what_vllms_import_took():
+    """The engine log's first line: the process's start (to set beside the run's start-up line) and the
+    seconds of vLLM's import, before vLLM logs anything."""
+    done = subprocess.run(
+        [sys.executable, "-m", "molt.vllm_server", "--help"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = re.search(
+        r"molt.vllm_server: started (\d\d:\d\d:\d\d), vLLM's server imported in ([\d.]+) s", done.stdout
+    )
+    assert said is not None, done.stdout[:2000]
+    assert 0.5 < float(said[2]) < 600  # vLLM's import is seconds, even on a fast machine
+    assert done.stdout.index("molt.vllm_server:") < done.stdout.index("usage:")  # before vLLM's own output

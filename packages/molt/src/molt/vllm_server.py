@@ -205,8 +205,15 @@ def import_server() -> ModuleType:
 
 def serve(argv: Sequence[str]) -> None:
     """Run vLLM's OpenAI server with the command line `argv`, as vLLM's own `python -m
-    vllm.entrypoints.openai.api_server` would, from a process that has not started CUDA (`import_server`)."""
+    vllm.entrypoints.openai.api_server` would, from a process that has not started CUDA (`import_server`).
+    Its log's first line says when the process started and how long vLLM's import took: with the run's
+    start-up line (its engines stage), where an engine's start went before vLLM logs anything."""
+    started, began = time.strftime("%H:%M:%S"), time.monotonic()
     api_server = import_server()
+    print(
+        f"molt.vllm_server: started {started}, vLLM's server imported in {time.monotonic() - began:.1f} s",
+        flush=True,
+    )
     import uvloop
     from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
