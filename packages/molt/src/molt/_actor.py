@@ -135,7 +135,6 @@ class PolicyWorker(ModelRank):
     def _warm_up_passes(self, batches: list[TrainBatch]) -> list[Callable[[], object]]:
         """The passes a step runs over each of `batches` in turn: the logprobs' and, trainable, the train
         step's forward and backward, whose gradients are dropped."""
-
         optimizer = self.optimizer
 
         def train_pass(batch: TrainBatch) -> None:
