@@ -30,7 +30,8 @@ REQUIRED_METRICS = {
 
 
 def engine_processes(marker: str) -> list[int]:
-    """Processes whose command line mentions `marker` (the run's own model directory)."""
+    """vLLM servers whose command line mentions `marker` (the run's own directory: its model, or the pipe
+    through which a server started ahead is handed its flags)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -99,7 +100,10 @@ def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
             if line.startswith("step 2/"):
                 break
         assert process.poll() is None, "".join(output[-50:])
-        assert engine_processes(str(run_dir / "model")), "the engine should be running mid-run"
+        assert engine_processes(str(run_dir)), "the engine should be running mid-run"
+        # Its server process started before Ray, importing vLLM meanwhile, and its actor handed it its flags.
+        log = (run_dir / "engine-0.log").read_text().splitlines()
+        assert "handed its flags" in next(line for line in log if line.startswith("molt.vllm_server:"))
         assert ray_processes(mark), "the run should have started its own Ray"
         os.killpg(process.pid, signal.SIGINT)
         rest, _ = process.communicate(timeout=180)
@@ -108,7 +112,7 @@ def test_ctrl_c_during_training_leaves_no_process_behind(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
     assert process.returncode != 0
-    assert engine_processes(str(run_dir / "model")) == [], "".join(output[-20:]) + rest[-3000:]
+    assert engine_processes(str(run_dir)) == [], "".join(output[-20:]) + rest[-3000:]
     assert ray_processes(mark) == [], "Ray's raylet or GCS outlived the run"
 
 

@@ -8,11 +8,13 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from molt.vllm_server import VLLMServer, engine_args, first_error
+from molt._engines import stop_prestarted
+from molt.vllm_server import VLLMServer, engine_args, first_error, handoff_path, prestart, stop_process
 
 _ENGINE_CORE_DIED = """\
 (APIServer pid=1903) WARNING 12-02 13:56:10 [system_utils.py:299] Found ulimit of 20000 and failed to \
@@ -71,10 +73,15 @@ def test_a_server_that_exits_at_start_takes_what_it_started_with_it(tmp_path):
     server.args = [sys.executable, "-c", f"{spawn}; time.sleep(0.5); sys.exit(3)"]
     with pytest.raises(RuntimeError, match="exited with 3"):
         server.start()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive_in_group(server.process.pid):
+    assert _group_ends(server.process.pid)
+
+
+def _group_ends(group: int, timeout: float = 10.0) -> bool:
+    """Whether every process of the group is gone (or a zombie) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and _alive_in_group(group):
         time.sleep(0.1)
-    assert not _alive_in_group(server.process.pid)
+    return not _alive_in_group(group)
 
 
 def _alive_in_group(group: int) -> bool:
@@ -153,3 +160,50 @@ def test_the_servers_log_says_when_it_started_and_what_vllms_import_took():
     assert said is not None, done.stdout[:2000]
     assert 0.5 < float(said[2]) < 600  # vLLM's import is seconds, even on a fast machine
     assert done.stdout.index("molt.vllm_server:") < done.stdout.index("usage:")  # before vLLM's own output
+
+
+@pytest.mark.slow
+def test_a_server_started_ahead_serves_with_the_flags_and_environment_it_is_handed(tiny_model_dir, tmp_path):
+    """`prestart`: the process imports vLLM, then waits; `VLLMServer(prestarted=pid)` hands it its flags
+    and environment as a server it did not start (a run's engine actor, another process). The handed
+    environment counts: started without vLLM's RL endpoints (`VLLM_SERVER_DEV_MODE=0`), it is handed the
+    engine's (`1`), and serves them."""
+    log = tmp_path / "engine.log"
+    process = prestart(log, on_cpu=True, env={"VLLM_SERVER_DEV_MODE": "0"})
+    try:
+        server = VLLMServer(tiny_model_dir, log_path=log, on_cpu=True, prestarted=process.pid)
+        assert server.env["VLLM_SERVER_DEV_MODE"] == "1"
+        server.start()
+        with urllib.request.urlopen(f"{server.url}/is_paused", timeout=10) as reply:  # an RL endpoint
+            assert json.loads(reply.read()) == {"is_paused": False}
+        first = next(line for line in log.read_text().splitlines() if line.startswith("molt.vllm_server:"))
+        assert re.search(r"imported in [\d.]+ s, handed its flags [\d.]+ s later", first), first
+        assert not handoff_path(log).exists()
+        server.stop()
+        assert _group_ends(process.pid)
+    finally:
+        stop_process(process)
+    assert process.returncode is not None  # reaped by the process that started it
+
+
+def test_a_server_started_ahead_that_died_fails_the_hand_off_with_its_log(tmp_path):
+    """A server that exited before its flags came (here killed while it imports vLLM) is a failed start
+    with its log, not a wait: its exit leaves a zombie until its parent reaps it, which counts as exited."""
+    log = tmp_path / "engine.log"
+    process = prestart(log, on_cpu=True)
+    process.kill()
+    server = VLLMServer("model", log_path=log, on_cpu=True, prestarted=process.pid)
+    with pytest.raises(RuntimeError, match="exited before it was handed its flags .*engine.log"):
+        server.start()
+    stop_process(process)
+
+
+def test_a_server_started_ahead_and_never_handed_its_flags_stops_with_the_run(tmp_path):
+    """A run that fails before its engines' actors start: `stop_prestarted` stops the servers it started
+    ahead, reaps them and removes their pipes."""
+    logs = [tmp_path / "engine-0.log", tmp_path / "engine-1.log"]
+    processes = [prestart(log, on_cpu=True) for log in logs]
+    stop_prestarted(processes)
+    assert all(process.returncode is not None for process in processes)
+    assert all(_group_ends(process.pid) for process in processes)
+    assert not any(handoff_path(log).exists() for log in logs)

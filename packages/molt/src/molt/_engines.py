@@ -5,15 +5,19 @@ refit's worker extension so the trainer can push weights into it (`refit.engine_
 --actor.lora.rank each engine also serves one LoRA adapter, `ADAPTER`, that every tito request names and
 every refit replaces in place (`lora_flags`). The server process dies with its actor (see
 `molt.vllm_server`), and `stop_engines` stops them explicitly first. A server that dies is started again
-by its actor (`EngineActor.restart`, driven by `molt._restarts`).
+by its actor (`EngineActor.restart`, driven by `molt._restarts`). Where the engines run on the trainer's
+machine, each server process starts before Ray does and imports vLLM meanwhile (`prestart_engines`); its
+actor hands it its flags.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import ray
 
@@ -27,7 +31,7 @@ from molt._placement import (
     refit_backend,
 )
 from molt.config import Config
-from molt.vllm_server import VLLMServer
+from molt.vllm_server import VLLMServer, prestart, stop_process
 
 ADAPTER = "policy"  # the LoRA adapter's name on the engines, and the model each tito request names
 
@@ -63,13 +67,15 @@ class EngineActor:
         on_cpu: bool,
         env: dict[str, str],
         adapter: dict | None = None,
+        prestarted: int | None = None,
     ) -> None:
         if adapter is not None:  # on the engine's own machine: vLLM reads the adapter's folder there
             extra_args = extra_args + lora_flags(adapter, Path(log_path).with_suffix(".adapter"))
         # The server's flags, for `restart`.
         self.flags: dict[str, Any] = dict(model=model_dir, extra_args=extra_args, on_cpu=on_cpu, env=env)
         self.log_path, self.num_restarts = Path(log_path), 0
-        self.server = VLLMServer(log_path=log_path, **self.flags).start()
+        # `prestarted`: the pid of its server process, started ahead with `log_path` (`prestart_engines`)
+        self.server = VLLMServer(log_path=log_path, prestarted=prestarted, **self.flags).start()
 
     def url(self) -> str:
         return self.server.url
@@ -129,23 +135,60 @@ def engine_extra_args(config: Config, model_dir: Path | None = None) -> list[str
     return args
 
 
-def launch_engines(model_dir: Path, config: Config, run_dir: Path) -> list:
-    """Start `--vllm.num_engines` engine actors (none where `--vllm.urls` attaches running servers); they
-    load in the background (each actor's `url()` answers once its server does)."""
+def _engine_env(config: Config) -> tuple[bool, dict[str, str]]:
+    """Whether the engines run on a GPU, and what their servers' environment adds (`refit.engine_env`)."""
     import torch
 
     import refit
-    from molt._sharding import adapter_config
 
     on_gpu = torch.cuda.is_available()
+    return on_gpu, refit.engine_env(refit_backend(config, on_gpu=on_gpu))
+
+
+def prestart_engines(config: Config, run_dir: Path) -> list[subprocess.Popen]:
+    """Where Molt starts Ray on this machine (no --ray.address, no --vllm.urls), one server process per
+    engine, started now: each imports vLLM (seconds) while Ray, the model and its engine's actor start,
+    then waits for the flags that actor hands it (`molt.vllm_server.prestart`; `launch_engines`). The
+    caller stops them after the actors (`stop_prestarted`)."""
+    if config.ray.address or config.vllm.urls:  # an engine may land on another machine, or none starts
+        return []
+    on_gpu, env = _engine_env(config)
+    # What the import itself reads must be set now: one OpenMP thread, as Ray gives an actor without CPUs.
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
+    return [
+        prestart(run_dir / f"engine-{index}.log", on_cpu=not on_gpu, env=env)
+        for index in range(config.vllm.num_engines)
+    ]
+
+
+def stop_prestarted(processes: list[subprocess.Popen]) -> None:
+    """Stop and reap the servers `prestart_engines` started (their actors stop those they were handed)."""
+    for process in processes:
+        stop_process(process)
+        Path(cast(list[str], process.args)[-1]).unlink(missing_ok=True)  # its pipe, if never handed flags
+
+
+def launch_engines(
+    model_dir: Path, config: Config, run_dir: Path, prestarted: list[int] | None = None
+) -> list:
+    """Start `--vllm.num_engines` engine actors (none where `--vllm.urls` attaches running servers); they
+    load in the background (each actor's `url()` answers once its server does). `prestarted`: the pids of
+    the servers `prestart_engines` started, one per engine, which the actors hand their flags."""
+    from molt._sharding import adapter_config
+
+    on_gpu, env = _engine_env(config)
     gpus = engine_gpus(config) if on_gpu else 0
     # No task events, as the actor's.
     remote = ray.remote(num_cpus=0, num_gpus=gpus, enable_task_events=False)(EngineActor)
-    args, env = engine_extra_args(config, model_dir), refit.engine_env(refit_backend(config, on_gpu=on_gpu))
+    args = engine_extra_args(config, model_dir)
     adapter = adapter_config(config.actor.lora) if config.actor.lora.rank else None
+    engines = range(0 if config.vllm.urls else config.vllm.num_engines)
+    pids: list[int | None] = [*prestarted] if prestarted else [None for _ in engines]
     return [
-        remote.remote(str(model_dir), args, str(run_dir / f"engine-{index}.log"), not on_gpu, env, adapter)
-        for index in range(0 if config.vllm.urls else config.vllm.num_engines)
+        remote.remote(
+            str(model_dir), args, str(run_dir / f"engine-{i}.log"), not on_gpu, env, adapter, pids[i]
+        )
+        for i in engines
     ]
 
 

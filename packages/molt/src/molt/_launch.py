@@ -24,7 +24,14 @@ from molt._attached import check_attached_serving
 from molt._checkpoint import latest, restore_rng
 from molt._critic import CriticGroup
 from molt._data import RowStream, check_held_out, eval_rows, read_rows
-from molt._engines import ADAPTER, check_attached, launch_engines, stop_engines
+from molt._engines import (
+    ADAPTER,
+    check_attached,
+    launch_engines,
+    prestart_engines,
+    stop_engines,
+    stop_prestarted,
+)
 from molt._filters import GroupFilters
 from molt._group import PolicyGroup
 from molt._log import RunLog, StartupClock, allow_bytecode, progress, quiet_console
@@ -66,6 +73,8 @@ def launch(config: Config, *, resume: bool = False) -> None:
             mps = cleanup.enter_context(mps_server(run_dir, required=config.vllm.mps == "on"))
         if mps:
             progress(f"the engine and the actor share the GPU under MPS (its logs: {run_dir}/mps)")
+        prestarted = prestart_engines(config, run_dir)  # vLLM imports in them while Ray starts
+        cleanup.callback(stop_prestarted, prestarted)
         with ThreadPoolExecutor(1) as background:  # the tiny model builds while Ray starts
             building = background.submit(_model_dir, config, run_dir, clock)
             config = _start_ray(config, clock)  # placed on a joined cluster's GPUs (molt._placement)
@@ -75,7 +84,8 @@ def launch(config: Config, *, resume: bool = False) -> None:
         attached = check_attached(config.vllm.urls, lora=lora)  # --vllm.urls: servers running already
         logs = "" if config.logger.verbose else str(run_dir.resolve())  # where each Ray worker writes
         clock.begin("engines")
-        engines = launch_engines(model_dir, config, run_dir)  # none for --vllm.urls; they load meanwhile
+        # None for --vllm.urls; each hands its server started ahead its flags; they load meanwhile.
+        engines = launch_engines(model_dir, config, run_dir, [process.pid for process in prestarted])
         progress(f"starting {len(engines)} vLLM engine(s) and {config.actor.num_ranks} actor rank(s)")
         cleanup.callback(stop_engines, engines)
         engine_urls = [engine.url.remote() for engine in engines]  # each ready once its server answers
