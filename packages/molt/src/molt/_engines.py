@@ -3,11 +3,11 @@
 Each engine serves the token-level interface tito speaks, returns processed logprobs, and carries
 refit's worker extension so the trainer can push weights into it (`refit.engine_flags`). Under
 --actor.lora.rank each engine also serves one LoRA adapter, `ADAPTER`, that every tito request names and
-every refit replaces in place (`lora_flags`). The server process dies with its actor (see
-`molt.vllm_server`), and `stop_engines` stops them explicitly first. A server that dies is started again
-by its actor (`EngineActor.restart`, driven by `molt._restarts`). Where the engines run on the trainer's
-machine, each server process starts before Ray does and imports vLLM meanwhile (`prestart_engines`); its
-actor hands it its flags.
+every refit replaces in place (`lora_flags`). Where the engines run on the trainer's machine, each
+server process starts before Ray does and imports vLLM meanwhile (`prestart_engines`); its actor hands it
+its flags. A server dies with the process that started it (its actor, or the trainer for one started
+ahead: see `molt.vllm_server`), and `stop_engines` stops them explicitly first. A server that dies is
+started again by its actor (`EngineActor.restart`, driven by `molt._restarts`).
 """
 
 from __future__ import annotations
