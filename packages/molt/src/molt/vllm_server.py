@@ -106,7 +106,7 @@ def prestart(log_path: str | Path, *, on_cpu: bool, env: dict[str, str] | None =
     starts it before Ray and the engine's actor): the import runs meanwhile. What the environment sets
     for the import itself (`HF_HUB_OFFLINE`, `OMP_NUM_THREADS`) comes from `server_env(on_cpu, env)`, here.
     Its output goes to `log_path`, and it dies with this process; stopping it and reaping it are the
-    caller's (`stop_group`)."""
+    caller's (`stop_process`)."""
     pipe = handoff_path(log_path)
     pipe.unlink(missing_ok=True)
     os.mkfifo(pipe, 0o600)
