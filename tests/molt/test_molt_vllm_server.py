@@ -2,6 +2,7 @@
 closing traceback. The logs below are real vLLM 0.26 logs, cut short: an engine core that died at start on
 an H200 (LoRA kernels given float32 weights), and an API server that refused its arguments."""
 
+import errno
 import json
 import os
 import re
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from molt._engines import stop_prestarted
+import molt._engines
+from molt._engines import prestart_engines, stop_prestarted
+from molt.config import VLLM, Config
 from molt.vllm_server import VLLMServer, engine_args, first_error, handoff_path, prestart, stop_process
 
 _ENGINE_CORE_DIED = """\
@@ -207,3 +210,26 @@ def test_a_server_started_ahead_and_never_handed_its_flags_stops_with_the_run(tm
     assert all(process.returncode is not None for process in processes)
     assert all(_group_ends(process.pid) for process in processes)
     assert not any(handoff_path(log).exists() for log in logs)
+
+
+def test_a_run_directory_without_named_pipes_leaves_the_engines_to_their_actors(tmp_path, monkeypatch):
+    """Some network file systems hold no named pipes: no server starts ahead (the actors start theirs, as
+    where Ray is remote), and the one started before the failing one is stopped, not left waiting."""
+    pipes, started = [], []
+
+    def second_fails(path, mode=0o666):
+        if pipes:
+            raise OSError(errno.EPERM, "named pipes are not supported here", str(path))
+        pipes.append(Path(path))
+        real_mkfifo(path, mode)
+
+    def recording(*args, **kwargs):
+        started.append(real_prestart(*args, **kwargs))
+        return started[-1]
+
+    real_mkfifo, real_prestart = os.mkfifo, molt._engines.prestart
+    monkeypatch.setattr(os, "mkfifo", second_fails)
+    monkeypatch.setattr(molt._engines, "prestart", recording)
+    assert prestart_engines(Config(vllm=VLLM(num_engines=2)), tmp_path) == []
+    assert len(started) == 1 and started[0].returncode is not None  # stopped and reaped
+    assert _group_ends(started[0].pid) and not pipes[0].exists()

@@ -155,10 +155,14 @@ def prestart_engines(config: Config, run_dir: Path) -> list[subprocess.Popen]:
     on_gpu, env = _engine_env(config)
     # What the import itself reads must be set now: one OpenMP thread, as Ray gives an actor without CPUs.
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
-    return [
-        prestart(run_dir / f"engine-{index}.log", on_cpu=not on_gpu, env=env)
-        for index in range(config.vllm.num_engines)
-    ]
+    started: list[subprocess.Popen] = []
+    try:
+        for index in range(config.vllm.num_engines):
+            started.append(prestart(run_dir / f"engine-{index}.log", on_cpu=not on_gpu, env=env))
+    except OSError:  # a run directory without named pipes (some network file systems): the actors start them
+        stop_prestarted(started)
+        return []
+    return started
 
 
 def stop_prestarted(processes: list[subprocess.Popen]) -> None:
