@@ -1,6 +1,8 @@
-"""`molt.vllm_server.first_error`: a failed engine start names its root cause, not only the API server's
-closing traceback. The logs below are real vLLM 0.26 logs, cut short: an engine core that died at start on
-an H200 (LoRA kernels given float32 weights), and an API server that refused its arguments."""
+"""`molt.vllm_server`: a failed engine start names its root cause (`first_error`), not only the API
+server's closing traceback; the server imports vLLM without starting CUDA; a server started ahead
+(`prestart`) serves with the flags and environment it is handed, and is stopped however its start ends.
+The logs below are real vLLM 0.26 logs, cut short: an engine core that died at start on an H200 (LoRA
+kernels given float32 weights), and an API server that refused its arguments."""
 
 import errno
 import json
