@@ -160,7 +160,7 @@ def test_the_servers_log_says_when_it_started_and_what_vllms_import_took():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     said = re.search(
-        r"molt.vllm_server: started (\d\d:\d\d:\d\d), vLLM's server imported in ([\d.]+) s", done.stdout
+        r"molt.vllm_server: started (\d\d:\d\d:\d\d\.\d), vLLM's server imported in ([\d.]+) s", done.stdout
     )
     assert said is not None, done.stdout[:2000]
     assert 0.5 < float(said[2]) < 600  # vLLM's import is seconds, even on a fast machine

@@ -313,7 +313,8 @@ def serve(argv: Sequence[str]) -> None:
     imported, with the environment to run in (`VLLMServer._hand_off`). Its log's first line says when the
     process started, how long vLLM's import took and how long it then waited for its flags: with the run's
     start-up line (its engines stage), where an engine's start went before vLLM logs anything."""
-    started, began = time.strftime("%H:%M:%S"), time.monotonic()
+    now, began = time.time(), time.monotonic()
+    started = f"{time.strftime('%H:%M:%S', time.localtime(now))}.{int(now % 1 * 10)}"  # to a tenth
     initial_env = dict(os.environ)
     pipe = os.open(argv[1], os.O_RDWR) if argv[:1] == ["--handoff"] else None  # held: a writer finds it
     api_server = import_server()
