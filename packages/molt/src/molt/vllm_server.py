@@ -318,10 +318,10 @@ def serve(argv: Sequence[str]) -> None:
     initial_env = dict(os.environ)
     pipe = os.open(argv[1], os.O_RDWR) if argv[:1] == ["--handoff"] else None  # held: a writer finds it
     api_server = import_server()
-    imported = time.monotonic()
+    imported, waited = time.monotonic(), ""
     if pipe is not None:
         argv = _handed_flags(pipe, argv[1], initial_env)
-    waited = f", handed its flags {time.monotonic() - imported:.1f} s later" if pipe is not None else ""
+        waited = f", handed its flags {time.monotonic() - imported:.1f} s later"
     print(
         f"molt.vllm_server: started {started}, vLLM's server imported in {imported - began:.1f} s{waited}",
         flush=True,
