@@ -69,12 +69,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free TCP port found on {host} in 20000-32767")
 
 
+_COMMAND = [sys.executable, "-m", "molt.vllm_server"]  # vLLM's server (`serve`); then its flags
+
+
 def engine_args(model: str | Path, *, port: int, extra: Sequence[str], on_cpu: bool) -> list[str]:
     """The command line of one engine (see the module docstring for why each flag is there), then the
     `extra` flags; a context of 2,048 tokens unless they give `--max-model-len`."""
     context = [] if "--max-model-len" in extra else ["--max-model-len", "2048"]
     args = [
-        sys.executable, "-m", "molt.vllm_server",  # vLLM's server (`serve`)
+        *_COMMAND,
         "--model", str(model),
         "--host", "127.0.0.1",
         "--port", str(port),
@@ -110,12 +113,18 @@ def prestart(log_path: str | Path, *, on_cpu: bool, env: dict[str, str] | None =
     pipe = handoff_path(log_path)
     pipe.unlink(missing_ok=True)
     os.mkfifo(pipe, 0o600)
+    return _spawn([*_COMMAND, "--handoff", str(pipe)], log_path, server_env(on_cpu, env))
+
+
+def _spawn(argv: list[str], log_path: str | Path, env: dict[str, str]) -> subprocess.Popen:
+    """A server process running `argv` in `env`, its output into `log_path`, leading a process group of its
+    own (`stop_group`) and dying with this process."""
     with Path(log_path).open("wb") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "molt.vllm_server", "--handoff", str(pipe)],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_env(on_cpu, env),
+            env=env,
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
@@ -206,15 +215,7 @@ class VLLMServer:
         """Start the server (or hand the one started ahead its flags) and wait until it answers `/health`
         (an exit or a timeout raises with its log)."""
         if self.pid is None:
-            with self.log_path.open("wb") as log:
-                self.process = subprocess.Popen(
-                    self.args,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=self.env,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+            self.process = _spawn(self.args, self.log_path, self.env)
             self.pid = self.process.pid
         else:
             self._hand_off()
@@ -238,7 +239,7 @@ class VLLMServer:
         """Hand the server started ahead its flags and environment, one line of JSON through its pipe,
         which it holds open from its start (`serve`); no reader there means it has exited."""
         assert self.pid is not None
-        line = json.dumps({"argv": self.args[3:], "env": self.env}).encode() + b"\n"
+        line = json.dumps({"argv": self.args[len(_COMMAND) :], "env": self.env}).encode() + b"\n"
         while True:
             try:
                 pipe = os.open(handoff_path(self.log_path), os.O_WRONLY | os.O_NONBLOCK)
