@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from molt._packing import (
+    CUDA_PACK_MULTIPLE,
     auto_micro_batch_tokens,
     model_flops,
     packed_attention,
@@ -23,6 +24,7 @@ from molt._packing import (
     plan_micro_batches,
     row_cost,
 )
+from molt._prefix import pad_multiple
 
 
 def _agentic_lengths(seed: int, count: int) -> list[int]:
@@ -90,14 +92,28 @@ def test_packed_rows_lay_rows_end_to_end_with_their_own_positions():
 
 
 def test_cuda_layouts_round_the_packed_length_and_longest_row():
-    layout = packed_rows([300, 200], cuda=True)
-    assert layout.num_packed == 512 and layout.max_length == 512
+    layout = packed_rows([5000, 4000], cuda=True)
+    assert layout.num_packed == 9216 and layout.max_length == 8192  # a multiple of 256; a power of two
     kwargs = layout.model_kwargs(torch.device("cpu"))  # the row bounds alone: varlen attention, no tree
-    assert kwargs["cu_seq_lens_q"].tolist() == [0, 300, 500, 512]  # a padding row nobody attends to
-    assert kwargs["position_ids"][0, 500:].tolist() == list(range(12))
-    assert layout.pack(torch.ones(2, 300, dtype=torch.int64))[0, 500:].eq(0).all()
-    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 512
+    assert kwargs["cu_seq_lens_q"].tolist() == [0, 5000, 9000, 9216]  # a padding row nobody attends to
+    assert kwargs["position_ids"][0, 9000:].tolist() == list(range(216))
+    assert layout.pack(torch.ones(2, 5000, dtype=torch.int64))[0, 9000:].eq(0).all()
+    assert kwargs["max_length_q"] == kwargs["max_length_k"] == 8192
     assert set(kwargs) == {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+    short = packed_rows([300, 200], cuda=True)  # 500 tokens: to a multiple of 8, not of 256
+    assert short.num_packed == 504 and short.max_length == 512
+
+
+def test_cuda_rounding_pads_at_most_a_32nd_of_a_micro_batch():
+    """However short the micro-batch, from 256 tokens on its padding takes at most 1/32 of its slots (a
+    multiple of 256 from 8,192 tokens on; below 256 tokens, at most 7 tokens)."""
+    for n in [*range(1, 9000), *range(9000, 70000, 97)]:
+        multiple = pad_multiple(n, CUDA_PACK_MULTIPLE)
+        padding = -n % multiple
+        assert multiple & (multiple - 1) == 0 and 8 <= multiple <= CUDA_PACK_MULTIPLE, n
+        assert padding <= (n + padding) / 32 if n >= 256 else padding <= 7, (n, multiple)
+        assert multiple == CUDA_PACK_MULTIPLE or n < 32 * CUDA_PACK_MULTIPLE, n
+    assert pad_multiple(10_000, 1) == 1  # a CPU: no rounding
 
 
 def test_packed_attention_attends_within_each_row_only():

@@ -22,8 +22,9 @@ planned here:
   model's M-RoPE) is not packed (`packing_refusal`): its micro-batches are padded, grouped by length
   under the same token budget (padded slots counted), and the run says why once.
 
-On CUDA the packed length is rounded up to a multiple of `CUDA_PACK_MULTIPLE` (a padding row no real row
-attends to) and the longest row up to a power of two, so compiled layers see few distinct shapes.
+On CUDA the packed length is rounded up (a padding row no real row attends to) to a multiple of
+`CUDA_PACK_MULTIPLE`, or of less for a short micro-batch (`molt._prefix.pad_multiple`: padding stays under
+1/32 of its slots), and the longest row up to a power of two, so compiled layers see few distinct shapes.
 
 Legend: B rows, T tokens (columns), N packed tokens, H heads, D head dim.
 """
@@ -36,7 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from molt._prefix import SharedPrefixRows, tree_mask
+from molt._prefix import SharedPrefixRows, pad_multiple, tree_mask
 
 ATTENTION = "molt_packed"  # its name in transformers' AttentionInterface
 CUDA_PACK_MULTIPLE = 256
@@ -153,12 +154,12 @@ def plan_micro_batches(
 def packed_rows(lengths: Sequence[int], *, cuda: bool) -> SharedPrefixRows:
     """One micro-batch's rows end to end, sharing nothing (`SharedPrefixRows` of one-row groups): row b's
     tokens at packed positions starts[b] .. starts[b] + n_b, then (on CUDA) a padding row to a multiple
-    of `CUDA_PACK_MULTIPLE`, and the longest row, varlen attention's bound, rounded up to a power of two
-    (module docstring)."""
+    of `pad_multiple(N, CUDA_PACK_MULTIPLE)`, and the longest row, varlen attention's bound, rounded up to
+    a power of two (module docstring)."""
     groups = tuple(((b,), 0) for b in range(len(lengths)))
     if not cuda:
         return SharedPrefixRows(tuple(lengths), groups, max(lengths))
-    num_padding = -sum(lengths) % CUDA_PACK_MULTIPLE
+    num_padding = -sum(lengths) % pad_multiple(sum(lengths), CUDA_PACK_MULTIPLE)
     max_length = max(1 << (max(lengths) - 1).bit_length(), num_padding)
     return SharedPrefixRows(tuple(lengths), groups, max_length, num_padding)
 

@@ -72,6 +72,14 @@ def prefix_groups(tokens_BT: torch.Tensor, lengths: Sequence[int]) -> tuple[tupl
     return tuple((tuple(members), common - 1 if len(members) > 1 else 0) for members, common in groups)
 
 
+def pad_multiple(num_tokens: int, most: int) -> int:
+    """What a packed length of `num_tokens` is rounded up to a multiple of, `most` (a power of two) at the
+    most: for a micro-batch of 32 x `most` tokens or more, `most`; for a shorter one, the largest power of
+    two within 1/32 of its tokens (8 at least), so that the padding never takes more than 1/32 of the
+    slots of a micro-batch of 256 tokens or more."""
+    return min(most, 1 << max(3, (num_tokens // 32).bit_length() - 1))
+
+
 @dataclass(frozen=True)
 class SharedPrefixRows:
     """One micro-batch's rows as shared-prefix trees, end to end (module docstring). With groups of one
@@ -98,11 +106,11 @@ class SharedPrefixRows:
         pad_to: int = 1,
         windows: Sequence[int | None] = (None,),
     ) -> SharedPrefixRows:
-        """The layout of these rows, N rounded up to a multiple of `pad_to` (on CUDA,
-        `molt._packing.CUDA_PACK_MULTIPLE`)."""
+        """The layout of these rows, N rounded up to a multiple of `pad_multiple(N, pad_to)` (on CUDA,
+        `pad_to` is `molt._packing.CUDA_PACK_MULTIPLE`)."""
         groups = prefix_groups(tokens_BT, lengths)
         spans = [sum(lengths[b] for b in members) - (len(members) - 1) * shared for members, shared in groups]
-        num_padding = -sum(spans) % pad_to
+        num_padding = -sum(spans) % pad_multiple(sum(spans), pad_to)
         return cls(tuple(lengths), groups, max(*spans, num_padding), num_padding, tuple(windows))
 
     @functools.cached_property
