@@ -36,10 +36,7 @@ H, K, D = 16, 8, 128
 
 
 def bounds(lengths: list[int], device) -> torch.Tensor:
-    cum = [0]
-    for n in lengths:
-        cum.append(cum[-1] + n)
-    return torch.tensor(cum, dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def flash(q, k, v, cu, max_len, scale):
@@ -127,18 +124,21 @@ def flops(lengths: list[int]) -> float:
     return sum(2 * 2 * n * (n + 1) / 2 * H * D for n in lengths)
 
 
+def elapsed(fn) -> float:
+    """Seconds of one `fn()` on the GPU, between CUDA events."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / 1e3
+
+
 def timed(fn, repeats: int) -> float:
+    """Median seconds of `fn()` over `repeats` calls, after 3 warm-up calls."""
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop) / 1e3)
-    return statistics.median(times)
+    return statistics.median(elapsed(fn) for _ in range(repeats))
 
 
 def batch_lengths(name: str) -> list[int]:
@@ -163,13 +163,6 @@ def run_batch(name: str, repeats: int, report: dict) -> None:
     for kernel_name, kernel in KERNELS.items():
         if "error" in report["check"].get(kernel_name, {}):
             continue
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = kernel(q, k, v, cu, max_len, scale)
-        torch.autograd.grad(out, (q, k, v), grad)
-        stop.record()
-        torch.cuda.synchronize()
-        first = start.elapsed_time(stop) / 1e3
 
         def forward(kernel=kernel):
             with torch.no_grad():
@@ -178,6 +171,7 @@ def run_batch(name: str, repeats: int, report: dict) -> None:
         def both(kernel=kernel):
             torch.autograd.grad(kernel(q, k, v, cu, max_len, scale), (q, k, v), grad)
 
+        first = elapsed(both)  # the first call on this shape: cuDNN builds its plans here
         fwd, fwd_bwd = timed(forward, repeats), timed(both, repeats)
         rows[kernel_name] = {"first_call_s": first, "forward_s": fwd, "forward_backward_s": fwd_bwd}
         rows[kernel_name]["forward_tflops"] = fwd_flops / fwd / 1e12
