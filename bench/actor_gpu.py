@@ -249,8 +249,10 @@ KERNEL_KINDS = (  # (kind, substrings of a CUDA kernel's name, lower case), the 
 )
 
 
-def profile_step(step, batch) -> dict:
-    """One step under torch's profiler: GPU kernel time by kind and the 12 slowest kernels (ms)."""
+def profile_step(step, batch, trace: str = "") -> dict:
+    """One step under torch's profiler: GPU kernel time by kind, the time the GPU ran any kernel (busy: the
+    rest of the wall clock it waited on the host) and the 12 slowest kernels (ms); `trace`: also write the
+    step's Chrome trace there, gzipped."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -259,10 +261,19 @@ def profile_step(step, batch) -> dict:
         step(batch)
         torch.cuda.synchronize()
         wall = time.perf_counter() - began
+    if trace:
+        prof.export_chrome_trace(trace.removesuffix(".gz"))
+        subprocess.run(["gzip", "-f", trace.removesuffix(".gz")], check=True)
     by_kernel: dict[str, float] = {}
+    spans = []
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
             by_kernel[event.name] = by_kernel.get(event.name, 0.0) + event.device_time_total / 1e3
+            spans.append((event.time_range.start, event.time_range.end))
+    busy_us, reached = 0.0, float("-inf")  # the union of the kernels' spans
+    for start, end in sorted(spans):
+        busy_us += max(0.0, end - max(start, reached))
+        reached = max(reached, end)
     by_kind: dict[str, float] = {}
     for name, ms in by_kernel.items():
         lower = name.lower()
@@ -279,7 +290,8 @@ def profile_step(step, batch) -> dict:
         for op in prof.key_averages()
         if op.device_type == DeviceType.CPU
     ]
-    return {"wall_ms": 1e3 * wall, "gpu_ms": sum(by_kernel.values()), "by_kind": by_kind,
+    return {"wall_ms": 1e3 * wall, "gpu_ms": sum(by_kernel.values()), "busy_ms": busy_us / 1e3,
+            "by_kind": by_kind,
             "slowest": [(name[:110], ms) for name, ms in slowest],
             "ops": sorted(ops, key=lambda item: -item[1])[:25],
             "host_ops": sorted(host_ops, key=lambda item: -item[1])[:20],
@@ -307,7 +319,8 @@ def python_profile(step, batch) -> list[tuple[str, float, float]]:
 
 def print_profile(label: str, profile: dict) -> None:
     print(
-        f"  profile {label}: wall {profile['wall_ms']:.0f} ms (profiled), kernels {profile['gpu_ms']:.0f} ms"
+        f"  profile {label}: wall {profile['wall_ms']:.0f} ms (profiled), kernels {profile['gpu_ms']:.0f} ms,"
+        f" GPU busy {profile['busy_ms']:.0f} ms"
     )
     for kind, ms in sorted(profile["by_kind"].items(), key=lambda item: -item[1]):
         print(f"    {kind:12s} {ms:8.1f} ms  {ms / profile['gpu_ms']:6.1%}")
@@ -356,7 +369,7 @@ def run_case(args: argparse.Namespace) -> dict:
         else:
             counts()  # the warm-up's passes are not counted
     measured = counts()
-    profile = profile_step(step, batch) if args.profile else None
+    profile = profile_step(step, batch, args.trace) if args.profile else None
     lengths = batch.row_lengths
     return {
         "profile": profile,
@@ -381,7 +394,8 @@ def run_in_subprocess(args: argparse.Namespace, model: str, model_dir: Path, bat
                "--tokens-per-step", str(args.tokens_per_step), "--agentic-max-len", str(args.agentic_max_len),
                "--micro-batch-tokens", str(args.micro_batch_tokens),
                "--molt-micro-batch-tokens", str(args.molt_micro_batch_tokens),
-               *["--profile"] * args.profile]  # fmt: skip
+               *["--profile"] * args.profile,
+               *(["--trace", f"{args.trace}/{model}_{batch}_{case}.json.gz"] * bool(args.trace))]  # fmt: skip
     try:
         done = subprocess.run(
             command,
@@ -446,6 +460,7 @@ def main() -> None:
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--case-timeout", type=float, default=300, help="seconds one case may take")
     parser.add_argument("--profile", action="store_true", help="profile one more step of each case")
+    parser.add_argument("--trace", default="", help="with --profile: write each case's Chrome trace here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -470,6 +485,7 @@ def main() -> None:
                 profile = result.pop("profile", None)
                 results.append({"model": model, "batch": batch, "case": case, **result})
                 print(json.dumps(results[-1]), flush=True)
+                results[-1]["profile"] = profile
                 if profile:
                     print_profile(f"{model} {batch} {case}", profile)
     if args.json:
