@@ -446,7 +446,7 @@ class _Group:
         self.steps: list[tuple] = []
         self.refits: list[bool] = []  # whether the pool held new groups back during each refit
 
-    def logprobs(self, batch):
+    def logprobs(self, batch, *, trained_only=False):
         return batch.rollout_logp_BT * self.scale
 
     def values(self, batch):

@@ -99,3 +99,31 @@ def test_the_head_gives_the_logprobs_and_entropies_of_the_logits_with_their_grad
     lean_grads = _grads(lean)
     for name, grad in _grads(original).items():
         assert_close(lean_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_head_at_given_positions_gives_theirs_alone_and_their_gradients(tiny_model_dir):
+    """The positions a loss reads (`LogprobHead.logprobs_of(..., positions_N)`): theirs are the logits'
+    logprobs and entropies, every other is 0, and the gradients are those of a loss that reads theirs
+    alone through the logits."""
+    original, lean = _models(tiny_model_dir)
+    tokens_BT = _tokens()
+    next_tokens_BT = tokens_BT.roll(-1, dims=1)
+    read_BT = torch.zeros(tokens_BT.shape, dtype=torch.bool)
+    read_BT[0, 2:6] = read_BT[2, [0, 4, 8]] = True  # row 1 reads none
+    logp_BTV = torch.log_softmax(original(tokens_BT).logits / TEMPERATURE, dim=-1)
+    expected_logp_BT = logp_BTV.gather(-1, next_tokens_BT[..., None])[..., 0] * read_BT
+    expected_entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1) * read_BT
+    (expected_logp_BT.sum() + 0.1 * expected_entropy_BT.sum()).backward()
+
+    head = lean.get_output_embeddings()
+    with head.logprobs_of(next_tokens_BT, read_BT.reshape(-1).nonzero()[:, 0]):
+        out_BT1 = lean(tokens_BT).logits
+        entropy_BT = head.entropy_BT
+    assert head.positions_N is None  # nothing kept past the block
+    assert_close(out_BT1[..., 0], expected_logp_BT, atol=1e-5, rtol=1e-5)
+    assert_close(entropy_BT, expected_entropy_BT, atol=1e-5, rtol=1e-5)
+    assert out_BT1[~read_BT].eq(0).all() and entropy_BT[~read_BT].eq(0).all()
+    (out_BT1[..., 0].sum() + 0.1 * entropy_BT.sum()).backward()
+    lean_grads = _grads(lean)
+    for name, grad in _grads(original).items():
+        assert_close(lean_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)

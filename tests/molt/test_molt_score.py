@@ -28,10 +28,12 @@ def _batch():
 
 class Passes:
     """Stand-in groups: `.policy.logprobs` gives -1 per token, `.reference.logprobs` -1.5, the critic's
-    values 0.25, the teacher's logprobs -0.5; each call is counted."""
+    values 0.25, the teacher's logprobs -0.5; each call is counted, and what each logprob pass was asked
+    for (`trained_only`: every use of them is masked to the trained tokens)."""
 
     def __init__(self, *, reference=False, critic=False, teacher=False):
         self.calls: list[str] = []
+        self.trained_only: list[bool] = []
         self.policy = self._group("policy", logprobs=-1.0)
         self.reference = self._group("reference", logprobs=-1.5) if reference else None
         self.critic = self._group("critic", values=0.25) if critic else None
@@ -40,8 +42,10 @@ class Passes:
     def _group(self, name, **value):
         ((method, fill),) = value.items()
 
-        def passes(batch):
+        def passes(batch, **asked):
             self.calls.append(f"{name}.{method}")
+            if method == "logprobs":
+                self.trained_only.append(asked.get("trained_only", False))
             return torch.full(batch.tokens_BT.shape, fill)
 
         return SimpleNamespace(**{method: passes})
@@ -64,6 +68,7 @@ def test_an_outcome_estimator_gives_each_rollout_its_advantage_on_all_its_rows()
     assert scored.batch.advantages_BT[:, 1].tolist() == [0.5, -0.5, 0.0, 0.0, 0.0]  # rollout 3's two rows
     assert scored.batch.advantages_BT[:, 0].tolist() == [0.0] * 5  # the prompt token trains nothing
     assert passes.calls == ["policy.logprobs"]  # the default 2 windows: a separate old-logprob pass
+    assert passes.trained_only == [True]  # the trained tokens' alone: the logprob head computes no other
     assert torch.equal(scored.policy.old_logp_BT, torch.full((5, 3), -1.0)) and scored.critic is None
 
 
@@ -72,7 +77,9 @@ def test_the_separate_pass_covers_the_later_windows_rows_alone():
     it: `molt.loop.train_windows`): NaN on its rows, which no step reads."""
     passes, shapes = Passes(), []
     logprobs = passes.policy.logprobs
-    passes.policy.logprobs = lambda batch: shapes.append(tuple(batch.tokens_BT.shape)) or logprobs(batch)
+    passes.policy.logprobs = lambda batch, **asked: (
+        shapes.append(tuple(batch.tokens_BT.shape)) or logprobs(batch, **asked)
+    )
     scored = score(_batch(), REWARDS_R, ROWS_R, passes, _config(), first_window=[3, 0])
     assert shapes == [(3, 3)]  # rows 1, 2 and 4
     old_BT = scored.policy.old_logp_BT
@@ -101,6 +108,7 @@ def test_a_kl_in_the_reward_lowers_each_rollouts_reward_by_its_rows_penalty(kind
     assert scored.metrics["train/kl"] == pytest.approx(0.5)
     assert scored.advantages.tolist() == pytest.approx([0.5, -0.5, -0.05, 0.05])
     assert scored.policy.ref_logp_BT is None  # no loss term besides
+    assert passes.trained_only == [True, True]  # the policy's and the reference's
 
 
 def test_gae_hands_the_critic_its_values_and_returns():
@@ -121,5 +129,6 @@ def test_opd_scores_the_students_tokens_against_the_teacher(tmp_path, tiny_model
     flags = [*model, "--algo.advantage.estimator", "opd", "--algo.teacher.model", str(tiny_model_dir)]
     scored = score(_batch(), REWARDS_R, ROWS_R, passes, _config(*flags, "--train.mini_batches", "1"))
     assert passes.calls == ["policy.logprobs", "teacher.logprobs"]  # opd reads them even with one window
+    assert passes.trained_only == [True, True]
     assert scored.batch.advantages_BT[:, 1:].unique().tolist() == [0.5]  # teacher - student
     assert scored.metrics["teacher/reverse_kl"] == pytest.approx(-0.5)

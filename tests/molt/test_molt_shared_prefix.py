@@ -103,6 +103,20 @@ def test_the_tree_packs_each_prefix_once_with_continuing_positions_and_unpacks_e
         assert unpacked_next_BT[b, : len(row) - 1].tolist() == row[1:]
 
 
+def test_a_prefix_position_is_read_where_any_row_of_its_group_reads_it():
+    """`positions_of`: where the logprob head computes (`molt._rank.ModelRank._trained_positions`). A
+    shared token is trained in one row and history in another (an episode's earlier turn): it is read."""
+    rows = [PROMPT + [1, 2, 3], PROMPT + [4, 5], [9, 8, 7]]
+    tokens_BT, lengths = _tokens(rows)
+    layout = SharedPrefixRows.of(tokens_BT, lengths)  # packed: row 2, the prefix, row 0's, row 1's own
+    shared = len(PROMPT) - 1
+    read_BT = torch.zeros(tokens_BT.shape, dtype=torch.bool)
+    read_BT[1, 2] = True  # on the prefix, read by the group's second row alone
+    read_BT[0, shared + 1] = True  # row 0's own second token
+    read_BT[2, 0] = read_BT[1, len(rows[1])] = True  # a pad column past row 1's end is never read
+    assert layout.positions_of(read_BT).tolist() == [0, 3 + 2, 3 + shared + 1]
+
+
 def test_a_continuation_sees_its_prefix_and_itself_never_a_sibling():
     rows = [PROMPT + [1, 2, 3], PROMPT + [4, 5]]
     layout = SharedPrefixRows.of(*_tokens(rows))

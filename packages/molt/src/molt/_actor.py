@@ -171,12 +171,14 @@ class PolicyWorker(ModelRank):
         return self.config.actor.lr
 
     def _token_stats(
-        self, mb: TrainBatch, *, entropy: str = "none"
+        self, mb: TrainBatch, *, entropy: str = "none", trained_only: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per token t of `mb`: log p(token t | tokens before t) at the sampling temperature, and with
-        `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0."""
+        `entropy` "detached" or "grad" the entropy of that distribution; both [B, T], column 0 = 0. With
+        `trained_only`, only the trained tokens' (loss mask 1) are sure to be there: the logprob head
+        computes those alone and gives 0 for the rest."""
         temperature = self.config.rollout.temperature
-        out_BTX, entropy_next_BT = self._model_outputs(mb)
+        out_BTX, entropy_next_BT = self._model_outputs(mb, trained_only=trained_only)
         if entropy_next_BT is not None:  # the head gave them: no [B, T, V] logits exist
             logp_BT = torch.nn.functional.pad(out_BTX[:, :-1, 0], (1, 0))
         else:
@@ -206,17 +208,20 @@ class PolicyWorker(ModelRank):
             yield self.replay
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU."""
+    def logprobs(self, batch: TrainBatch, trained_only: bool = False) -> torch.Tensor:
+        """log p(token t | tokens before t) at the sampling temperature, [B, T] float32 on the CPU; with
+        `trained_only`, at the trained tokens (loss mask 1), 0 elsewhere (`_token_stats`)."""
         training = self.model.training
         self.model.eval()  # no --actor.lora.dropout: these are the policy's own logprobs
-        logp_BT = self._per_micro_batch(batch, self._logprobs_of)
+        logp_BT = self._per_micro_batch(
+            batch, functools.partial(self._logprobs_of, trained_only=trained_only)
+        )
         self.model.train(training)
         return logp_BT
 
-    def _logprobs_of(self, mb: TrainBatch) -> torch.Tensor:
+    def _logprobs_of(self, mb: TrainBatch, *, trained_only: bool) -> torch.Tensor:
         with self._routes(mb):
-            return self._token_stats(mb)[0]
+            return self._token_stats(mb, trained_only=trained_only)[0]
 
     def _forward_backward(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """One micro-batch: the policy's logprobs and entropies, its loss (`molt._objective.step_loss`)
@@ -225,7 +230,9 @@ class PolicyWorker(ModelRank):
         algo, device = self.config.algo, self.device
         with self._routes(mb) as replay:
             # The entropy of the distribution each token was sampled from; a bonus trains it.
-            logp_BT, entropy_BT = self._token_stats(mb, entropy="grad" if algo.entropy_coef else "detached")
+            # The loss reads the trained tokens' alone (`step_loss`: every term is masked).
+            entropy = "grad" if algo.entropy_coef else "detached"
+            logp_BT, entropy_BT = self._token_stats(mb, entropy=entropy, trained_only=True)
             assert entropy_BT is not None  # asked for
             loss, sums = step_loss(
                 logp_BT,

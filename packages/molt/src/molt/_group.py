@@ -151,10 +151,11 @@ class PolicyGroup:
             )
         return ranks_rows, [shards[rank // self.replicas] for rank in range(self.num_ranks)]
 
-    def _rows(self, method: str, batch: TrainBatch) -> torch.Tensor:
-        """`method`'s [B, T] result for every row of `batch`, gathered in row order."""
+    def _rows(self, method: str, batch: TrainBatch, *args) -> torch.Tensor:
+        """`method`'s [B, T] result for every row of `batch` (each rank's called with its rows, then
+        `args`), gathered in row order."""
         ranks_rows, shards = self._row_shards(batch)
-        results = self._each(method, shards=shards)[:: self.replicas]
+        results = self._each(method, shards=[(*shard, *args) for shard in shards])[:: self.replicas]
         out_BT = torch.zeros(batch.tokens_BT.shape)
         for rows, result_BT in zip(ranks_rows, results, strict=True):
             if rows:
@@ -188,9 +189,10 @@ class PolicyGroup:
             metrics["actor/mfu"] = flops / (seconds * counts[0]["peak_flops"] * len(counts))
         return metrics
 
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Logprobs of every row of `batch`, [B, T], in row order."""
-        return self._rows("logprobs", batch)
+    def logprobs(self, batch: TrainBatch, *, trained_only: bool = False) -> torch.Tensor:
+        """Logprobs of every row of `batch`, [B, T], in row order; with `trained_only`, of its trained
+        tokens alone, 0 elsewhere (`PolicyWorker.logprobs`)."""
+        return self._rows("logprobs", batch, trained_only)
 
     def train_step(self, batch: TrainBatch, inputs: StepInputs = NO_INPUTS) -> dict[str, float]:
         """One optimizer step over the whole batch; returns the global metrics (`PolicyWorker.train_step`

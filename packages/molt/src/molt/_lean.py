@@ -94,31 +94,51 @@ class LogprobHead(torch.nn.Module):
     the entropy there [B, T] in `entropy_BT` (apart, so that a detached entropy sends no gradient back),
     both through `rlestimators.lm_head_logprobs`: the [B, T, V] logits and their gradient never exist (at
     16k tokens and a 152k vocabulary, 2 x 4.6 GiB in bf16). Outside the block it gives logits, as before.
-    It runs inside the head's own call, where FSDP2 has gathered its weight (tied embeddings included)."""
+    It runs inside the head's own call, where FSDP2 has gathered its weight (tied embeddings included).
+
+    Given the positions whose logprobs are read (`logprobs_of(..., positions_N)`: those whose next token
+    is trained), the head projects those alone: the rest come back 0, entropy too, and cost no head
+    matmul, no pass over their [V] logits and no gradient. Prompts, tool outputs and earlier turns are
+    most of an agent's tokens; the head is a sixth of a Qwen3-1.7B's matmuls and all of its float32
+    passes over the vocabulary."""
 
     weight: torch.nn.Parameter
     temperature: float = 1.0  # the sampling temperature, set by `use_logprob_head`
     next_tokens_BT: torch.Tensor | None = None  # set within `logprobs_of`
+    positions_N: torch.Tensor | None = None  # set within `logprobs_of`: the flattened positions read
     entropy_BT: torch.Tensor | None = None  # the last forward's within `logprobs_of`
 
     @contextlib.contextmanager
-    def logprobs_of(self, next_tokens_BT: torch.Tensor) -> Iterator[LogprobHead]:
-        """Within the block, forwards give the logprobs of `next_tokens_BT` [B, T] (class docstring)."""
-        self.next_tokens_BT = next_tokens_BT
+    def logprobs_of(
+        self, next_tokens_BT: torch.Tensor, positions_N: torch.Tensor | None = None
+    ) -> Iterator[LogprobHead]:
+        """Within the block, forwards give the logprobs of `next_tokens_BT` [B, T] (class docstring):
+        at every position, or with `positions_N` (int64 indices into the flattened [B * T], at least one)
+        at those alone, 0 elsewhere."""
+        self.next_tokens_BT, self.positions_N = next_tokens_BT, positions_N
         try:
             yield self
         finally:  # drop the entropy too: it holds the forward's graph
-            self.next_tokens_BT = self.entropy_BT = None
+            self.next_tokens_BT = self.positions_N = self.entropy_BT = None
 
     def forward(self, hidden_BTH: torch.Tensor) -> torch.Tensor:
         from rlestimators import lm_head_logprobs
 
         if self.next_tokens_BT is None:
             return torch.nn.functional.linear(hidden_BTH, self.weight)
-        logp_BT, self.entropy_BT = lm_head_logprobs(
-            hidden_BTH, self.weight, self.next_tokens_BT, temperature=self.temperature
+        if self.positions_N is None:
+            logp_BT, self.entropy_BT = lm_head_logprobs(
+                hidden_BTH, self.weight, self.next_tokens_BT, temperature=self.temperature
+            )
+            return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
+        at_n = self.positions_N.to(hidden_BTH.device)
+        hidden_1nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[at_n][None]
+        logp_1n, entropy_1n = lm_head_logprobs(
+            hidden_1nH, self.weight, self.next_tokens_BT.reshape(-1)[at_n][None], temperature=self.temperature
         )
-        return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
+        zeros_N = hidden_BTH.new_zeros(self.next_tokens_BT.numel(), dtype=torch.float32)
+        self.entropy_BT = zeros_N.index_copy(0, at_n, entropy_1n[0]).view(self.next_tokens_BT.shape)
+        return zeros_N.index_copy(0, at_n, logp_1n[0]).view(*self.next_tokens_BT.shape, 1).clone()
 
 
 def use_lean_rms_norms(model: torch.nn.Module) -> int:

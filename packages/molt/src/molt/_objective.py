@@ -99,14 +99,16 @@ def score(
     # separate pass gives them to the later windows' rows (--train.mini_batches), or to every row where
     # they are needed before any step (an estimator that reads them, a KL penalty in the reward).
     if estimator_needs(algo.advantage.estimator).old_logp or in_reward:
-        old_logp_BT = groups.policy.logprobs(batch)
+        old_logp_BT = groups.policy.logprobs(batch, trained_only=True)
     elif config.train.mini_batches > 1 and (later := sorted(set(range(len(mask_BT))) - set(first_window))):
         old_logp_BT = torch.full(batch.tokens_BT.shape, torch.nan)  # NaN: read by no step
-        part_BT = groups.policy.logprobs(batch.select(later))
+        part_BT = groups.policy.logprobs(batch.select(later), trained_only=True)
         old_logp_BT[later, : part_BT.shape[1]] = part_BT
     else:
         old_logp_BT = None
-    ref_logp_BT = groups.reference.logprobs(batch) if groups.reference is not None else None
+    # Every use of these logprobs is masked to the trained tokens, which alone the passes compute.
+    reference = groups.reference
+    ref_logp_BT = None if reference is None else reference.logprobs(batch, trained_only=True)
     metrics = {}
     if in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
         assert old_logp_BT is not None and ref_logp_BT is not None  # a separate pass; a reference group
@@ -144,7 +146,7 @@ def gae_advantages(batch, rewards_R, rows_R, old_logp_BT, groups, config: Config
 def opd_advantages(batch, rewards_R, rows_R, old_logp_BT, groups, config: Config) -> Advantages:
     """opd: the teacher's logprobs of the student's own tokens, against the student's before the step."""
     mask_BT = batch.loss_mask_BT
-    advantages_BT = opd(old_logp_BT, groups.teacher.logprobs(batch), mask_BT)
+    advantages_BT = opd(old_logp_BT, groups.teacher.logprobs(batch, trained_only=True), mask_BT)
     metrics = {"teacher/reverse_kl": -(advantages_BT.sum() / mask_BT.sum()).item()}
     return Advantages(advantages_BT, advantages_BT[mask_BT != 0], metrics=metrics)
 

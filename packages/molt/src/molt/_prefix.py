@@ -195,15 +195,26 @@ class SharedPrefixRows:
         n = self.num_packed
         return {w: create_block_mask(mask_mod_of(w), None, None, n, n, device=device) for w in self.windows}
 
-    def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
-        """[B, num_cols, ...] from [1, N, ...]: row b's column j from its prefix (j < S) or its
-        continuation, 0 past its n_b columns. A prefix value goes to every row of its group."""
+    def _packed_index(self, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row b's column j's packed position [B, num_cols] (from its prefix, j < S, or its continuation),
+        and whether the row has that column (j < n_b)."""
         rows_N, positions_N, _, _ = self._tokens  # a prefix's tokens are its group's first row's
         index_BT = torch.zeros(len(self.lengths), num_cols, dtype=torch.int64)
         index_BT[rows_N, positions_N[: len(rows_N)]] = torch.arange(len(rows_N))
         for members, shared in self.groups:
             index_BT[list(members[1:]), :shared] = index_BT[members[0], :shared]
-        valid_BT = torch.arange(num_cols) < torch.tensor(self.lengths)[:, None]
+        return index_BT, torch.arange(num_cols) < torch.tensor(self.lengths)[:, None]
+
+    def positions_of(self, flags_BT: torch.Tensor) -> torch.Tensor:
+        """The packed positions, ascending, that hold a column where `flags_BT` [B, T] is true: a prefix's
+        where any row of its group is."""
+        index_BT, valid_BT = self._packed_index(flags_BT.shape[1])
+        return index_BT[flags_BT.bool() & valid_BT].unique()
+
+    def unpack(self, values_1N: torch.Tensor, num_cols: int) -> torch.Tensor:
+        """[B, num_cols, ...] from [1, N, ...]: row b's column j from its prefix (j < S) or its
+        continuation, 0 past its n_b columns. A prefix value goes to every row of its group."""
+        index_BT, valid_BT = self._packed_index(num_cols)
         gathered = values_1N[0][index_BT.to(values_1N.device)]
         valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2))).to(values_1N.device)
         return torch.where(valid, gathered, 0)

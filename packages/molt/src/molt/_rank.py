@@ -202,10 +202,13 @@ class ModelRank:
             return None
         return packed_rows(mb.row_lengths, cuda=cuda)
 
-    def _model_outputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _model_outputs(
+        self, mb: TrainBatch, *, trained_only: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over `mb` in its layout, back as [B, T, X] per row: from the logprob head, log p of
-        each next token [B, T, 1] and the entropy of its distribution [B, T]; for a model without that head
-        (`molt._lean.LogprobHead`) or the critic's, the head's outputs and None."""
+        each next token [B, T, 1] and the entropy of its distribution [B, T] (with `trained_only`, where
+        the next token is trained alone, 0 elsewhere: the head computes no other); for a model without
+        that head (`molt._lean.LogprobHead`) or the critic's, the head's outputs and None."""
         from torch.distributed.tensor import DTensor
 
         layout, num_cols = self._layout(mb), mb.tokens_BT.shape[1]
@@ -219,7 +222,12 @@ class ModelRank:
         # [B, T] or [1, N]; the tokens are counted by the pass (an empty turn has none)
         self.passes["slots"] += tokens_BT.numel()
         head = self._logprob_head  # each row's last next token is another row's or a wrap: never trained
-        with contextlib.nullcontext() if head is None else head.logprobs_of(tokens_BT.roll(-1, dims=1)):
+        positions_N = self._trained_positions(mb, layout, tokens_BT.shape) if trained_only else None
+        with (
+            contextlib.nullcontext()
+            if head is None
+            else head.logprobs_of(tokens_BT.roll(-1, dims=1), positions_N)
+        ):
             out_BTX = self.model(input_ids=tokens_BT, use_cache=False, **kwargs).logits
             entropy_BT = None if head is None else head.entropy_BT
         # Under TP, AutoModel's plans may leave the logits sharded over the vocabulary: gather them.
@@ -229,6 +237,20 @@ class ModelRank:
             entropy_BT = None if entropy_BT is None else layout.unpack(entropy_BT, num_cols)
         # a blank image's column, if any, dropped
         return out_BTX[:, :num_cols], None if entropy_BT is None else entropy_BT[:, :num_cols]
+
+    @staticmethod
+    def _trained_positions(
+        mb: TrainBatch, layout: SharedPrefixRows | None, shape: torch.Size
+    ) -> torch.Tensor:
+        """The positions of the model's flattened input ([B, T], or [1, N] packed) whose next token is
+        trained (loss mask 1), ascending; position 0 where none is (the head needs a row)."""
+        next_trained_BT = mb.loss_mask_BT.roll(-1, dims=1) != 0  # a row's last column wraps to t = 0: 0
+        if layout is not None:
+            positions_N = layout.positions_of(next_trained_BT)
+        else:  # as the model reads them, a blank image's column included
+            padded_BT = torch.nn.functional.pad(next_trained_BT, (0, shape[1] - next_trained_BT.shape[1]))
+            positions_N = padded_BT.reshape(-1).nonzero()[:, 0]
+        return positions_N if len(positions_N) else torch.zeros(1, dtype=torch.int64)
 
     @staticmethod
     def _needs_blank_image(mb: TrainBatch) -> bool:
