@@ -127,3 +127,36 @@ def test_the_head_at_given_positions_gives_theirs_alone_and_their_gradients(tiny
     lean_grads = _grads(lean)
     for name, grad in _grads(original).items():
         assert_close(lean_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_compiled_norm_is_the_formula_inductor_fuses_and_keeps_its_input_alone():
+    """Inside torch.compile the lean norm is the float32 formula (AutoModel's op, opaque to Inductor,
+    would run unfused), equal to the op, and its compiled backward keeps the bf16 input and each row's
+    reciprocal RMS, no float32 copy of the input."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from molt._lean import use_lean_rms_norms
+
+    model = torch.nn.Sequential(Qwen3RMSNorm(64, eps=1e-6)).to(torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5)
+    assert use_lean_rms_norms(model) == 1
+    x_TH = torch.randn(16, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    eager_TH = model(x_TH)
+    ops: list = []
+
+    def graph_ops(gm, inputs):  # the graph Dynamo hands a backend
+        ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch.compile(model, backend=graph_ops)(x_TH)
+    assert not any("nemo_automodel" in op for op in ops) and any("rms_norm" in op for op in ops)
+    torch._dynamo.reset()
+    saved: list = []
+    x_TH.requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        compiled_TH = torch.compile(model)(x_TH)
+    assert_close(compiled_TH, eager_TH, atol=1e-2, rtol=1e-2)  # a bf16 rounding apart at most
+    assert all(t.dtype == torch.bfloat16 or t.numel() <= x_TH.shape[0] for t in saved), [
+        (t.dtype, tuple(t.shape)) for t in saved
+    ]
