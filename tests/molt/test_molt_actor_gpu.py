@@ -255,3 +255,19 @@ def test_shared_prefix_rows_train_as_unshared_ones_on_cuda_and_compile_few_shape
     _assert_same_logprobs_and_steps(batches, shared, packed)
     assert graphs[-1] == graphs[3], f"compiled graphs kept growing: {graphs}"
     assert shared_counts["saved"] > 0 and shared_counts["tokens"] == packed_counts["tokens"]
+
+
+def test_a_micro_batchs_inputs_reach_the_gpu_without_waiting_for_its_queue():
+    """`molt._batch.to_device`: a CPU tensor is copied behind the queued work, not after it (a plain copy
+    from pageable memory synchronises the stream), and the source may change at once."""
+    from molt._batch import to_device
+
+    device = torch.device("cuda")
+    a_NN = torch.randn(8192, 8192, device=device)
+    for _ in range(20):  # tens of milliseconds queued
+        a_NN = a_NN @ a_NN / 8192**0.5
+    values = torch.arange(1000.0)
+    moved = to_device(values, device)
+    assert not torch.cuda.current_stream().query(), "the host waited for the queued matmuls"
+    values.zero_()
+    assert moved.device.type == "cuda" and torch.equal(moved.cpu(), torch.arange(1000.0))

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import refit
-from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs
+from molt._batch import NO_INPUTS, StepInputs, TrainBatch, collate, shifted_logprobs, to_device
 from molt._objective import step_loss
 from molt._placement import compiles
 from molt._rank import ModelRank, compiled_graphs
@@ -237,15 +237,15 @@ class PolicyWorker(ModelRank):
             loss, sums = step_loss(
                 logp_BT,
                 entropy_BT,
-                None if inputs.old_logp_BT is None else inputs.old_logp_BT.to(device),
-                mb.rollout_logp_BT.to(device),
-                mb.advantages_BT.to(device),
-                mb.loss_mask_BT.to(device),
+                None if inputs.old_logp_BT is None else to_device(inputs.old_logp_BT, device),
+                to_device(mb.rollout_logp_BT, device),
+                to_device(mb.advantages_BT, device),
+                to_device(mb.loss_mask_BT, device),
                 num_tokens=mb.num_tokens,
                 num_seqs=mb.num_seqs,
                 algo=algo,
-                ref_logp_BT=None if inputs.ref_logp_BT is None else inputs.ref_logp_BT.to(device),
-                lag_BT=None if mb.lag_BT is None else mb.lag_BT.to(device),
+                ref_logp_BT=None if inputs.ref_logp_BT is None else to_device(inputs.ref_logp_BT, device),
+                lag_BT=None if mb.lag_BT is None else to_device(mb.lag_BT, device),
             )
             loss.backward()
         if replay is not None:

@@ -43,6 +43,17 @@ from typing import Any
 import torch
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` on `device`. A CPU tensor bound for a GPU goes through pinned memory without waiting: a
+    plain copy from pageable memory waits for all the work queued on the GPU so far, so that a micro-batch's
+    inputs, copied before its forward, would empty the GPU's queue at every micro-batch and leave the GPU
+    idle while the host prepares the next (its pinned buffer stays with torch's host allocator until the
+    copy is done)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class RowImages:
     """The images of one row, in token order, as the model's processor makes them."""
@@ -177,9 +188,9 @@ class TrainBatch:
             for offset, length in images.spans:
                 token_type_BT[row, offset : offset + length] = 1
         return {
-            "pixel_values": torch.cat([images.pixel_values_PC for _, images in rows]).to(device),
-            "image_grid_thw": torch.cat([images.grid_thw_I3 for _, images in rows]).to(device),
-            "mm_token_type_ids": token_type_BT.to(device),
+            "pixel_values": to_device(torch.cat([images.pixel_values_PC for _, images in rows]), device),
+            "image_grid_thw": to_device(torch.cat([images.grid_thw_I3 for _, images in rows]), device),
+            "mm_token_type_ids": to_device(token_type_BT, device),
         }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import torch
 
-from molt._batch import StepInputs, TrainBatch
+from molt._batch import StepInputs, TrainBatch, to_device
 from molt._group import PolicyGroup
 from molt._rank import ModelRank
 from molt._sharding import distributed_setup
@@ -81,12 +81,12 @@ class CriticWorker(ModelRank):
     def _value_loss(self, mb: TrainBatch, inputs: StepInputs) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch's clipped value loss; returns its metric numerators."""
         assert inputs.old_values_BT is not None and inputs.returns_BT is not None  # gae's (`score`)
-        mask_BT = mb.loss_mask_BT.to(self.device)
+        mask_BT = to_device(mb.loss_mask_BT, self.device)
         values_BT = self._values(mb)
         loss_sum, metrics = value_loss(
             values_BT,
-            inputs.old_values_BT.to(self.device),
-            inputs.returns_BT.to(self.device),
+            to_device(inputs.old_values_BT, self.device),
+            to_device(inputs.returns_BT, self.device),
             mask_BT,
             clip=self.config.algo.critic.value_clip,
         )

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from molt._batch import to_device
 from molt.config import Config
 
 
@@ -143,7 +144,7 @@ class LogprobHead(torch.nn.Module):
                 hidden_BTH, self.weight, self.next_tokens_BT, temperature=self.temperature
             )
             return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
-        at_n = self.positions_N.to(hidden_BTH.device)
+        at_n = to_device(self.positions_N, hidden_BTH.device)
         hidden_1nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[at_n][None]
         logp_1n, entropy_1n = lm_head_logprobs(
             hidden_1nH, self.weight, self.next_tokens_BT.reshape(-1)[at_n][None], temperature=self.temperature

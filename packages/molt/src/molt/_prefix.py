@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from molt._batch import to_device
+
 MIN_SHARED_TOKENS = 16
 """Rows share a prefix only when it saves at least this many tokens a row: shorter common beginnings (a
 chat template's first tokens) are not worth a tree mask."""
@@ -160,9 +162,9 @@ class SharedPrefixRows:
         SDPA). Rows that share nothing pass the bounds alone: varlen attention on CUDA. transformers passes
         them all to the attention function unchanged."""
         _, positions_N, branches_N, bounds = self._tokens
-        cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)  # where each span starts, then N
+        cu_seqlens = to_device(torch.tensor(bounds, dtype=torch.int32), device)  # each span's start, then N
         kwargs = {
-            "position_ids": positions_N[None].to(device),
+            "position_ids": to_device(positions_N[None], device),
             "cu_seq_lens_q": cu_seqlens,
             "cu_seq_lens_k": cu_seqlens,
             "max_length_q": self.max_length,

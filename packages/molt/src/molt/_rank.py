@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from molt._batch import StepInputs, TrainBatch
+from molt._batch import StepInputs, TrainBatch, to_device
 from molt._checkpoint import load_actor, save_actor
 from molt._lean import LogprobHead
 from molt._log import redirect_output
@@ -213,11 +213,14 @@ class ModelRank:
 
         layout, num_cols = self._layout(mb), mb.tokens_BT.shape[1]
         if layout is None:  # right padded: causal attention never lets a real token see a pad
-            tokens_BT, kwargs = mb.tokens_BT.to(self.device), mb.model_inputs(self.device)
+            tokens_BT, kwargs = to_device(mb.tokens_BT, self.device), mb.model_inputs(self.device)
             if self._needs_blank_image(mb):  # vision-language rows get their images
                 tokens_BT, kwargs = self._blank_image_column(tokens_BT)
         else:
-            tokens_BT, kwargs = layout.pack(mb.tokens_BT).to(self.device), layout.model_kwargs(self.device)
+            tokens_BT, kwargs = (
+                to_device(layout.pack(mb.tokens_BT), self.device),
+                layout.model_kwargs(self.device),
+            )
             self.passes["saved"] += layout.num_saved
         # [B, T] or [1, N]; the tokens are counted by the pass (an empty turn has none)
         self.passes["slots"] += tokens_BT.numel()
@@ -281,11 +284,13 @@ class ModelRank:
         the CPU; the pass's tokens, slots and seconds are counted (`take_pass_counts`)."""
         started = time.perf_counter()
         out_BT = torch.zeros(batch.tokens_BT.shape)
-        for rows, mb in self._micro_batches(batch):
-            values_BT = compute(mb).float().cpu()
+        # Each micro-batch's values stay on the device until all are queued: copying one back waits for
+        # its forward, which would leave the GPU idle while the host prepares the next.
+        computed = [(rows, mb.lengths_B, compute(mb).float()) for rows, mb in self._micro_batches(batch)]
+        for rows, lengths_B, values_BT in computed:
             if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
                 num_cols = values_BT.shape[1]
-                out_BT[rows, :num_cols] = values_BT * (torch.arange(num_cols) < mb.lengths_B[:, None])
+                out_BT[rows, :num_cols] = values_BT.cpu() * (torch.arange(num_cols) < lengths_B[:, None])
         self._count_pass(batch, started, backward=False)
         return out_BT
 
