@@ -204,7 +204,7 @@ class PolicyWorker(ModelRank):
             experts_BTLK = layout.pack(experts_BTLK, fill=-1)
         elif self._needs_blank_image(mb):  # its extra column is routed by the router
             experts_BTLK = torch.nn.functional.pad(experts_BTLK, (0, 0, 0, 0, 0, 1), value=-1)
-        with self.replay.replay(experts_BTLK.to(self.device)):
+        with self.replay.replay(to_device(experts_BTLK, self.device)):
             yield self.replay
 
     @torch.no_grad()

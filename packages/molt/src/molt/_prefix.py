@@ -217,8 +217,8 @@ class SharedPrefixRows:
         """[B, num_cols, ...] from [1, N, ...]: row b's column j from its prefix (j < S) or its
         continuation, 0 past its n_b columns. A prefix value goes to every row of its group."""
         index_BT, valid_BT = self._packed_index(num_cols)
-        gathered = values_1N[0][index_BT.to(values_1N.device)]
-        valid = valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2))).to(values_1N.device)
+        gathered = values_1N[0][to_device(index_BT, values_1N.device)]
+        valid = to_device(valid_BT.reshape(*valid_BT.shape, *([1] * (gathered.dim() - 2))), values_1N.device)
         return torch.where(valid, gathered, 0)
 
 
