@@ -107,8 +107,7 @@ def score(
     else:
         old_logp_BT = None
     # Every use of these logprobs is masked to the trained tokens, which alone the passes compute.
-    reference = groups.reference
-    ref_logp_BT = None if reference is None else reference.logprobs(batch, trained_only=True)
+    ref_logp_BT = None if groups.reference is None else groups.reference.logprobs(batch, trained_only=True)
     metrics = {}
     if in_reward:  # --algo.kl.in_reward: a per-rollout penalty instead of a loss term
         assert old_logp_BT is not None and ref_logp_BT is not None  # a separate pass; a reference group
