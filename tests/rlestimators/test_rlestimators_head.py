@@ -94,17 +94,18 @@ def test_the_weight_gradient_is_summed_in_float32_over_chunks(monkeypatch):
 
 
 class LargestVocabularyTensor(TorchDispatchMode):
-    """Largest number of rows of any op output whose last dimension is the vocabulary."""
+    """Largest number of rows, and of bytes, of any op output whose last dimension is the vocabulary."""
 
     def __init__(self):
         super().__init__()
-        self.rows = 0
+        self.rows = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
             if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[-1] == VOCAB:
                 self.rows = max(self.rows, tensor.numel() // VOCAB)
+                self.bytes = max(self.bytes, tensor.numel() * tensor.element_size())
         return out
 
 
@@ -121,6 +122,20 @@ def test_no_tensor_of_the_whole_logits_forward_or_backward(monkeypatch):
     with LargestVocabularyTensor() as logits_path:  # the instrument sees the logits path's [N, V] tensors
         through_the_logits(hidden_BTH, weight_VH, tokens_BT, 1.0)
     assert logits_path.rows == NUM_SEQS * NUM_TOKENS
+
+
+def test_the_bf16_backward_of_the_logprobs_alone_takes_twice_the_rows_in_the_same_bytes(monkeypatch):
+    """Its chunks hold the logits and their softmax in bf16 where the forward's hold float32: twice the
+    rows a chunk, so half the float32 accumulations of the weight's gradient."""
+    set_chunk_rows(monkeypatch, 128)
+    hidden_BTH, weight_VH, tokens_BT, g_logp_BT, _ = make_inputs(torch.bfloat16)
+    hidden_BTH.requires_grad_(True)
+    with LargestVocabularyTensor() as forward:
+        logp_BT, _ = lm_head_logprobs(hidden_BTH, weight_VH.requires_grad_(True), tokens_BT)
+    with LargestVocabularyTensor() as backward:
+        (logp_BT * g_logp_BT).sum().backward()
+    assert (forward.rows, backward.rows) == (128, 256)
+    assert backward.bytes <= forward.bytes
 
 
 @pytest.mark.parametrize(
