@@ -188,6 +188,47 @@ def _one_rank_train_step(model_dir, monkeypatch, unit_bytes: int) -> tuple[int, 
         torch.distributed.destroy_process_group()
 
 
+def test_one_rank_casts_its_weights_once_a_pass_and_drops_them_before_the_step(tiny_model_dir, monkeypatch):
+    """FSDP2 casts a unit's weights at each micro-batch's forward and again for its backward; one rank
+    keeps the cast copies through a pass instead (`shard_one_rank`), and drops them when it ends: the
+    optimizer steps the float32 shards, and a copy held past the step would be stale."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    from torch.distributed.tensor import DTensor
+
+    from molt._actor import PolicyWorker
+
+    casts: dict[str, int] = {}
+    to_unsharded = FSDPParamGroup._to_unsharded
+
+    def counted(group: FSDPParamGroup) -> None:  # FSDP2's unshard: on one rank, a cast copy
+        if not group.is_unsharded:
+            casts[group._module_fqn] = casts.get(group._module_fqn, 0) + 1
+        to_unsharded(group)
+
+    monkeypatch.setattr(FSDPParamGroup, "_to_unsharded", counted)
+    rows = [*ROWS, ([1, 6, 7, 13, 8, 9, 4], [0, 0, 1, 1, 1, 1, 1], [-4.0] * 7, -1.0)]
+    batch = collate(rows, pad_id=0)
+    config = _config("float32", "bfloat16")
+    actor = msgspec.structs.replace(config.actor, micro_batch_tokens=8)  # a micro-batch a row
+    config = msgspec.structs.replace(config, actor=actor)
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config)
+    try:
+        assert len(batch.micro_batches(worker.budget, packed=worker.packed)) == 3
+        units = {"", "model.layers.0, model.layers.1"}  # the root, and the layers' unit
+        casts.clear()
+        before_BT = worker.logprobs(batch)
+        assert casts == dict.fromkeys(units, 1)
+        casts.clear()
+        worker.train_step(batch)
+        assert casts == dict.fromkeys(units, 1)  # three forwards and three backwards
+        for name, param in worker.model.named_parameters():
+            assert isinstance(param, DTensor), f"{name}: the pass ended, its cast copy dropped"
+        after_BT = worker.logprobs(batch)  # cast again, from the stepped weights
+        assert not torch.equal(after_BT, before_BT)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_one_rank_groups_small_layers_into_one_unit_with_the_same_update(tiny_model_dir, monkeypatch):
     from molt._sharding import UNIT_BYTES
 

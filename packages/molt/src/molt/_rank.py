@@ -58,7 +58,9 @@ from molt._sharding import (
     ShardAdamW,
     compute_dtype,
     freeze_moe_routers,
+    holds_cast_weights,
     params_by_mesh,
+    reshard_all,
     sum_gradients_over_ranks,
 )
 from molt.config import Config, LoRA
@@ -159,20 +161,27 @@ class ModelRank:
     def _token_budget(self, trainable: bool) -> int:
         """--actor.micro_batch_tokens, or with 0 the tokens whose activations fit in 85% of the memory this
         rank may take once loaded (`molt._placement.actor_free_bytes`: on a shared GPU, not the engine's
-        share), less its gradients and AdamW moments in float32 and a 4 GiB margin (4 GiB of activations
-        on a CPU). The 15% is measured: with the margin alone, a 1.7B model's multi-turn batches ran out
+        share), less its gradients and AdamW moments in float32, the weights' copy in the compute dtype
+        a pass may hold (`molt._sharding.shard_one_rank`) and a 4 GiB margin (4 GiB of activations on a
+        CPU). The 15% is measured: with the margin alone, a 1.7B model's multi-turn batches ran out
         of memory on one H200 in the backward (58,368 tokens, where prompt batches peaked at 133 of 140
         GiB)."""
         if self.config.actor.micro_batch_tokens:
             return self.config.actor.micro_batch_tokens
-        free = 4 * 2**30
+        free: float = 4 * 2**30
         if self.device.type == "cuda":
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in params)
+            params = [
+                (p.to_local().numel() if hasattr(p, "to_local") else p.numel(), p.requires_grad)
+                for p in self.model.parameters()
+            ]
+            trained = sum(numel for numel, grad in params if grad)
+            copies = 0
+            if holds_cast_weights(self.config, dist.get_world_size(), on_gpu=True):
+                copies = compute_dtype(self.config).itemsize * sum(numel for numel, _ in params)
             free_now, total = torch.cuda.mem_get_info()
             held = torch.cuda.memory_reserved(self.device)
             mine = actor_free_bytes(self.config, free=free_now, total=total, held=held)
-            free = 0.85 * (mine - 12 * local * trainable) - 4 * 2**30
+            free = 0.85 * (mine - 12 * trained * trainable - copies) - 4 * 2**30
         return auto_micro_batch_tokens(
             self.model.config,
             free_bytes=free,
@@ -286,7 +295,10 @@ class ModelRank:
         out_BT = torch.zeros(batch.tokens_BT.shape)
         # Each micro-batch's values stay on the device until all are queued: copying one back waits for
         # its forward, which would leave the GPU idle while the host prepares the next.
-        computed = [(rows, mb.lengths_B, compute(mb).float()) for rows, mb in self._micro_batches(batch)]
+        try:
+            computed = [(rows, mb.lengths_B, compute(mb).float()) for rows, mb in self._micro_batches(batch)]
+        finally:
+            reshard_all(self.model)  # the weights' copies in the compute dtype (`shard_one_rank`)
         for rows, lengths_B, values_BT in computed:
             if rows:  # 0 past each row's end (a shifted value lands there), whatever the split
                 num_cols = values_BT.shape[1]
@@ -327,14 +339,17 @@ class ModelRank:
         micro_batches = self._micro_batches(batch)
         totals: dict[str, torch.Tensor] = {}  # metric numerators, summed over micro-batches
         one_rank = dist.get_world_size() == 1
-        for index, (rows, mb) in enumerate(micro_batches):
-            # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
-            # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts each
-            # micro-batch's gradients into the float32 shard at once, and no unsharded copy is held.
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
-            for name, value in loss_of(mb, inputs.rows(rows, mb.tokens_BT.shape[1])).items():
-                totals[name] = totals[name] + value if name in totals else value
+        try:
+            for index, (rows, mb) in enumerate(micro_batches):
+                # Several ranks reduce-scatter once, after the last micro-batch; until then each holds its
+                # unsharded gradients. One rank has nothing to communicate: its "reduce-scatter" casts
+                # each micro-batch's gradients into the float32 shard at once, and holds no unsharded one.
+                if isinstance(self.model, FSDPModule):
+                    self.model.set_requires_gradient_sync(one_rank or index == len(micro_batches) - 1)
+                for name, value in loss_of(mb, inputs.rows(rows, mb.tokens_BT.shape[1])).items():
+                    totals[name] = totals[name] + value if name in totals else value
+        finally:  # before the optimizer steps the shards (`molt._sharding.shard_one_rank`)
+            reshard_all(self.model)
         self._count_pass(batch, started, backward=True)
         sums_K = torch.stack([value.float() for value in totals.values()])  # K numerators on this rank
         dist.all_reduce(sums_K)  # SUM over ranks
