@@ -162,6 +162,32 @@ def test_refuses_bad_input(hidden, weight, tokens, temperature, message):
         lm_head_logprobs(hidden, weight, tokens, temperature=temperature)
 
 
+class ValuesReadBack(TorchDispatchMode):
+    """How many ops read a tensor's value back to the host (`.item()`, `bool(tensor)`): on a GPU, each is a
+    device synchronisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_ids_checked_by_the_caller_are_not_read_back_but_shapes_are_still_checked():
+    hidden_BTH, weight_VH, tokens_BT, *_ = make_inputs(torch.float32)
+    with ValuesReadBack() as checked:
+        lm_head_logprobs(hidden_BTH, weight_VH, tokens_BT)
+    with ValuesReadBack() as unchecked:
+        lm_head_logprobs(hidden_BTH, weight_VH, tokens_BT, check_token_values=False)
+    assert (checked.reads, unchecked.reads) == (1, 0)
+    with pytest.raises(ValueError, match="tokens must be"):
+        lm_head_logprobs(hidden_BTH, weight_VH, tokens_BT[:, 1:], check_token_values=False)
+    with pytest.raises(ValueError, match=r"\[0, 301\)"):
+        lm_head_logprobs(hidden_BTH, weight_VH, tokens_BT + VOCAB)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
 def test_on_cuda_bf16_equals_the_logits_path(monkeypatch, temperature):

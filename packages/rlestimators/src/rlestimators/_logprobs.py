@@ -118,15 +118,18 @@ def _check_logits(logits: torch.Tensor, temperature: float, name: str = "logits"
         raise ValueError(f"temperature must be a positive finite number, got {temperature}")
 
 
-def _check_tokens(tokens: torch.Tensor, shape: torch.Size, vocab: int, source: str) -> None:
-    """Integer ids [B, T] = `shape` in [0, `vocab`) (one device synchronisation), from `source`'s shapes."""
+def _check_tokens(
+    tokens: torch.Tensor, shape: torch.Size, vocab: int, source: str, *, values: bool = True
+) -> None:
+    """Integer ids [B, T] = `shape` in [0, `vocab`) (one device synchronisation; none without `values`,
+    which checks the shape and dtype alone), from `source`'s shapes."""
     if tokens.shape != shape:
         raise ValueError(
             f"tokens must be [B, T] = {tuple(shape)} to match the {source}, got {tuple(tokens.shape)}"
         )
     if tokens.is_floating_point() or tokens.dtype == torch.bool:
         raise ValueError(f"tokens must be integer token ids, got {tokens.dtype}")
-    if bool(((tokens < 0) | (tokens >= vocab)).any()):
+    if values and bool(((tokens < 0) | (tokens >= vocab)).any()):
         raise ValueError(f"token ids must lie in [0, {vocab}) (the vocabulary of the {source}); some do not")
 
 
@@ -250,7 +253,12 @@ class _HeadLogprobs(torch.autograd.Function):
 
 
 def lm_head_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    check_token_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token logprobs and entropies straight from the LM head's input: [B, T, H] hidden states, the head's
     [V, H] weight and [B, T] token ids -> (log p(token), entropy), both [B, T] float32.
@@ -261,6 +269,11 @@ def lm_head_logprobs(
     head matmul) to form that chunk's logit gradient. At 16k tokens and a 152k vocabulary that is the
     logits and their gradient, 2 x 4.6 GiB in bf16. Gradients flow to `hidden` and `weight` (the weight's
     accumulated in float32 over the chunks, rounded once) from either output; an unused output costs none.
+
+    Checking that the token ids lie in the vocabulary reads a value back from the device, a
+    synchronisation: the GPU runs dry while the host waits, and again while it queues the head's work.
+    `check_token_values=False` skips that check (shapes and dtypes are still checked), for a caller that
+    has checked the ids already, on the host.
     """
     _check_logits(hidden, temperature, "hidden", "[B, T, H]")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -269,7 +282,7 @@ def lm_head_logprobs(
         )
     if hidden.dtype != weight.dtype:  # so the weight is floating too
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-    _check_tokens(tokens, hidden.shape[:-1], weight.shape[0], "LM head")
+    _check_tokens(tokens, hidden.shape[:-1], weight.shape[0], "LM head", values=check_token_values)
     logp_N1, entropy_N1 = _HeadLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, tokens.reshape(-1, 1).long(), float(temperature)
     )
