@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from molt._batch import collate
 from molt.config import FSDP, Config
@@ -109,3 +110,38 @@ def test_no_head_under_tensor_parallelism_or_for_a_head_with_bias():
     model.get_output_embeddings = lambda: biased
     assert use_logprob_head(model, Config()) is None
     assert type(biased) is torch.nn.Linear
+
+
+class _ValuesReadBack(TorchDispatchMode):
+    """How many ops read a tensor's value back to the host (`.item()`, `bool(tensor)`): on a GPU, each is a
+    device synchronisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_head_reads_nothing_back_and_the_worker_refuses_ids_past_the_vocabulary(tiny_model_dir):
+    """The ids are checked on the host's copy before the forward, so the head's own forward reads no
+    value back from the device (on a GPU, a synchronisation in the middle of every forward)."""
+    from molt._actor import PolicyWorker
+
+    worker = PolicyWorker(0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), _config(1.0, 0.0))
+    try:
+        head = worker._logprob_head
+        assert head is not None
+        vocab, hidden = head.weight.shape
+        tokens_BT = torch.tensor([[1, 5, 9, 11]])
+        for positions_N in (None, torch.tensor([1, 2])):
+            with head.logprobs_of(tokens_BT, positions_N), _ValuesReadBack() as during:
+                head(torch.randn(1, 4, hidden))
+            assert during.reads == 0
+        rows = [([1, 5, vocab, 11], [0, 0, 1, 1], [-2.0] * 4, 1.0)]
+        with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {vocab}\).* to {vocab}"):
+            worker.logprobs(collate(rows, pad_id=0))
+    finally:
+        torch.distributed.destroy_process_group()

@@ -113,13 +113,27 @@ class LogprobHead(torch.nn.Module):
     is trained), the head projects those alone: the rest come back 0, entropy too, and cost no head
     matmul, no pass over their [V] logits and no gradient. Prompts, tool outputs and earlier turns are
     most of an agent's tokens; the head is a sixth of a Qwen3-1.7B's matmuls and all of its float32
-    passes over the vocabulary."""
+    passes over the vocabulary.
+
+    The token ids are checked against the vocabulary by `check_ids`, on the host's copy, before the
+    forward (`molt._rank.ModelRank._model_outputs`): checked on the GPU, they would be read back from
+    it, a synchronisation in the middle of every forward."""
 
     weight: torch.nn.Parameter
     temperature: float = 1.0  # the sampling temperature, set by `use_logprob_head`
     next_tokens_BT: torch.Tensor | None = None  # set within `logprobs_of`
     positions_N: torch.Tensor | None = None  # set within `logprobs_of`: the flattened positions read
     entropy_BT: torch.Tensor | None = None  # the last forward's within `logprobs_of`
+
+    def check_ids(self, tokens: torch.Tensor) -> None:
+        """Refuse token ids outside the head's vocabulary (read where `tokens` are: the host's copy)."""
+        vocab = self.weight.shape[0]
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"token ids must lie in [0, {vocab}), the model's vocabulary; these run from {low} to "
+                f"{high}: is the tokenizer the model's own (--model.path)?"
+            )
 
     @contextlib.contextmanager
     def logprobs_of(
@@ -141,13 +155,21 @@ class LogprobHead(torch.nn.Module):
             return torch.nn.functional.linear(hidden_BTH, self.weight)
         if self.positions_N is None:
             logp_BT, self.entropy_BT = lm_head_logprobs(
-                hidden_BTH, self.weight, self.next_tokens_BT, temperature=self.temperature
+                hidden_BTH,
+                self.weight,
+                self.next_tokens_BT,
+                temperature=self.temperature,
+                check_token_values=False,  # `check_ids`
             )
             return logp_BT[..., None].clone()  # not a view: FSDP2 refuses a root output that is one
         at_n = to_device(self.positions_N, hidden_BTH.device)
         hidden_1nH = hidden_BTH.reshape(-1, hidden_BTH.shape[-1])[at_n][None]
         logp_1n, entropy_1n = lm_head_logprobs(
-            hidden_1nH, self.weight, self.next_tokens_BT.reshape(-1)[at_n][None], temperature=self.temperature
+            hidden_1nH,
+            self.weight,
+            self.next_tokens_BT.reshape(-1)[at_n][None],
+            temperature=self.temperature,
+            check_token_values=False,  # `check_ids`
         )
         zeros_N = hidden_BTH.new_zeros(self.next_tokens_BT.numel(), dtype=torch.float32)
         self.entropy_BT = zeros_N.index_copy(0, at_n, entropy_1n[0]).view(self.next_tokens_BT.shape)

@@ -234,6 +234,8 @@ class ModelRank:
         # [B, T] or [1, N]; the tokens are counted by the pass (an empty turn has none)
         self.passes["slots"] += tokens_BT.numel()
         head = self._logprob_head  # each row's last next token is another row's or a wrap: never trained
+        if head is not None:
+            head.check_ids(mb.tokens_BT)  # on the host: no synchronisation
         positions_N = self._trained_positions(mb, layout, tokens_BT.shape) if trained_only else None
         with (
             contextlib.nullcontext()
