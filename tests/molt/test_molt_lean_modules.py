@@ -13,6 +13,7 @@ import msgspec
 import pytest
 import torch
 from torch.testing import assert_close
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from molt.config import Config
 
@@ -160,3 +161,44 @@ def test_a_compiled_norm_is_the_formula_inductor_fuses_and_keeps_its_input_alone
     assert all(t.dtype == torch.bfloat16 or t.numel() <= x_TH.shape[0] for t in saved), [
         (t.dtype, tuple(t.shape)) for t in saved
     ]
+
+
+class _ValuesReadBack(TorchDispatchMode):
+    """How many ops read a tensor's value back to the host (`.item()`): on a GPU, a synchronisation."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_automodels_rotary_embedding_gives_the_same_tables_without_reading_a_position_back(tiny_model_dir):
+    """AutoModel's own model classes (the GPU's) build their RoPE tables here; transformers' (the CPU's)
+    have their own, which are left as they are."""
+    from nemo_automodel.components.models.llama.rope_utils import LlamaRotaryEmbedding
+    from transformers import AutoConfig
+
+    from molt._lean import LeanRotaryEmbedding, use_lean_rotary_embeddings
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    original = torch.nn.ModuleList([LlamaRotaryEmbedding(config)])
+    lean = torch.nn.ModuleList([LlamaRotaryEmbedding(config)])
+    assert use_lean_rotary_embeddings(lean) == 1 and isinstance(lean[0], LeanRotaryEmbedding)
+    _, transformers_model = _models(tiny_model_dir)
+    assert use_lean_rotary_embeddings(transformers_model) == 0
+    x = torch.zeros(1, 12, config.hidden_size)
+    for position_ids in (
+        torch.arange(12)[None],  # one row
+        torch.cat([torch.arange(5), torch.arange(4), torch.arange(3)])[None],  # three packed rows
+        torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5, 3, 4, 0, 1]]),  # a prefix, two continuations, padding
+    ):
+        with _ValuesReadBack() as reads:
+            cos, sin = lean[0](x, position_ids)
+        assert reads.reads == 0
+        with _ValuesReadBack() as reads:
+            expected_cos, expected_sin = original[0](x, position_ids)
+        assert reads.reads == 1  # AutoModel's: `position_ids.max().item()`
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)

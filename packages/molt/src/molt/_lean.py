@@ -2,7 +2,8 @@
 
 - `LeanRMSNorm`: RMSNorm in float32 that keeps its input in its own dtype for the backward;
 - `LeanMLP`: a SwiGLU MLP that recomputes silu in the backward instead of keeping its output;
-- `LogprobHead`: the LM head, able to give token logprobs and entropies instead of [B, T, V] logits.
+- `LogprobHead`: the LM head, able to give token logprobs and entropies instead of [B, T, V] logits;
+- `LeanRotaryEmbedding`: AutoModel's rotary embedding, without reading a position back from the GPU.
 
 `use_lean_modules` swaps them in, once, in `molt._sharding.load_model`; `print(model)` shows them. A
 swap changes the class of the module object (to a subclass of its own class with the lean `forward`
@@ -67,6 +68,31 @@ class LeanRMSNorm(torch.nn.Module):
                 x.dtype
             )
         return torch.ops.nemo_automodel.float32_rms_norm(x, self.weight, self.variance_epsilon)
+
+
+class LeanRotaryEmbedding(torch.nn.Module):
+    """AutoModel's rotary embedding (`LlamaRotaryEmbedding`: its Llama, Qwen2 and Qwen3 models) with its
+    float32 cos/sin tables sized without reading a position back from the device.
+
+    Unfused, AutoModel's sizes the tables to the largest position it is given,
+    `position_ids.max().item()`: on a GPU a synchronisation at the start of every forward (the host waits
+    for the previous micro-batch's backward to finish, then the GPU for the host to queue this forward).
+    Molt's positions count from 0 within each row and every layout holds whole rows (packed, padded or
+    as shared-prefix trees), so each position is below the number of positions given: the tables are
+    sized to that number instead, and gathered at the same positions (the same values)."""
+
+    rope_fusion: bool
+    _cos_cache: torch.Tensor
+    _sin_cache: torch.Tensor
+
+    @torch.no_grad()
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, *, qkv_format: str = "bshd", cp_size: int = 1
+    ) -> tuple[torch.Tensor, ...]:
+        if self.rope_fusion or qkv_format != "bshd":  # these read nothing back, or are not Molt's
+            return super().forward(x, position_ids, qkv_format=qkv_format, cp_size=cp_size)
+        self._ensure_cache(position_ids.shape[-1], x.device)  # type: ignore[operator]  # AutoModel's
+        return self._cos_cache[position_ids], self._sin_cache[position_ids]
 
 
 class _SiluMul(torch.autograd.Function):
@@ -186,6 +212,15 @@ def use_lean_rms_norms(model: torch.nn.Module) -> int:
     return _swap(norms, LeanRMSNorm)
 
 
+def use_lean_rotary_embeddings(model: torch.nn.Module) -> int:
+    """Swap `LeanRotaryEmbedding` into AutoModel's rotary embeddings (transformers' own read no position
+    back); returns how many."""
+    from nemo_automodel.components.models.llama.rope_utils import LlamaRotaryEmbedding
+
+    rotary = [m for m in model.modules() if isinstance(m, LlamaRotaryEmbedding)]
+    return _swap(rotary, LeanRotaryEmbedding)
+
+
 def use_lean_mlps(model: torch.nn.Module) -> int:
     """Swap `LeanMLP` into SwiGLU MLPs (transformers' Qwen/Llama MLP); returns how many."""
     mlps = [
@@ -213,6 +248,7 @@ def use_logprob_head(model: torch.nn.Module, config: Config) -> LogprobHead | No
 def use_lean_modules(model: torch.nn.Module, config: Config) -> None:
     """Every swap of this module, applied to a loaded policy (`molt._sharding.load_model`)."""
     use_lean_rms_norms(model)
+    use_lean_rotary_embeddings(model)
     if config.fsdp.tp_size == 1:  # under TP the projections' outputs may be DTensors: left as they are
         use_lean_mlps(model)
     use_logprob_head(model, config)
