@@ -12,8 +12,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
+from host_reads import ValuesReadBack
 from torch.testing import assert_close
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from molt.config import Config
 
@@ -163,18 +163,6 @@ def test_a_compiled_norm_is_the_formula_inductor_fuses_and_keeps_its_input_alone
     ]
 
 
-class _ValuesReadBack(TorchDispatchMode):
-    """How many ops read a tensor's value back to the host (`.item()`): on a GPU, a synchronisation."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 def test_automodels_rotary_embedding_gives_the_same_tables_without_reading_a_position_back(tiny_model_dir):
     """AutoModel's own model classes (the GPU's) build their RoPE tables here; transformers' (the CPU's)
     have their own, which are left as they are."""
@@ -195,10 +183,10 @@ def test_automodels_rotary_embedding_gives_the_same_tables_without_reading_a_pos
         torch.cat([torch.arange(5), torch.arange(4), torch.arange(3)])[None],  # three packed rows
         torch.tensor([[0, 1, 2, 3, 4, 3, 4, 5, 3, 4, 0, 1]]),  # a prefix, two continuations, padding
     ):
-        with _ValuesReadBack() as reads:
+        with ValuesReadBack() as reads:
             cos, sin = lean[0](x, position_ids)
         assert reads.reads == 0
-        with _ValuesReadBack() as reads:
+        with ValuesReadBack() as reads:
             expected_cos, expected_sin = original[0](x, position_ids)
         assert reads.reads == 1  # AutoModel's: `position_ids.max().item()`
         assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)

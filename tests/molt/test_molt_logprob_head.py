@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_reads import ValuesReadBack
 
 from molt._batch import collate
 from molt.config import FSDP, Config
@@ -112,19 +112,6 @@ def test_no_head_under_tensor_parallelism_or_for_a_head_with_bias():
     assert type(biased) is torch.nn.Linear
 
 
-class _ValuesReadBack(TorchDispatchMode):
-    """How many ops read a tensor's value back to the host (`.item()`, `bool(tensor)`): on a GPU, each is a
-    device synchronisation."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_head_reads_nothing_back_and_the_worker_refuses_ids_past_the_vocabulary(tiny_model_dir):
     """The ids are checked on the host's copy before the forward, so the head's own forward reads no
     value back from the device (on a GPU, a synchronisation in the middle of every forward)."""
@@ -137,7 +124,7 @@ def test_the_head_reads_nothing_back_and_the_worker_refuses_ids_past_the_vocabul
         vocab, hidden = head.weight.shape
         tokens_BT = torch.tensor([[1, 5, 9, 11]])
         for positions_N in (None, torch.tensor([1, 2])):
-            with head.logprobs_of(tokens_BT, positions_N), _ValuesReadBack() as during:
+            with head.logprobs_of(tokens_BT, positions_N), ValuesReadBack() as during:
                 head(torch.randn(1, 4, hidden))
             assert during.reads == 0
         rows = [([1, 5, vocab, 11], [0, 0, 1, 1], [-2.0] * 4, 1.0)]

@@ -4,6 +4,7 @@ tensor of the whole [N, V] logits is created in either pass."""
 
 import pytest
 import torch
+from host_reads import ValuesReadBack
 from torch.testing import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -109,33 +110,25 @@ class LargestVocabularyTensor(TorchDispatchMode):
         return out
 
 
-def test_no_tensor_of_the_whole_logits_forward_or_backward(monkeypatch):
+@pytest.mark.parametrize(("used", "backward_rows"), [("both", 128), ("logp", 256)])
+def test_no_tensor_of_the_whole_logits_forward_or_backward(monkeypatch, used, backward_rows):
+    """Chunks of 128 rows; the bf16 backward of the logprobs alone holds the logits and their softmax in
+    bf16 where the forward's chunks hold float32: twice the rows a chunk in the same bytes, so half the
+    float32 accumulations of the weight's gradient."""
     set_chunk_rows(monkeypatch, 128)
     hidden_BTH, weight_VH, tokens_BT, g_logp_BT, g_entropy_BT = make_inputs(torch.bfloat16)
     hidden_BTH.requires_grad_(True)
     with LargestVocabularyTensor() as forward:
         logp_BT, entropy_BT = lm_head_logprobs(hidden_BTH, weight_VH.requires_grad_(True), tokens_BT)
+    loss = (logp_BT * g_logp_BT).sum() + ((entropy_BT * g_entropy_BT).sum() if used == "both" else 0.0)
     with LargestVocabularyTensor() as backward:
-        ((logp_BT * g_logp_BT).sum() + (entropy_BT * g_entropy_BT).sum()).backward()
+        loss.backward()
     # The weight and its gradient ([V, H]) have V as their first dimension, not their last.
-    assert forward.rows <= 128 and backward.rows <= 128
+    assert (forward.rows, backward.rows) == (128, backward_rows)
+    assert backward.bytes <= forward.bytes
     with LargestVocabularyTensor() as logits_path:  # the instrument sees the logits path's [N, V] tensors
         through_the_logits(hidden_BTH, weight_VH, tokens_BT, 1.0)
     assert logits_path.rows == NUM_SEQS * NUM_TOKENS
-
-
-def test_the_bf16_backward_of_the_logprobs_alone_takes_twice_the_rows_in_the_same_bytes(monkeypatch):
-    """Its chunks hold the logits and their softmax in bf16 where the forward's hold float32: twice the
-    rows a chunk, so half the float32 accumulations of the weight's gradient."""
-    set_chunk_rows(monkeypatch, 128)
-    hidden_BTH, weight_VH, tokens_BT, g_logp_BT, _ = make_inputs(torch.bfloat16)
-    hidden_BTH.requires_grad_(True)
-    with LargestVocabularyTensor() as forward:
-        logp_BT, _ = lm_head_logprobs(hidden_BTH, weight_VH.requires_grad_(True), tokens_BT)
-    with LargestVocabularyTensor() as backward:
-        (logp_BT * g_logp_BT).sum().backward()
-    assert (forward.rows, backward.rows) == (128, 256)
-    assert backward.bytes <= forward.bytes
 
 
 @pytest.mark.parametrize(
@@ -160,19 +153,6 @@ def test_the_bf16_backward_of_the_logprobs_alone_takes_twice_the_rows_in_the_sam
 def test_refuses_bad_input(hidden, weight, tokens, temperature, message):
     with pytest.raises(ValueError, match=message):
         lm_head_logprobs(hidden, weight, tokens, temperature=temperature)
-
-
-class ValuesReadBack(TorchDispatchMode):
-    """How many ops read a tensor's value back to the host (`.item()`, `bool(tensor)`): on a GPU, each is a
-    device synchronisation."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.reads += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
 
 
 def test_ids_checked_by_the_caller_are_not_read_back_but_shapes_are_still_checked():
