@@ -196,7 +196,7 @@ def shard_one_rank(model: torch.nn.Module, strategy, device: torch.device) -> No
     without this, --actor.compute_dtype and --fsdp.offload would do nothing on one device. The
     "all-gather" of one rank is a local copy that casts a unit's weights to the compute dtype; each
     unit's gradient is cast back to float32 after its backward. FSDP2 would cast a unit's weights
-    again for its backward, and again at each micro-batch (on one H100, 0.14 s of a 2.6 s step of four
+    again for its backward, and again at each micro-batch (on one H100, 0.05 s of a 2.6 s step of four
     16k-token micro-batches of a 1.7B model). Here a unit keeps its copy until the pass over a batch
     ends (`reshard_all`, called by `molt._rank.ModelRank`): the weights are cast once a pass, for a copy
     of the whole model in the compute dtype held through it (`holds_cast_weights`, which the token
