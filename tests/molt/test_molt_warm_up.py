@@ -8,6 +8,7 @@ per-row attention), which is enough to see what the warm-up leaves; what it save
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -149,7 +150,7 @@ def test_the_warm_up_stops_once_the_engines_are_up(tiny_model_dir, capfd):
         )
         assert compiled_graphs() == before and worker.startup_seconds()["warm_up"] < 0.05
         said = capfd.readouterr().out
-        assert "stopped, the engines are up (packed, one length: compiled in the first step" in said
+        assert "stopped, the engines are up (packed, one length: built while the first groups come)" in said
         ray.cancel(loading, force=True)
     finally:
         torch.distributed.destroy_process_group()
@@ -183,6 +184,52 @@ def test_the_warm_up_stops_before_the_next_pass_not_the_next_layout(tiny_model_d
         "compile warm-up: packed " in said
         and "graphs (1 of 4 passes); stopped, the engines are up (packed, one length" in said
     )
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("default")
+def test_the_warm_up_the_engines_stopped_goes_on_while_the_first_groups_come(
+    tiny_model_dir, capfd, monkeypatch
+):
+    """The passes the engines' start-up left run while the trainer waits for its first groups
+    (`molt.loop.warm_up_while`), one at a time: past the groups' arrival only the pass under way, and all
+    of them while the groups are late. A later step then meets its layouts built, and counts none of it."""
+    from molt import _actor
+    from molt._rank import compiled_graphs
+    from molt.loop import warm_up_while
+
+    monkeypatch.setattr(_actor, "engines_up", lambda refs: True)  # up before the warm-up began
+    actor = Actor(lr=1e-2, micro_batch_tokens=256, compile="on", shared_prefix="off")
+    config = msgspec.structs.replace(Config(), actor=actor)
+    try:
+        worker = _actor.PolicyWorker(
+            0, 1, "127.0.0.1", free_port(), str(tiny_model_dir), config, engines_loading=[]
+        )
+        before, passes = compiled_graphs(), len(worker.warm_up_left)
+        assert passes == 8  # packed rows and rows of one length, two sizes each, logprobs and train step
+        # groups there at once: the pass begun before they were seen ends, and no other runs
+        assert asyncio.run(warm_up_while(asyncio.sleep(0, result="groups"), worker)) == "groups"
+        assert len(worker.warm_up_left) == passes - 1
+
+        async def late_groups() -> str:  # they come once the warm-up has nothing left
+            while worker.warm_up_left:
+                await asyncio.sleep(0.01)
+            return "groups"
+
+        assert asyncio.run(warm_up_while(late_groups(), worker)) == "groups"
+        built = compiled_graphs() - before
+        counts = worker.take_pass_counts()
+        after_warm_up = compiled_graphs()  # rows of one length, a size no pass ran: a [B, T] batch
+        worker.logprobs(collate([([1, *range(3, 9)], [0] + [1] * 6, [0.0] * 7, 0.0)] * 4, pad_id=0))
+        later = compiled_graphs() - after_warm_up
+    finally:
+        torch.distributed.destroy_process_group()
+        torch._dynamo.reset()
+    assert built > 0 and later == 0  # built while waiting, not in the step
+    assert counts["tokens"] == counts["slots"] == counts["compiles"] == 0  # and no step's work
+    said = capfd.readouterr().out
+    assert "compile warm-up: stopped, the engines are up (packed, one length: built while" in said
+    assert "compile warm-up, while the first groups come: one length " in said and "(0 passes left)" in said
 
 
 def warm_up_rank(rank: int, world_size: int, port: int, model_dir: str, out: dict) -> None:

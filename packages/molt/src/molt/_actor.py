@@ -81,6 +81,7 @@ class PolicyWorker(ModelRank):
         """The policy's own: its engines' transfer handles, routing replay and the compile warm-up."""
         self.engines: dict = {}  # url -> refit.Engine, built on first use and kept (its transfer group)
         self.replay = None
+        self.warm_up_left: list[tuple[str, Callable[[], object]]] = []  # `_warm_up`'s passes not yet run
         # --train.routing_replay: a trainable policy's tokens go to the engine's experts
         if self.optimizer is not None and self.config.train.routing_replay:
             self.replay = refit.RoutingReplay(self.model)
@@ -99,38 +100,53 @@ class PolicyWorker(ModelRank):
         later sizes. Its gradients are dropped and nothing steps: the weights and the optimizer are as
         loaded.
 
-        The warm-up only fills the engines' loading time (`self.engines_loading`, their refs; None: a
-        rank on its own warms every layout): once they are up it stops, before the next pass, and what
-        it did not build compiles in the first step that meets it (a run uses few layouts: one of 135M's
-        on one H100 met only trees; stopping between layouts instead, one run started a layout 2 s
-        before its engine was up and began its first step 10 s later)."""
+        At start-up the warm-up only fills the engines' loading time (`self.engines_loading`, their refs;
+        None: a rank on its own warms every layout): once they are up it stops, before the next pass
+        (stopping between layouts instead, one run on one H100 started a layout 2 s before its engine
+        was up and began its first step 10 s later). The passes it did not run are kept
+        (`warm_up_left`): the trainer runs them one by one while it waits for its first groups
+        (`warm_up_more`), and what is still left then compiles in the first step that meets it."""
         vocab_size = self.model.get_input_embeddings().weight.shape[0]  # a vision-language model's LLM's too
         layouts = _warm_up_batches(vocab_size, self.budget, trees=self.shared_prefix)
-        took: list[str] = []  # into the rank's log: what each layout's graphs cost
-        left: list[str] = []  # the layouts it stopped before finishing
-        stopped = False
-        for layout, batches in layouts.items():
-            passes = self._warm_up_passes(batches)
-            started, graphs, ran = time.perf_counter(), compiled_graphs(), 0
-            for warm_up_pass in passes:
-                stopped = stopped or self._engines_up()
-                if stopped:
-                    break
-                warm_up_pass()
-                ran += 1
-            if ran < len(passes):
-                left.append(layout)
-            if ran:
-                seconds, built = time.perf_counter() - started, compiled_graphs() - graphs
-                part = "" if ran == len(passes) else f" ({ran} of {len(passes)} passes)"
-                took.append(f"{layout} {seconds:.1f} s, {built} graphs{part}")
+        # (layout, pass) in the order they run
+        self.warm_up_left = [
+            (name, p) for name, batches in layouts.items() for p in self._warm_up_passes(batches)
+        ]
+        ran: dict[str, list[tuple[float, int]]] = {}  # by layout: each pass's seconds and graphs
+        while self.warm_up_left and not self._engines_up():
+            layout, seconds, graphs = self._next_warm_up_pass()
+            ran.setdefault(layout, []).append((seconds, graphs))
+        left = [layout for layout, _ in self.warm_up_left]
+        parts = []  # into the rank's log: what each layout's graphs cost
+        for layout, passes in ran.items():
+            part = f"{layout} {sum(s for s, _ in passes):.1f} s, {sum(g for _, g in passes)} graphs"
+            if layout in left:
+                part += f" ({len(passes)} of {len(passes) + left.count(layout)} passes)"
+            parts.append(part)
         if left:
-            layouts_left = ", ".join(left)
-            took.append(
-                f"stopped, the engines are up ({layouts_left}: compiled in the first step that meets it)"
-            )
-        print(f"compile warm-up: {'; '.join(took)}", flush=True)
+            layouts_left = ", ".join(dict.fromkeys(left))
+            parts.append(f"stopped, the engines are up ({layouts_left}: built while the first groups come)")
+        print(f"compile warm-up: {'; '.join(parts)}", flush=True)
         self.take_pass_counts()  # dropped: the steps' counts and `actor/compiles` start at the first step
+
+    def warm_up_more(self) -> int:
+        """One more pass of the compile warm-up that the engines stopped (`_warm_up`), run while the
+        trainer waits for its first groups (`molt.loop.warm_up_while`); its graphs and passes are no
+        step's. Returns the passes still left (0: the warm-up is done, or none was needed)."""
+        if self.warm_up_left:
+            layout, seconds, graphs = self._next_warm_up_pass()
+            left = len(self.warm_up_left)
+            said = f"{layout} {seconds:.1f} s, {graphs} graphs ({left} passes left)"
+            print(f"compile warm-up, while the first groups come: {said}", flush=True)
+            self.take_pass_counts()
+        return len(self.warm_up_left)
+
+    def _next_warm_up_pass(self) -> tuple[str, float, int]:
+        """Run the warm-up's next pass: its layout, seconds and the graphs it built."""
+        layout, warm_up_pass = self.warm_up_left.pop(0)
+        started, graphs = time.perf_counter(), compiled_graphs()
+        warm_up_pass()
+        return layout, time.perf_counter() - started, compiled_graphs() - graphs
 
     def _warm_up_passes(self, batches: list[TrainBatch]) -> list[Callable[[], object]]:
         """The passes a step runs over each of `batches` in turn: the logprobs' and, trainable, the train

@@ -62,7 +62,7 @@ class PolicyGroup:
     `wait=False` returns once the ranks are placed; `ready_refs` are then ready once they have loaded.
     `log_prefix`: rank r writes its output into `{log_prefix}-{r}.log` (empty: Ray's worker logs).
     `engines_loading`: the run's engines' refs, ready once each answers; the ranks' compile warm-up stops
-    once they are (`PolicyWorker._warm_up`).
+    once they are (`PolicyWorker._warm_up`), and goes on while the first groups come (`warm_up_more`).
     """
 
     worker_class: type = PolicyWorker
@@ -166,6 +166,11 @@ class PolicyGroup:
         """Each start-up part of the ranks (`ModelRank.startup_seconds`), the slowest rank's."""
         ranks = self._each("startup_seconds")
         return {part: max(rank[part] for rank in ranks) for part in ranks[0]}
+
+    def warm_up_more(self) -> int:
+        """One more pass of the ranks' compile warm-up, every rank the same one (FSDP2's collectives run
+        in lock-step); the passes left (`PolicyWorker.warm_up_more`)."""
+        return self._each("warm_up_more")[0]
 
     def pass_metrics(self) -> dict[str, float]:
         """`actor/padding_frac` (token slots that held padding), `actor/shared_prefix_frac` (the rows'

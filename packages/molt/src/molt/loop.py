@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -76,7 +77,10 @@ async def run_steps(config: Config, run: Run) -> None:
     no_update_since = None  # the first of the steps in a row whose updates were all skipped
     for step in range(run.first_step, last + 1):
         started = time.monotonic()
-        groups = await take(pool, config.rollout.prompts_per_step, run.tito, run.restarts, run.filters)
+        taking = take(pool, config.rollout.prompts_per_step, run.tito, run.restarts, run.filters)
+        if step == run.first_step:  # the compile warm-up the engines stopped goes on meanwhile
+            taking = warm_up_while(taking, run.policy, run.reference, run.teacher)
+        groups = await taking
         generation_s = time.monotonic() - started
         startup = run.startup if step == run.first_step else None  # timing/startup_* with this step
         if startup is not None:
@@ -193,6 +197,22 @@ def check_updates(
             "(--model.dtype, --actor.compute_dtype); on a GPU, try --actor.compile off"
         )
     return first
+
+
+async def warm_up_while[T](waiting: Awaitable[T], *groups: PolicyGroup | None) -> T:
+    """`waiting`'s result; meanwhile each of `groups` (None: not in this run) runs the passes of its
+    compile warm-up that the engines' start-up left (`PolicyGroup.warm_up_more`), one at a time, until
+    they are done or `waiting` is: the graphs they build are not built in a step. A pass under way when
+    `waiting` ends runs to its end (seconds, where its graphs would have cost the step that met them)."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        for group in groups:
+            while group is not None and not task.done() and await asyncio.to_thread(group.warm_up_more) > 0:
+                pass
+    except BaseException:  # a pass failed: the run stops, and waits for nothing
+        task.cancel()
+        raise
+    return await task
 
 
 async def end_early(config: Config, run: Run) -> None:
