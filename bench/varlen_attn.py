@@ -1,5 +1,6 @@
 """Packed causal attention on one GPU: FlashAttention-2 varlen (torch's `varlen_attn`, what the packed actor
-runs on CUDA) against cuDNN's ragged kernels (the aten ops behind nested-tensor SDPA) and against dense SDPA
+runs on CUDA) against compiled FlexAttention with a block-diagonal causal mask (what the actor runs for
+shared-prefix trees), cuDNN's ragged kernels (the aten ops behind nested-tensor SDPA) and against dense SDPA
 row by row (cuDNN's kernel on Hopper), forward and forward + backward.
 
     python bench/varlen_attn.py [--batches agentic,16384] [--repeats 10] [--out FILE]
@@ -31,6 +32,7 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "packages" / "molt" / "src"))  # molt._flex: the actor's compiled FlexAttention
 
 H, K, D = 16, 8, 128
 
@@ -83,7 +85,34 @@ def sdpa_rows(q, k, v, cu, max_len, scale):
     return torch.cat(outs)
 
 
-KERNELS = {"flash": flash, "cudnn": cudnn, "sdpa-rows": sdpa_rows}
+_BLOCK_MASKS: dict[tuple[int, ...], object] = {}  # by row bounds: built once a batch, as the actor does
+
+
+def flex_block_mask(cu, num_tokens: int):
+    """FlexAttention's block mask over the packed row: causal within each row of `cu`, never across
+    (compiled `create_block_mask`, as `molt._flex` builds the trees' masks)."""
+    from molt._flex import create_block_mask
+
+    spans = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu.diff())
+
+    def mask_mod(b, h, q, k):
+        return (spans[q] == spans[k]) & (q >= k)
+
+    return create_block_mask(mask_mod, None, None, num_tokens, num_tokens, device=cu.device)
+
+
+def flex(q, k, v, cu, max_len, scale):
+    from molt._flex import flex_attention
+
+    key = tuple(cu.tolist())
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS[key] = flex_block_mask(cu, q.shape[0])
+    q_, k_, v_ = (t.transpose(0, 1)[None] for t in (q, k, v))
+    out = flex_attention(q_, k_, v_, block_mask=_BLOCK_MASKS[key], scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+KERNELS = {"flash": flash, "flex": flex, "cudnn": cudnn, "sdpa-rows": sdpa_rows}
 
 
 def inputs(lengths, dtype, seed=0):
@@ -176,6 +205,10 @@ def run_batch(name: str, repeats: int, report: dict) -> None:
         rows[kernel_name] = {"first_call_s": first, "forward_s": fwd, "forward_backward_s": fwd_bwd}
         rows[kernel_name]["forward_tflops"] = fwd_flops / fwd / 1e12
         rows[kernel_name]["forward_backward_tflops"] = 3.5 * fwd_flops / fwd_bwd / 1e12
+    if "flex" in rows:  # the actor builds it once a forward, for every layer: apart from the kernel
+        flex_block_mask(cu, sum(lengths))
+        rows["flex"]["block_mask_s"] = timed(lambda: flex_block_mask(cu, sum(lengths)), repeats)
+        print(f"flex's block mask: {rows['flex']['block_mask_s'] * 1e3:.2f} ms a batch", flush=True)
     base = rows.get("flash")
     print("| kernel | first call s | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | x flash |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
