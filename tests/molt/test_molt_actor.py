@@ -271,7 +271,8 @@ def test_one_global_batch_gives_the_same_update_on_one_or_two_ranks(groups):
     assert 0 < metrics_one["train/clip_frac"] < 1
     for name, mask_BT in [("mismatch", batch.loss_mask_BT - lagged_BT), ("staleness", lagged_BT)]:
         _, _, mismatch = rollout_correction(old_logp_BT, batch.rollout_logp_BT, mask_BT)  # over those tokens
-        assert metrics_one[f"train/{name}_kl"] == pytest.approx(mismatch["mismatch_kl"], rel=1e-5), name
+        expected = float(mismatch["mismatch_kl"])
+        assert metrics_one[f"train/{name}_kl"] == pytest.approx(expected, rel=1e-5), name
     assert metrics_one["train/lag0_frac"] == pytest.approx(1 - (lagged_BT.sum() / batch.num_tokens).item())
     assert metrics_one["train/seq_masked_frac"] == 0.0  # tis keeps every sequence
     assert metrics_one["train/grad_norm"] > 1.0  # so clipping to 1.0 acted, on the global norm

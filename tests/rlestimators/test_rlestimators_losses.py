@@ -13,6 +13,7 @@ from rlestimators import (
     kl,
     masked_sum,
     policy_loss,
+    rollout_correction,
     token_logprobs,
     value_loss,
 )
@@ -343,3 +344,32 @@ def test_masked_sum_ignores_non_finite_padding():
 def test_losses_refuse_bad_input(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("mode", ["tis", "mis", "seq-mask-tis", "none"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_losses_and_the_correction_read_no_value_back(kind, mode):
+    """On a GPU each value read back (a Python float, `.item()`, `.tolist()`) is a device synchronisation
+    in the middle of a micro-batch. Meta tensors hold no values, so any read raises: the loss, its
+    gradient and every metric are computed without one, and the metrics stay 0-dim tensors."""
+    gen = torch.Generator().manual_seed(0)
+    mask_BT = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [0, 0, 0, 0]], dtype=torch.float32).to("meta")
+    old_BT, rollout_BT, ref_BT, returns_BT = (-torch.rand(3, 4, generator=gen).to("meta") for _ in range(4))
+    logp_BT = (-torch.rand(3, 4, generator=gen)).to("meta").requires_grad_()
+    weights_BT, _, corr = rollout_correction(old_BT, rollout_BT, mask_BT, mode=mode)
+    loss, metrics = policy_loss(
+        logp_BT,
+        old_BT,
+        torch.ones(3).to("meta"),
+        mask_BT,
+        kind=kind,
+        **CLIP,
+        dual_clip=3.0 if kind in ("ppo", "gspo") else None,
+        weights=weights_BT,
+    )
+    loss = loss + masked_sum(kl(logp_BT, ref_BT, kind="k3"), mask_BT)
+    value_sum, value_metrics = value_loss(logp_BT, old_BT, returns_BT, mask_BT, clip=0.2)
+    (loss + value_sum).backward()
+    assert logp_BT.grad is not None and logp_BT.grad.shape == (3, 4)
+    for name, value in {**corr, **metrics, **value_metrics}.items():
+        assert isinstance(value, torch.Tensor) and value.shape == () and value.is_meta, name

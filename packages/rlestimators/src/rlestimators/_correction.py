@@ -29,9 +29,10 @@ def rollout_correction(
     token_cap: float = 2.0,
     token_bounds: tuple[float, float] = (0.5, 2.0),
     seq_bounds: tuple[float, float] = (0.99, 1.01),
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Per-token weights [B, T], per-sequence keep [B] (bool) and float metrics, with ratio =
-    exp(old_logp - rollout_logp) per trainable token (the trainer's policy over the engine's):
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token weights [B, T], per-sequence keep [B] (bool) and metrics (0-dim tensors, nothing read
+    back: `masked_means`), with ratio = exp(old_logp - rollout_logp) per trainable token (the trainer's
+    policy over the engine's):
 
     - `tis`: truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
       You Off-Policy RL Training"): weight = min(ratio, token_cap).
@@ -88,5 +89,5 @@ def rollout_correction(
         token_masked_frac=weights_BT == 0,
         token_capped_frac=capped_BT,
     )
-    metrics["seq_masked_frac"] = 1.0 - keep_B.float().mean().item()
+    metrics["seq_masked_frac"] = 1.0 - keep_B.float().mean()
     return weights_BT, keep_B, metrics

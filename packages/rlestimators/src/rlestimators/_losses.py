@@ -33,14 +33,16 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask != 0, values, 0.0).sum()
 
 
-def masked_means(trainable_BT: torch.Tensor, **values_BT: torch.Tensor) -> dict[str, float]:
-    """Means over trainable tokens as Python floats, with one device synchronisation for all of them.
+def masked_means(trainable_BT: torch.Tensor, **values_BT: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Means over trainable tokens, each a detached 0-dim float32 tensor on the inputs' device.
 
-    A call with no trainable token reports 0.0 rather than NaN.
+    Nothing is read back: on a GPU a Python float is a device synchronisation, and a loss that made one per
+    micro-batch would leave the GPU idle while the host queues the backward. `float()` a metric where it
+    is logged. A call with no trainable token reports 0.0 rather than NaN.
     """
     num_trainable = trainable_BT.sum().clamp(min=1)
     sums = [torch.where(trainable_BT, v.detach().float(), 0.0).sum() for v in values_BT.values()]
-    return dict(zip(values_BT, (torch.stack(sums) / num_trainable).tolist(), strict=True))
+    return dict(zip(values_BT, (torch.stack(sums) / num_trainable).unbind(), strict=True))
 
 
 def seq_ratios(log_ratio_BT: torch.Tensor, trainable_BT: torch.Tensor) -> torch.Tensor:
@@ -91,8 +93,8 @@ def policy_loss(
     clip_high: float,
     dual_clip: float | None = None,
     weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy-gradient loss summed over trainable tokens, and float metrics over those tokens.
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy-gradient loss summed over trainable tokens, and metrics over those tokens (`masked_means`).
 
     `logp`, `old_logp`, `mask`: [B, T]; `advantages`: [B] (one per sequence, broadcast over its tokens) or
     [B, T]; `weights` (optional, [B, T]): the rollout-correction weights of `rollout_correction`, which
@@ -204,7 +206,7 @@ def kl(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLKind) -> torch.Tensor
 
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, *, clip: float
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of PPO implementations (OpenAI baselines' ppo2; Engstrom et al. 2020,
     "Implementation Matters in Deep RL", §3): per token 0.5 * max((V - R)^2, (V_clip - R)^2) with
     V_clip = V_old + clamp(V - V_old, -clip, clip). Pass `clip=float("inf")` for the plain squared error.
