@@ -445,6 +445,12 @@ class _Group:
         self.rollouts, self.scale = rollouts, scale
         self.steps: list[tuple] = []
         self.refits: list[bool] = []  # whether the pool held new groups back during each refit
+        self.warm_ups: list[int] = []  # the optimizer steps taken before each compile warm-up pass
+
+    def warm_up_more(self) -> int:
+        """One pass of a compile warm-up two passes long; the passes left."""
+        self.warm_ups.append(len(self.steps))
+        return max(0, 2 - len(self.warm_ups))
 
     def logprobs(self, batch, *, trained_only=False):
         return batch.rollout_logp_BT * self.scale
@@ -509,4 +515,11 @@ def loop_run(
     timed = lambda name: name.startswith("timing/") or name.endswith("_s")  # noqa: E731
     metrics = [{k: v for k, v in json.loads(line).items() if not timed(k)} for line in lines]
     steps = {name: group.steps for name, group in {"policy": policy, **extra}.items()}
-    return {"steps": steps, "refits": policy.refits, "metrics": metrics, "files": files(where)}
+    warm_ups = {name: group.warm_ups for name, group in {"policy": policy, **extra}.items()}
+    return {
+        "steps": steps,
+        "refits": policy.refits,
+        "warm_ups": warm_ups,
+        "metrics": metrics,
+        "files": files(where),
+    }

@@ -427,6 +427,20 @@ def test_max_lag_0_trains_no_group_of_an_older_version_from_the_first_step_on(tm
     assert [step["pool/kept_stale"] for step in result["metrics"]] == [0.0, 0.0, 0.0]
 
 
+def test_the_first_steps_wait_runs_the_warm_up_the_engines_left_and_no_later_one_does(tmp_path, monkeypatch):
+    """While the first groups come, the policy, then the frozen policy groups, run the compile warm-up
+    passes the engines' start-up left (`loop.warm_up_while`, until done or the groups are there): before
+    the first optimizer step, and never after. The stand-in groups come at once: the policy's first pass,
+    begun before they were seen, is sure to run; what runs after it depends on when they came."""
+    monkeypatch.chdir(tmp_path)
+    flags = ["--train.num_steps", "3", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
+             "--algo.kl.coef", "0.01"]  # fmt: skip
+    warm_ups = probes.loop_run(resolve(flags), tmp_path)["warm_ups"]
+    assert len(warm_ups["policy"]) >= 1
+    for name, before_step in warm_ups.items():  # the policy's and the reference's
+        assert len(before_step) <= 2 and set(before_step) <= {0}, name
+
+
 def test_a_checkpoint_written_before_rows_were_counted_consumed_still_resumes(tmp_path):
     """loop.json keeps the key older checkpoints wrote (`trained_rows`), so a run they saved resumes."""
     from molt._checkpoint import latest
