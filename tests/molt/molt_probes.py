@@ -474,13 +474,19 @@ class _Group:
 
 
 def loop_run(
-    config: Config, where: Path, rollouts: _Rollouts | None = None, skip: list[int] | None = None
+    config: Config,
+    where: Path,
+    rollouts: _Rollouts | None = None,
+    skip: list[int] | None = None,
+    *,
+    warm_ups: bool = False,
 ) -> dict:
     """`run_steps`, the loop itself, over a real pool of stand-in rollouts (`rollouts`, default
     `_Rollouts`), real rows (less those in `skip`, as a resumed run's) and a real metrics log, with
     recording actor groups: what each optimizer step was given, whether refits held the pool, the logged
-    metrics (timings and waits left out) and the files written. A run that hangs raises TimeoutError
-    after a minute."""
+    metrics (timings and waits left out) and the files written; with `warm_ups`, the optimizer steps
+    each group had taken at each compile warm-up pass. A run that hangs raises TimeoutError after a
+    minute."""
     from molt.loop import Run, run_steps
 
     config = with_run_dir(config, now=NOW)
@@ -515,11 +521,7 @@ def loop_run(
     timed = lambda name: name.startswith("timing/") or name.endswith("_s")  # noqa: E731
     metrics = [{k: v for k, v in json.loads(line).items() if not timed(k)} for line in lines]
     steps = {name: group.steps for name, group in {"policy": policy, **extra}.items()}
-    warm_ups = {name: group.warm_ups for name, group in {"policy": policy, **extra}.items()}
-    return {
-        "steps": steps,
-        "refits": policy.refits,
-        "warm_ups": warm_ups,
-        "metrics": metrics,
-        "files": files(where),
-    }
+    result = {"steps": steps, "refits": policy.refits, "metrics": metrics, "files": files(where)}
+    if warm_ups:  # how many passes ran depends on when the first groups came: not the run's own doing
+        result["warm_ups"] = {name: group.warm_ups for name, group in {"policy": policy, **extra}.items()}
+    return result

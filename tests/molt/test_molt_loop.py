@@ -435,7 +435,7 @@ def test_the_first_steps_wait_runs_the_warm_up_the_engines_left_and_no_later_one
     monkeypatch.chdir(tmp_path)
     flags = ["--train.num_steps", "3", "--rollout.prompts_per_step", "2", "--rollout.group_size", "2",
              "--algo.kl.coef", "0.01"]  # fmt: skip
-    warm_ups = probes.loop_run(resolve(flags), tmp_path)["warm_ups"]
+    warm_ups = probes.loop_run(resolve(flags), tmp_path, warm_ups=True)["warm_ups"]
     assert len(warm_ups["policy"]) >= 1
     for name, before_step in warm_ups.items():  # the policy's and the reference's
         assert len(before_step) <= 2 and set(before_step) <= {0}, name
