@@ -1,7 +1,8 @@
 """Packed causal attention on one GPU: FlashAttention-2 varlen (torch's `varlen_attn`, what the packed actor
-runs on CUDA) against compiled FlexAttention with a block-diagonal causal mask (what the actor runs for
-shared-prefix trees), cuDNN's ragged kernels (the aten ops behind nested-tensor SDPA) and against dense SDPA
-row by row (cuDNN's kernel on Hopper), forward and forward + backward.
+runs on CUDA), FlashAttention-4 (`fa4`: the flash-attn-4 package's kernels, where it is installed), compiled
+FlexAttention with a block-diagonal causal mask (what the actor runs for shared-prefix trees), cuDNN's
+ragged kernels (the aten ops behind nested-tensor SDPA) and dense SDPA row by row (cuDNN's kernel on
+Hopper), forward and forward + backward.
 
     python bench/varlen_attn.py [--batches agentic,16384] [--repeats 10] [--out FILE]
 
@@ -112,7 +113,20 @@ def flex(q, k, v, cu, max_len, scale):
     return out[0].transpose(0, 1)
 
 
-KERNELS = {"flash": flash, "flex": flex, "cudnn": cudnn, "sdpa-rows": sdpa_rows}
+def fa4(q, k, v, cu, max_len, scale):
+    """FlashAttention-4 (the flash-attn-4 package's CuTe kernels, Hopper's among them) on the same rows.
+    torch 2.11 can route its flash entry points to it (`activate_flash_attention_impl("FA4")`), but its
+    `varlen_attn` passes causal as a window, which that route's backward refuses: called directly."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len,
+        softmax_scale=scale, causal=True,
+    )  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out
+
+
+KERNELS = {"flash": flash, "fa4": fa4, "flex": flex, "cudnn": cudnn, "sdpa-rows": sdpa_rows}
 
 
 def inputs(lengths, dtype, seed=0):
